@@ -1,0 +1,179 @@
+"""The job state machine: queued -> dispatched -> running -> succeeded | failed | cancelled | expired.
+
+Every transition is exactly one conditional UPDATE (compare-and-set on state and, where a worker is
+involved, attempt). A duplicate Celery delivery, a late worker or a double cancel therefore matches
+no row and changes nothing. Each function below builds one statement; callers execute it on a
+sync session (workers, dispatcher) or an async one (API) and commit.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Update, func, select, update
+
+from core.models import TERMINAL_STATES, Job, JobState
+
+ACTIVE_STATES = (JobState.queued, JobState.dispatched, JobState.running)
+
+
+def new_job_id() -> str:
+    return "cmpl-" + secrets.token_hex(12)
+
+
+def new_job(
+    *, tenant_id: int, model: str, params: dict[str, Any], prompts: list[Any], stream: bool,
+    user: str | None = None, priority: int = 0,
+) -> Job:
+    return Job(
+        id=new_job_id(), tenant_id=tenant_id, model=model, params=params, prompts=prompts,
+        stream=stream, user=user, priority=priority, state=JobState.queued.value, attempt=1,
+    )
+
+
+def _transition(
+    job_id: str, from_states: Iterable[JobState], to: JobState, attempt: int | None = None, **values: Any
+) -> Update:
+    cond = [Job.id == job_id, Job.state.in_([s.value for s in from_states])]
+    if attempt is not None:
+        cond.append(Job.attempt == attempt)
+    return update(Job).where(*cond).values(state=to.value, **values).returning(Job)
+
+
+def mark_dispatched(job_id: str, attempt: int) -> Update:
+    """queued -> dispatched, just before its message is sent."""
+    return _transition(job_id, [JobState.queued], JobState.dispatched, attempt, dispatched_at=func.now())
+
+
+def undispatch(job_id: str, attempt: int) -> Update:
+    """dispatched -> queued, when sending its message failed; the dispatcher will try again."""
+    return _transition(job_id, [JobState.dispatched], JobState.queued, attempt, dispatched_at=None)
+
+
+def claim(job_id: str, attempt: int, worker: str, lease_s: float) -> Update:
+    """dispatched -> running, by the worker that got attempt `attempt`'s message. One winner."""
+    return _transition(
+        job_id, [JobState.dispatched], JobState.running, attempt,
+        worker=worker, started_at=func.now(), lease_until=func.now() + timedelta(seconds=lease_s),
+    )
+
+
+def renew_lease(job_id: str, attempt: int, lease_s: float) -> Update:
+    """Extend a running job's lease. No row back: it was cancelled, or another attempt owns it."""
+    return (
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.running.value, Job.attempt == attempt)
+        .values(lease_until=func.now() + timedelta(seconds=lease_s))
+        .returning(Job.id)
+    )
+
+
+def succeed(job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, Any]) -> Update:
+    return _transition(
+        job_id, [JobState.running], JobState.succeeded, attempt,
+        result=result, usage=usage, finished_at=func.now(), lease_until=None,
+    )
+
+
+def fail(job_id: str, attempt: int, error: dict[str, Any]) -> Update:
+    return _transition(
+        job_id, [JobState.running], JobState.failed, attempt,
+        error=error, finished_at=func.now(), lease_until=None,
+    )
+
+
+def cancel(job_id: str, tenant_id: int) -> Update:
+    """Any live state -> cancelled. Only the owner can; a second cancel matches nothing."""
+    stmt = _transition(
+        job_id, ACTIVE_STATES, JobState.cancelled,
+        finished_at=func.now(), lease_until=None,
+        error={"message": "The job was cancelled.", "type": "cancelled", "code": "cancelled"},
+    )
+    return stmt.where(Job.tenant_id == tenant_id)
+
+
+def take_queued(limit: int) -> Update:
+    """The dispatcher's pick: oldest queued jobs (priority first) -> dispatched, skipping rows that
+    another dispatcher holds, so running two dispatchers is safe."""
+    picked = (
+        select(Job.id)
+        .where(Job.state == JobState.queued.value)
+        .order_by(Job.priority.desc(), Job.created_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        update(Job)
+        .where(Job.id.in_(picked), Job.state == JobState.queued.value)
+        .values(state=JobState.dispatched.value, dispatched_at=func.now())
+        .returning(Job.id, Job.attempt, Job.model)
+    )
+
+
+def touch_stale_dispatched(timeout_s: float, limit: int) -> Update:
+    """Jobs `dispatched` but never claimed: their message was lost. Restamp them for a re-send; the
+    claim's compare-and-set makes a re-send of a message that was merely slow harmless."""
+    stale = (
+        select(Job.id)
+        .where(
+            Job.state == JobState.dispatched.value,
+            Job.dispatched_at < func.now() - timedelta(seconds=timeout_s),
+        )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        update(Job)
+        .where(Job.id.in_(stale), Job.state == JobState.dispatched.value)
+        .values(dispatched_at=func.now())
+        .returning(Job.id, Job.attempt, Job.model)
+    )
+
+
+def requeue_lapsed(max_attempts: int) -> Update:
+    """running jobs whose worker stopped renewing -> queued with the next attempt number."""
+    return (
+        update(Job)
+        .where(
+            Job.state == JobState.running.value,
+            Job.lease_until < func.now(),
+            Job.attempt < max_attempts,
+        )
+        .values(state=JobState.queued.value, attempt=Job.attempt + 1, lease_until=None, dispatched_at=None)
+        .returning(Job.id, Job.attempt)
+    )
+
+
+def fail_lapsed(max_attempts: int) -> Update:
+    """running jobs whose last allowed attempt lost its worker -> failed, with a clear error."""
+    return (
+        update(Job)
+        .where(
+            Job.state == JobState.running.value,
+            Job.lease_until < func.now(),
+            Job.attempt >= max_attempts,
+        )
+        .values(
+            state=JobState.failed.value, finished_at=func.now(), lease_until=None,
+            error={
+                "message": f"The worker running this job was lost {max_attempts} times; giving up.",
+                "type": "server_error", "code": "worker_lost",
+            },
+        )
+        .returning(Job.id, Job.attempt)
+    )
+
+
+def get_for_tenant(job_id: str, tenant_id: int):
+    """The job, if it belongs to `tenant_id` (another tenant's job is simply not found)."""
+    return select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
+
+
+def is_terminal(state: str) -> bool:
+    return JobState(state) in TERMINAL_STATES
+

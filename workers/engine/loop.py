@@ -1,0 +1,83 @@
+"""One engine loop per worker process: a thread that owns the engine and steps every live sequence.
+
+Celery task threads `submit` sequences and get their TokenEvents through a callback (usually a
+queue.SimpleQueue.put); `cancel` removes them. Commands cross into the loop through one inbox, so
+the engine itself needs no locking.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Hashable
+
+from workers.engine.base import Engine, SeqSpec, TokenEvent
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[TokenEvent], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, object, Sink | None]] = queue.SimpleQueue()
+        self._sinks: dict[Hashable, Sink] = {}
+        self.max_live = 0  # most sequences live at once: concurrency evidence for tests and metrics
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, specs: list[SeqSpec], sink: Sink) -> None:
+        for spec in specs:
+            self._inbox.put(("add", spec, sink))
+
+    def cancel(self, keys: list[Hashable]) -> None:
+        for key in keys:
+            self._inbox.put(("cancel", key, None))
+
+    def _apply(self, cmd: str, arg: object, sink: Sink | None) -> None:
+        if cmd == "add":
+            assert isinstance(arg, SeqSpec) and sink is not None
+            self._sinks[arg.key] = sink
+            try:
+                self.engine.add(arg)
+            except Exception as exc:  # a bad sequence must not take the loop down
+                log.exception("engine refused sequence %s", arg.key)
+                self._sinks.pop(arg.key, None)
+                sink(TokenEvent(arg.key, None, None, f"error:{exc}"))
+        elif cmd == "cancel":
+            if self._sinks.pop(arg, None) is not None:
+                self.engine.cancel(arg)
+
+    def _run(self) -> None:
+        while True:
+            # Block only when idle; otherwise take whatever arrived and keep stepping.
+            if not self.engine.has_work():
+                self._apply(*self._inbox.get())
+            while True:
+                try:
+                    self._apply(*self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if not self.engine.has_work():
+                continue
+            self.max_live = max(self.max_live, len(self._sinks))
+            try:
+                events = self.engine.step()
+            except Exception:
+                log.exception("engine step failed; failing its live sequences")
+                for key, sink in list(self._sinks.items()):
+                    self.engine.cancel(key)
+                    sink(TokenEvent(key, None, None, "error:engine step failed"))
+                self._sinks.clear()
+                continue
+            self.steps += 1
+            for ev in events:
+                sink = self._sinks.get(ev.key)
+                if sink is None:
+                    continue
+                if ev.finish_reason is not None:
+                    del self._sinks[ev.key]
+                sink(ev)
