@@ -24,6 +24,11 @@ def stream_key(job_id: str) -> str:
     return f"job:{job_id}:events"
 
 
+def cancel_key(job_id: str) -> str:
+    """Set by the API on cancel; the worker running the job polls it (~0.5 s) and drops it."""
+    return f"job:{job_id}:cancel"
+
+
 def encode(event: dict[str, Any]) -> dict[str, str]:
     event.setdefault("t", time.time())
     return {FIELD: json.dumps(event, separators=(",", ":"))}

@@ -35,11 +35,7 @@ class JobError(Exception):
         self.error = {"message": message, "type": type_, "param": param, "code": code}
 
 
-def cancel_key(job_id: str) -> str:
-    return f"job:{job_id}:cancel"
-
-
-@dataclass
+@dataclass(eq=False)  # identity-hashed: used as a dict key while coalescing
 class _Choice:
     text: ChoiceText
     key: tuple[str, int, int]
@@ -141,7 +137,7 @@ class JobRunner:
                 now = time.monotonic()
                 if now >= next_control:
                     next_control = now + 0.5
-                    if self.redis.exists(cancel_key(job.id)):
+                    if self.redis.exists(events.cancel_key(job.id)):
                         log.info("job %s cancelled; dropping its sequences", job.id)
                         return "cancelled"
                 if now >= next_renew:

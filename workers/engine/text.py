@@ -39,9 +39,17 @@ class ChoiceText:
             self.text += self._decoder.decode(b"", final=True)
             self.finish_reason = reason
 
+    def _held(self) -> int:
+        """Length of the longest tail of the unsent text that could begin a stop string."""
+        for k in range(min(self._hold, len(self.text) - self.emitted), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
     def take(self) -> str:
-        """The text that is now safe to send: everything when finished, else all but the hold-back."""
-        end = len(self.text) if self.finish_reason else max(self.emitted, len(self.text) - self._hold)
+        """The text that is now safe to send: all of it, less a tail that may begin a stop string."""
+        end = len(self.text) if self.finish_reason else len(self.text) - self._held()
         piece = self.text[self.emitted : end]
         self.emitted = end
         return piece

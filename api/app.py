@@ -1,0 +1,51 @@
+"""The FastAPI application: routes, error shapes, body limit, health."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from sqlalchemy import text
+
+from api import errors
+from api.routes import completions, jobs, models
+from core.db import async_engine
+from core.settings import get_settings
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    app.state.redis = aioredis.Redis.from_url(get_settings().redis_url, decode_responses=True)
+    yield
+    await app.state.redis.aclose()
+    await async_engine().dispose()
+
+
+def create_app() -> FastAPI:
+    settings = get_settings()
+    app = FastAPI(title="Spool", version="0.1.0", lifespan=lifespan,
+                  description="Queue-backed, OpenAI-compatible completions.")
+    errors.install(app)
+
+    @app.middleware("http")
+    async def body_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > settings.max_body_bytes:
+            return errors.error_response(errors.APIError(
+                413, f"Request body too large: {length} bytes (limit {settings.max_body_bytes}).",
+                code="request_too_large"))
+        return await call_next(request)
+
+    app.include_router(completions.router)
+    app.include_router(jobs.router)
+    app.include_router(models.router)
+
+    @app.get("/health", include_in_schema=False)
+    async def health(request: Request) -> dict:
+        await request.app.state.redis.ping()
+        async with async_engine().connect() as conn:
+            await conn.execute(text("SELECT 1"))
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,34 @@
+"""Job reads and cancellation shared by the routes."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from core import events, jobs
+from core.db import async_sessions
+from core.models import Job
+from core.settings import get_settings
+
+
+def terminal_row_check(job_id: str, tenant_id: int):
+    async def check() -> Job | None:
+        async with async_sessions()() as session:
+            row = (await session.execute(jobs.get_for_tenant(job_id, tenant_id))).scalar()
+        return row if row is not None and jobs.is_terminal(row.state) else None
+
+    return check
+
+
+async def cancel_job(session: AsyncSession, rds: aioredis.Redis, job_id: str, tenant_id: int) -> Job | None:
+    """Cancel if live; returns the job row either way (None if it is not this tenant's)."""
+    s = get_settings()
+    row = (await session.execute(jobs.cancel(job_id, tenant_id))).scalar()
+    await session.commit()
+    if row is not None:
+        pipe = rds.pipeline(transaction=False)
+        pipe.set(events.cancel_key(job_id), 1, ex=3600)
+        events.queue_append(pipe, job_id, [{"type": "cancelled"}], s.events_ttl_s, s.events_maxlen)
+        await pipe.execute()
+        return row
+    return (await session.execute(jobs.get_for_tenant(job_id, tenant_id))).scalar()

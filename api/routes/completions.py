@@ -1,0 +1,93 @@
+"""POST /v1/completions: validate, persist, enqueue, then stream, wait, or answer 202."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse
+
+from api.deps import RedisDep, SessionDep, SettingsDep, TenantDep
+from api.errors import APIError, error_body
+from api.jobs_access import cancel_job, terminal_row_check
+from api.schemas import CompletionRequest, completion_body, job_body
+from api.streaming import HEARTBEAT, ChunkWriter, follow, sse_comment
+from core import jobs
+from core.db import async_sessions
+from core.dispatch import submit
+from core.registry import served_models
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+# Job errors that are the client's fault keep their 4xx; the rest are the service's.
+_ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409}
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request, tenant: TenantDep, session: SessionDep,
+                            redis: RedisDep, settings: SettingsDep):
+    if body.model not in served_models(settings):
+        raise APIError(404, f"The model '{body.model}' does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options", code="invalid_value")
+    params = body.to_params(settings.default_max_tokens)
+    job = jobs.new_job(tenant_id=tenant.id, model=body.model, params=params.to_json(),
+                       prompts=body.prompts(), stream=bool(body.stream), user=body.user)
+    await submit(session, job)
+
+    if "respond-async" in request.headers.get("prefer", ""):
+        return JSONResponse(job_body(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_stream(request, job, include_usage, tenant.id, redis, settings))
+    return await _wait(job, tenant.id, redis, settings)
+
+
+async def _stream(request: Request, job, include_usage: bool, tenant_id: int, redis, settings):
+    writer = ChunkWriter(job, include_usage)
+    finished = False
+    try:
+        async for item in follow(redis, job.id, terminal_row_check(job.id, tenant_id)):
+            if item is HEARTBEAT:
+                yield sse_comment("keep-alive")
+                continue
+            entry_id, ev = item
+            for chunk in writer.render(entry_id, ev):
+                yield chunk
+        finished = True
+    finally:
+        if not finished and settings.cancel_on_disconnect:
+            # The client went away mid-stream: stop spending the engine on it. Shielded, because
+            # this generator is being cancelled.
+            await asyncio.shield(_cancel_quietly(job.id, tenant_id, redis))
+
+
+async def _cancel_quietly(job_id: str, tenant_id: int, redis) -> None:
+    try:
+        async with async_sessions()() as session:
+            await cancel_job(session, redis, job_id, tenant_id)
+    except Exception:
+        log.warning("cancel after disconnect failed for %s", job_id, exc_info=True)
+
+
+async def _wait(job, tenant_id: int, redis, settings) -> JSONResponse:
+    check = terminal_row_check(job.id, tenant_id)
+    try:
+        async with asyncio.timeout(settings.wait_timeout_s):
+            async for item in follow(redis, job.id, check):
+                if item is not HEARTBEAT and item[1].get("type") in ("done", "error", "cancelled"):
+                    break
+    except TimeoutError:
+        return JSONResponse(job_body(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+    async with async_sessions()() as session:
+        row = (await session.execute(jobs.get_for_tenant(job.id, tenant_id))).scalar_one()
+    if row.state == "succeeded":
+        return JSONResponse(completion_body(row))
+    err = {"param": None, "code": None, **(row.error or {"message": f"Job {row.state}.", "type": "server_error"})}
+    status = _ERROR_STATUS.get(err.get("type", ""), 503)
+    return JSONResponse(error_body(err["message"], err["type"], err["param"], err["code"]), status_code=status)

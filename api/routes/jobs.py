@@ -1,0 +1,66 @@
+"""Jobs: poll, stream (replayable SSE), cancel. Another tenant's job is a 404, never a 403."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.sse import EventSourceResponse
+
+from api.deps import RedisDep, SessionDep, TenantDep
+from api.errors import APIError
+from api.jobs_access import cancel_job, terminal_row_check
+from api.schemas import job_body
+from api.streaming import HEARTBEAT, ChunkWriter, follow, sse_comment
+from core import jobs
+
+router = APIRouter(prefix="/v1/jobs")
+
+
+def _not_found(job_id: str) -> APIError:
+    return APIError(404, f"No job with id '{job_id}'.", param="job_id", code="job_not_found")
+
+
+@router.get("/{job_id}")
+async def get_job(job_id: str, tenant: TenantDep, session: SessionDep) -> dict:
+    row = (await session.execute(jobs.get_for_tenant(job_id, tenant.id))).scalar()
+    if row is None:
+        raise _not_found(job_id)
+    return job_body(row)
+
+
+@router.post("/{job_id}/cancel")
+async def cancel(job_id: str, tenant: TenantDep, session: SessionDep, redis: RedisDep) -> dict:
+    row = await cancel_job(session, redis, job_id, tenant.id)
+    if row is None:
+        raise _not_found(job_id)
+    return job_body(row)
+
+
+@router.get("/{job_id}/events", response_model=None,
+            responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}})
+async def job_events(job_id: str, request: Request, tenant: TenantDep, session: SessionDep, redis: RedisDep,
+                     last_event_id: str | None = None) -> EventSourceResponse:
+    """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
+    header, or the `last_event_id` query parameter for clients that cannot set headers)."""
+    row = (await session.execute(jobs.get_for_tenant(job_id, tenant.id))).scalar()
+    if row is None:
+        raise _not_found(job_id)
+    start = request.headers.get("last-event-id") or last_event_id or "0-0"
+    if not _valid_stream_id(start):
+        raise APIError(400, f"Invalid Last-Event-ID '{start}'.", param="Last-Event-ID", code="invalid_value")
+    return EventSourceResponse(_replay(row, start, tenant.id, redis))
+
+
+async def _replay(row, start: str, tenant_id: int, redis):
+    writer = ChunkWriter(row, include_usage=True)
+    async for item in follow(redis, row.id, terminal_row_check(row.id, tenant_id), last_id=start):
+        if item is HEARTBEAT:
+            yield sse_comment("keep-alive")
+            continue
+        entry_id, ev = item
+        for chunk in writer.render(entry_id, ev):
+            yield chunk
+
+
+def _valid_stream_id(value: str) -> bool:
+    ms, _, seq = value.partition("-")
+    return ms.isdigit() and (seq == "" or seq.isdigit())

@@ -1,0 +1,165 @@
+"""The `spool` command line.
+
+Process commands exec the real entrypoints by module path (uvicorn for `api`, `python -m workers`),
+so this module, in the shared package, imports neither api/ nor workers/.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from core.settings import get_settings
+
+app = typer.Typer(help="Spool: a queue-backed, OpenAI-compatible completion service.", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False)
+tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
+key_app = typer.Typer(help="API keys.", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def alembic_config():
+    from alembic.config import Config
+
+    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    return cfg
+
+
+@app.command()
+def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
+    """Create the database if missing, then upgrade the schema (alembic upgrade)."""
+    from alembic import command
+
+    from core.dbadmin import ensure_database
+
+    ensure_database(get_settings().database_url)
+    command.upgrade(alembic_config(), revision)
+    typer.echo(f"database at {revision}")
+
+
+@app.command()
+def api(host: str | None = None, port: int | None = None, workers: int = 1) -> None:
+    """Run the HTTP API (uvicorn)."""
+    s = get_settings()
+    os.execvp(sys.executable, [
+        sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
+        "--host", host or s.api_host, "--port", str(port or s.api_port), "--workers", str(workers),
+        "--no-access-log", "--timeout-graceful-shutdown", "5",
+    ])
+
+
+@app.command()
+def worker() -> None:
+    """Run a Celery worker: loads the model once, then serves its queue with the threads pool."""
+    os.execvp(sys.executable, [sys.executable, "-m", "workers"])
+
+
+@app.command()
+def dispatcher() -> None:
+    """Run the dispatcher: sends queued jobs, re-sends lost messages, re-queues lapsed leases."""
+    import redis
+
+    from core.db import sync_sessions
+    from core.dispatch import run_forever
+
+    _logging()
+    s = get_settings()
+    run_forever(sync_sessions(), redis.Redis.from_url(s.redis_url), s)
+
+
+@app.command()
+def up(tenant: str = typer.Option("default", help="Tenant to create a first key for, if it has none.")) -> None:
+    """Migrate, then run api + worker + dispatcher together until Ctrl-C (a one-host deployment)."""
+    migrate("head")
+    key = _ensure_first_key(tenant)
+    if key:
+        typer.echo(f"API key for tenant '{tenant}' (shown once): {key}")
+    procs = [subprocess.Popen([sys.executable, "-m", "core.cli", cmd]) for cmd in ("worker", "dispatcher", "api")]
+    s = get_settings()
+    typer.echo(f"Spool is starting on http://{s.api_host}:{s.api_port}  (Ctrl-C stops it)")
+
+    def stop(*_: object) -> None:
+        for p in procs:
+            p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
+        for p in procs:
+            p.wait(timeout=20)
+
+
+def _ensure_first_key(tenant_name: str) -> str | None:
+    from sqlalchemy import select
+
+    from core.auth import create_key, create_tenant, tenant_by_name
+    from core.db import sync_sessions
+    from core.models import ApiKey
+
+    with sync_sessions()() as session:
+        t = tenant_by_name(session, tenant_name) or create_tenant(session, tenant_name)
+        if session.scalar(select(ApiKey.id).where(ApiKey.tenant_id == t.id).limit(1)) is not None:
+            return None
+        key = create_key(session, t, name="first")
+        session.commit()
+        return key
+
+
+@tenant_app.command("create")
+def tenant_create(name: str) -> None:
+    """Create a tenant."""
+    from core.auth import create_tenant, tenant_by_name
+    from core.db import sync_sessions
+
+    with sync_sessions()() as session:
+        if tenant_by_name(session, name):
+            typer.echo(f"tenant '{name}' already exists", err=True)
+            raise typer.Exit(1)
+        t = create_tenant(session, name)
+        session.commit()
+        typer.echo(f"tenant '{t.name}' created (id {t.id})")
+
+
+@key_app.command("create")
+def key_create(tenant: str = typer.Option(..., "--tenant", help="Tenant name."),
+               name: str | None = typer.Option(None, help="A label for the key.")) -> None:
+    """Create an API key and print it. It is stored hashed: this is the only time it is shown."""
+    from core.auth import create_key, tenant_by_name
+    from core.db import sync_sessions
+
+    with sync_sessions()() as session:
+        t = tenant_by_name(session, tenant)
+        if t is None:
+            typer.echo(f"no tenant '{tenant}' (spool tenant create {tenant})", err=True)
+            raise typer.Exit(1)
+        key = create_key(session, t, name=name)
+        session.commit()
+    typer.echo(key)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

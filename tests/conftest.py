@@ -1,0 +1,174 @@
+"""Shared fixtures: a real Spool stack (api + worker + dispatcher processes) on the real Postgres and
+Redis of this machine, with the real SmolLM2 model. Nothing of ours is mocked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import redis as redis_lib
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parent.parent
+SPOOL = [sys.executable, "-m", "core.cli"]
+TEST_DB = os.environ.get("SPOOL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/spool_test")
+TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Stack:
+    env: dict[str, str]
+    logdir: Path
+    port: int
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    _worker_n: int = 0
+    worker_name: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run([*SPOOL, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"spool {' '.join(args)} failed: {out.stderr[-2000:]}"
+        return out.stdout.strip()
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+        proc = subprocess.Popen([*SPOOL, *args], env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logdir / f"{name}.log").read_text(errors="replace")
+
+    def start_worker(self) -> subprocess.Popen:
+        self._worker_n += 1
+        name = f"worker{self._worker_n}"
+        proc = self.start(name, "worker")
+        wait_for(lambda: "ready." in self.log(name) or proc.poll() is not None, 120, f"{name} ready")
+        assert proc.poll() is None, self.log(name)[-3000:]
+        self.procs["worker"] = proc
+        self.worker_name = name
+        return proc
+
+    def kill_worker(self) -> None:
+        proc = self.procs.pop("worker")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
+
+    def openai(self, tenant: str = "alpha"):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def db_url() -> str:
+    return TEST_DB
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    from core.dbadmin import drop_database
+
+    logdir = tmp_path_factory.mktemp("logs")
+    port = free_port()
+    env = {
+        **os.environ,
+        "SPOOL_DATABASE_URL": TEST_DB,
+        "SPOOL_REDIS_URL": TEST_REDIS,
+        "SPOOL_API_PORT": str(port),
+        # Short timings so recovery paths run in seconds.
+        "SPOOL_LEASE_S": "3",
+        "SPOOL_DISPATCH_TIMEOUT_S": "10",
+        "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
+        "SPOOL_N_CTX": "1024",
+        "PYTHONUNBUFFERED": "1",
+    }
+    drop_database(TEST_DB)
+    redis_lib.Redis.from_url(TEST_REDIS).flushdb()
+    st = Stack(env=env, logdir=logdir, port=port)
+    st.cli("migrate")
+    for tenant in ("alpha", "beta"):
+        st.cli("tenant", "create", tenant)
+        st.keys[tenant] = st.cli("key", "create", "--tenant", tenant).splitlines()[-1]
+    try:
+        st.start("api", "api")
+        st.start("dispatcher", "dispatcher")
+        st.start_worker()
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(st.base_url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 60, "api health")
+        yield st
+    finally:
+        st.stop_all()
+        print(f"\nprocess logs in {logdir}")
+
+
+@pytest.fixture(scope="session")
+def db(stack: Stack):
+    engine = create_engine(TEST_DB)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def rds(stack: Stack) -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(TEST_REDIS, decode_responses=True)
+
+
+def job_row(db, job_id: str) -> dict:
+    with db.connect() as conn:
+        return dict(conn.execute(text("SELECT * FROM jobs WHERE id = :i"), {"i": job_id}).mappings().one())
+
+
+def count_jobs(db) -> int:
+    with db.connect() as conn:
+        return conn.scalar(text("SELECT count(*) FROM jobs"))

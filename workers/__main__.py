@@ -1,0 +1,32 @@
+"""`python -m workers` (what `spool worker` runs): load the model, then start Celery.
+
+Threads pool: prefork would give each child its own model (and breaks CUDA), while threads let every
+task feed the one engine loop that batches them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from core.queue import queue_for
+from core.settings import get_settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = get_settings()
+    from workers.runtime import runner
+    from workers.tasks import app
+
+    runner()  # load the model before taking any message
+    queues = ",".join(queue_for(m) for m in s.worker_model_ids[:1])
+    app.worker_main([
+        "worker", "--pool=threads", f"--concurrency={s.worker_concurrency}", f"--queues={queues}",
+        "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        *(argv if argv is not None else sys.argv[1:]),
+    ])
+
+
+if __name__ == "__main__":
+    main()

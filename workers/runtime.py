@@ -1,0 +1,39 @@
+"""The worker process's singletons: the engine (loaded once), its loop, and the job runner."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from functools import lru_cache
+
+import redis
+
+from core.db import sync_sessions
+from core.registry import model_path
+from core.settings import get_settings
+from workers.engine.base import Engine
+from workers.engine.loop import EngineLoop
+from workers.runner import JobRunner
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(model_id: str) -> Engine:
+    s = get_settings()
+    if s.engine == "llamacpp":
+        from workers.engine.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(model_id, model_path(s, model_id), n_ctx=s.n_ctx, max_batch=s.max_batch,
+                              n_threads=s.n_threads)
+    raise ValueError(f"unknown engine {s.engine!r} (the exllamav2 engine comes with its own issue)")
+
+
+@lru_cache
+def runner() -> JobRunner:
+    s = get_settings()
+    model_id = s.worker_model_ids[0]
+    loop = EngineLoop(build_engine(model_id))
+    name = f"{socket.gethostname()}:{os.getpid()}"
+    log.info("worker %s serving %s", name, model_id)
+    return JobRunner(loop, s, redis.Redis.from_url(s.redis_url), sync_sessions(), name)
