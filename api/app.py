@@ -24,17 +24,22 @@ async def lifespan(app: FastAPI):
 
 def create_app() -> FastAPI:
     settings = get_settings()
-    app = FastAPI(title="Spool", version="0.1.0", lifespan=lifespan,
-                  description="Queue-backed, OpenAI-compatible completions.")
+    app = FastAPI(
+        title="Spool", version="0.1.0", lifespan=lifespan, description="Queue-backed, OpenAI-compatible completions."
+    )
     errors.install(app)
 
     @app.middleware("http")
     async def body_limit(request: Request, call_next):
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            return errors.error_response(errors.APIError(
-                413, f"Request body too large: {length} bytes (limit {settings.max_body_bytes}).",
-                code="request_too_large"))
+            return errors.error_response(
+                errors.APIError(
+                    413,
+                    f"Request body too large: {length} bytes (limit {settings.max_body_bytes}).",
+                    code="request_too_large",
+                )
+            )
         return await call_next(request)
 
     app.include_router(completions.router)

@@ -29,13 +29,16 @@ async def current_tenant(request: Request, session: Annotated[AsyncSession, Depe
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        raise APIError(401, "You didn't provide an API key. You need to provide your API key in an "
-                       "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
-                       code="missing_api_key", type_="invalid_request_error")
+        raise APIError(
+            401,
+            "You didn't provide an API key. You need to provide your API key in an "
+            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+            code="missing_api_key",
+            type_="invalid_request_error",
+        )
     tenant = (await session.execute(lookup_tenant_stmt(key.strip()))).scalar()
     if tenant is None:
-        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                       type_="invalid_request_error")
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", type_="invalid_request_error")
     return tenant
 
 

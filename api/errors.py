@@ -12,14 +12,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 503: "server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -47,15 +62,18 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = _param(tuple(first.get("loc", ())))
     kind = first.get("type")
     if kind == "json_invalid":
-        return APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means "
-                        "you aren't using your HTTP library correctly. The OpenAI API expects a JSON "
-                        "payload.)", code="invalid_json")
+        return APIError(
+            400,
+            "We could not parse the JSON body of your request. (HINT: This likely means "
+            "you aren't using your HTTP library correctly. The OpenAI API expects a JSON "
+            "payload.)",
+            code="invalid_json",
+        )
     if kind == "missing":
         return APIError(400, f"You must provide a '{param}' parameter.", param=param, code="missing_parameter")
     if kind == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                        code="unknown_parameter")
-    if kind == "model_attributes_type" or (kind or "").endswith("_type") and not param:
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    if not param and (kind or "").endswith("_type"):  # the body itself is not an object
         return APIError(400, "The request body must be a JSON object.", code="invalid_type")
     msg = first.get("msg", "Invalid value.")
     return APIError(400, f"Invalid value for '{param}': {msg}", param=param, code="invalid_value")
@@ -81,5 +99,11 @@ def install(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A bug: still answer in OpenAI's shape, and log it for the operator.
         log.exception("unhandled error")
-        return error_response(APIError(500, "The server had an error while processing your request.",
-                                       type_="server_error", code="internal_error"))
+        return error_response(
+            APIError(
+                500,
+                "The server had an error while processing your request.",
+                type_="server_error",
+                code="internal_error",
+            )
+        )

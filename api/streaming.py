@@ -47,8 +47,13 @@ def synthesize(job: Job) -> list[dict[str, Any]]:
     """Events rebuilt from a terminal job row, for when its stream is gone."""
     if job.state == "succeeded":
         out: list[dict[str, Any]] = [
-            {"type": "delta", "choice": c["index"], "text": c["text"], "token_ids": [],
-             "finish_reason": c["finish_reason"]}
+            {
+                "type": "delta",
+                "choice": c["index"],
+                "text": c["text"],
+                "token_ids": [],
+                "finish_reason": c["finish_reason"],
+            }
             for c in (job.result or {}).get("choices", [])
         ]
         return [*out, {"type": "done", "usage": job.usage}]
@@ -70,8 +75,13 @@ class ChunkWriter:
     """Formats events as OpenAI `text_completion` chunks for one job."""
 
     def __init__(self, job: Job, include_usage: bool) -> None:
-        self.base = {"id": job.id, "object": "text_completion", "created": int(job.created_at.timestamp()),
-                     "model": job.model, "system_fingerprint": None}
+        self.base = {
+            "id": job.id,
+            "object": "text_completion",
+            "created": int(job.created_at.timestamp()),
+            "model": job.model,
+            "system_fingerprint": None,
+        }
         self.include_usage = include_usage
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -87,8 +97,12 @@ class ChunkWriter:
             # first chunk as the first token.
             if not ev["text"] and not ev.get("finish_reason"):
                 return []
-            choice = {"text": ev["text"], "index": ev["choice"], "logprobs": None,
-                      "finish_reason": ev.get("finish_reason")}
+            choice = {
+                "text": ev["text"],
+                "index": ev["choice"],
+                "logprobs": None,
+                "finish_reason": ev.get("finish_reason"),
+            }
             return [sse(self._chunk([choice]), entry_id)]
         if kind == "done":
             out = [sse(self._chunk([], ev.get("usage")), entry_id)] if self.include_usage else []

@@ -18,8 +18,11 @@ import typer
 
 from core.settings import get_settings
 
-app = typer.Typer(help="Spool: a queue-backed, OpenAI-compatible completion service.", no_args_is_help=True,
-                  pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    help="Spool: a queue-backed, OpenAI-compatible completion service.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
 tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
@@ -56,11 +59,25 @@ def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> 
 def api(host: str | None = None, port: int | None = None, workers: int = 1) -> None:
     """Run the HTTP API (uvicorn)."""
     s = get_settings()
-    os.execvp(sys.executable, [
-        sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
-        "--host", host or s.api_host, "--port", str(port or s.api_port), "--workers", str(workers),
-        "--no-access-log", "--timeout-graceful-shutdown", "5",
-    ])
+    os.execvp(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "api.app:create_app",
+            "--factory",
+            "--host",
+            host or s.api_host,
+            "--port",
+            str(port or s.api_port),
+            "--workers",
+            str(workers),
+            "--no-access-log",
+            "--timeout-graceful-shutdown",
+            "5",
+        ],
+    )
 
 
 @app.command()
@@ -141,8 +158,10 @@ def tenant_create(name: str) -> None:
 
 
 @key_app.command("create")
-def key_create(tenant: str = typer.Option(..., "--tenant", help="Tenant name."),
-               name: str | None = typer.Option(None, help="A label for the key.")) -> None:
+def key_create(
+    tenant: str = typer.Option(..., "--tenant", help="Tenant name."),
+    name: str | None = typer.Option(None, help="A label for the key."),
+) -> None:
     """Create an API key and print it. It is stored hashed: this is the only time it is shown."""
     from core.auth import create_key, tenant_by_name
     from core.db import sync_sessions

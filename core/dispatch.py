@@ -48,9 +48,24 @@ def tick(session: Session, rds: redis.Redis, settings: Settings) -> dict[str, in
     session.commit()
     for job_id, attempt in failed:  # wake anyone waiting on these jobs
         pipe = rds.pipeline(transaction=False)
-        events.queue_append(pipe, job_id, [{"type": "error", "attempt": attempt, "error": {
-            "message": "The worker running this job was lost too many times.", "type": "server_error",
-            "param": None, "code": "worker_lost"}}], settings.events_ttl_s, settings.events_maxlen)
+        events.queue_append(
+            pipe,
+            job_id,
+            [
+                {
+                    "type": "error",
+                    "attempt": attempt,
+                    "error": {
+                        "message": "The worker running this job was lost too many times.",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "worker_lost",
+                    },
+                }
+            ],
+            settings.events_ttl_s,
+            settings.events_maxlen,
+        )
         pipe.execute()
 
     stale = session.execute(jobs.touch_stale_dispatched(settings.dispatch_timeout_s, settings.dispatcher_batch)).all()

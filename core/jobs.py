@@ -25,12 +25,26 @@ def new_job_id() -> str:
 
 
 def new_job(
-    *, tenant_id: int, model: str, params: dict[str, Any], prompts: list[Any], stream: bool,
-    user: str | None = None, priority: int = 0,
+    *,
+    tenant_id: int,
+    model: str,
+    params: dict[str, Any],
+    prompts: list[Any],
+    stream: bool,
+    user: str | None = None,
+    priority: int = 0,
 ) -> Job:
     return Job(
-        id=new_job_id(), tenant_id=tenant_id, model=model, params=params, prompts=prompts,
-        stream=stream, user=user, priority=priority, state=JobState.queued.value, attempt=1,
+        id=new_job_id(),
+        tenant_id=tenant_id,
+        model=model,
+        params=params,
+        prompts=prompts,
+        stream=stream,
+        user=user,
+        priority=priority,
+        state=JobState.queued.value,
+        attempt=1,
     )
 
 
@@ -56,8 +70,13 @@ def undispatch(job_id: str, attempt: int) -> Update:
 def claim(job_id: str, attempt: int, worker: str, lease_s: float) -> Update:
     """dispatched -> running, by the worker that got attempt `attempt`'s message. One winner."""
     return _transition(
-        job_id, [JobState.dispatched], JobState.running, attempt,
-        worker=worker, started_at=func.now(), lease_until=func.now() + timedelta(seconds=lease_s),
+        job_id,
+        [JobState.dispatched],
+        JobState.running,
+        attempt,
+        worker=worker,
+        started_at=func.now(),
+        lease_until=func.now() + timedelta(seconds=lease_s),
     )
 
 
@@ -73,23 +92,37 @@ def renew_lease(job_id: str, attempt: int, lease_s: float) -> Update:
 
 def succeed(job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, Any]) -> Update:
     return _transition(
-        job_id, [JobState.running], JobState.succeeded, attempt,
-        result=result, usage=usage, finished_at=func.now(), lease_until=None,
+        job_id,
+        [JobState.running],
+        JobState.succeeded,
+        attempt,
+        result=result,
+        usage=usage,
+        finished_at=func.now(),
+        lease_until=None,
     )
 
 
 def fail(job_id: str, attempt: int, error: dict[str, Any]) -> Update:
     return _transition(
-        job_id, [JobState.running], JobState.failed, attempt,
-        error=error, finished_at=func.now(), lease_until=None,
+        job_id,
+        [JobState.running],
+        JobState.failed,
+        attempt,
+        error=error,
+        finished_at=func.now(),
+        lease_until=None,
     )
 
 
 def cancel(job_id: str, tenant_id: int) -> Update:
     """Any live state -> cancelled. Only the owner can; a second cancel matches nothing."""
     stmt = _transition(
-        job_id, ACTIVE_STATES, JobState.cancelled,
-        finished_at=func.now(), lease_until=None,
+        job_id,
+        ACTIVE_STATES,
+        JobState.cancelled,
+        finished_at=func.now(),
+        lease_until=None,
         error={"message": "The job was cancelled.", "type": "cancelled", "code": "cancelled"},
     )
     return stmt.where(Job.tenant_id == tenant_id)
@@ -159,10 +192,13 @@ def fail_lapsed(max_attempts: int) -> Update:
             Job.attempt >= max_attempts,
         )
         .values(
-            state=JobState.failed.value, finished_at=func.now(), lease_until=None,
+            state=JobState.failed.value,
+            finished_at=func.now(),
+            lease_until=None,
             error={
                 "message": f"The worker running this job was lost {max_attempts} times; giving up.",
-                "type": "server_error", "code": "worker_lost",
+                "type": "server_error",
+                "code": "worker_lost",
             },
         )
         .returning(Job.id, Job.attempt)
@@ -176,4 +212,3 @@ def get_for_tenant(job_id: str, tenant_id: int):
 
 def is_terminal(state: str) -> bool:
     return JobState(state) in TERMINAL_STATES
-

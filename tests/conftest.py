@@ -61,7 +61,7 @@ class Stack:
         return out.stdout.strip()
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+        log = open(self.logdir / f"{name}.log", "ab")
         proc = subprocess.Popen([*SPOOL, *args], env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc

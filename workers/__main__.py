@@ -21,11 +21,19 @@ def main(argv: list[str] | None = None) -> None:
 
     runner()  # load the model before taking any message
     queues = ",".join(queue_for(m) for m in s.worker_model_ids[:1])
-    app.worker_main([
-        "worker", "--pool=threads", f"--concurrency={s.worker_concurrency}", f"--queues={queues}",
-        "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-        *(argv if argv is not None else sys.argv[1:]),
-    ])
+    app.worker_main(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={s.worker_concurrency}",
+            f"--queues={queues}",
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class JobError(Exception):
     """A job that cannot succeed; `error` is OpenAI's error object, stored on the job."""
 
-    def __init__(self, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.error = {"message": message, "type": type_, "param": param, "code": code}
 
@@ -45,8 +46,9 @@ class _Choice:
 
 
 class JobRunner:
-    def __init__(self, loop: EngineLoop, settings: Settings, redis_client: redis.Redis,
-                 sessions: sessionmaker, worker_name: str) -> None:
+    def __init__(
+        self, loop: EngineLoop, settings: Settings, redis_client: redis.Redis, sessions: sessionmaker, worker_name: str
+    ) -> None:
         self.loop = loop
         self.settings = settings
         self.redis = redis_client
@@ -68,8 +70,10 @@ class JobRunner:
             return "failed"
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            self._fail(job, {"message": f"Generation failed: {exc}", "type": "server_error",
-                             "param": None, "code": "engine_error"})
+            self._fail(
+                job,
+                {"message": f"Generation failed: {exc}", "type": "server_error", "param": None, "code": "engine_error"},
+            )
             return "failed"
 
     # -- generation -------------------------------------------------------------------------
@@ -86,8 +90,10 @@ class JobRunner:
             room = engine.n_ctx - len(ids)
             if room <= 0:
                 raise JobError(
-                    f"This model's maximum context length is {engine.n_ctx} tokens; prompt {pi} has "
-                    f"{len(ids)}.", code="context_length_exceeded", param="prompt")
+                    f"This model's maximum context length is {engine.n_ctx} tokens; prompt {pi} has {len(ids)}.",
+                    code="context_length_exceeded",
+                    param="prompt",
+                )
             budget = room if params.max_tokens is None else min(params.max_tokens, room)
             for j in range(params.n):
                 c = choice_index(pi, j, params.n)
@@ -102,16 +108,29 @@ class JobRunner:
                     ch.text.finish(finish or "length")
                     ch.done = ch.closed = True
                     if not finish:  # nothing to generate (max_tokens 0): still say why it ended
-                        ended.append({"type": "delta", "attempt": job.attempt, "choice": c, "text": "",
-                                      "token_ids": [], "finish_reason": "length"})
+                        ended.append(
+                            {
+                                "type": "delta",
+                                "attempt": job.attempt,
+                                "choice": c,
+                                "text": "",
+                                "token_ids": [],
+                                "finish_reason": "length",
+                            }
+                        )
                     continue
-                specs.append(SeqSpec(
-                    key=ch.key, prompt_ids=ids + done_ids, max_new_tokens=left,
-                    temperature=params.temperature, top_p=params.top_p,
-                    # A resumed choice cannot replay the dead attempt's RNG; offset keeps it seeded.
-                    seed=(params.seed + c + 1_000_003 * len(done_ids)) % 2**63,
-                    ignore_eos=params.ignore_eos,
-                ))
+                specs.append(
+                    SeqSpec(
+                        key=ch.key,
+                        prompt_ids=ids + done_ids,
+                        max_new_tokens=left,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        # A resumed choice cannot replay the dead attempt's RNG; offset keeps it seeded.
+                        seed=(params.seed + c + 1_000_003 * len(done_ids)) % 2**63,
+                        ignore_eos=params.ignore_eos,
+                    )
+                )
 
         if ended:
             self._append(job.id, ended)
@@ -153,14 +172,19 @@ class JobRunner:
                 self.loop.cancel(list(live))
 
         ordered = [choices[c] for c in sorted(choices)]
-        result = {"choices": [
-            {"index": c, "text": ch.text.text, "logprobs": None, "finish_reason": ch.text.finish_reason}
-            for c, ch in zip(sorted(choices), ordered, strict=True)
-        ]}
+        result = {
+            "choices": [
+                {"index": c, "text": ch.text.text, "logprobs": None, "finish_reason": ch.text.finish_reason}
+                for c, ch in zip(sorted(choices), ordered, strict=True)
+            ]
+        }
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         completion_tokens = sum(len(ch.text.ids) for ch in ordered)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
         with self.sessions() as s:
             won = s.execute(jobs.succeed(job.id, job.attempt, result, usage)).first()
             s.commit()
@@ -189,14 +213,22 @@ class JobRunner:
             if ch.closed:
                 continue
             piece = ch.text.take()
-            ids = ch.text.ids[ch.sent_ids:]
+            ids = ch.text.ids[ch.sent_ids :]
             if not piece and not ids and not ch.done:
                 continue
             ch.sent_ids = len(ch.text.ids)
             ch.closed = ch.done
             finish = ch.text.finish_reason if ch.done else None
-            out.append({"type": "delta", "attempt": job.attempt, "choice": ch.key[2], "text": piece,
-                        "token_ids": ids, "finish_reason": finish})
+            out.append(
+                {
+                    "type": "delta",
+                    "attempt": job.attempt,
+                    "choice": ch.key[2],
+                    "text": piece,
+                    "token_ids": ids,
+                    "finish_reason": finish,
+                }
+            )
         if out:
             self._append(job.id, out)
 

@@ -24,8 +24,9 @@ def build_engine(model_id: str) -> Engine:
     if s.engine == "llamacpp":
         from workers.engine.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(model_id, model_path(s, model_id), n_ctx=s.n_ctx, max_batch=s.max_batch,
-                              n_threads=s.n_threads)
+        return LlamaCppEngine(
+            model_id, model_path(s, model_id), n_ctx=s.n_ctx, max_batch=s.max_batch, n_threads=s.n_threads
+        )
     raise ValueError(f"unknown engine {s.engine!r} (the exllamav2 engine comes with its own issue)")
 
 

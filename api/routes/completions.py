@@ -27,17 +27,37 @@ _ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409}
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, request: Request, tenant: TenantDep, session: SessionDep,
-                            redis: RedisDep, settings: SettingsDep):
+async def create_completion(
+    body: CompletionRequest,
+    request: Request,
+    tenant: TenantDep,
+    session: SessionDep,
+    redis: RedisDep,
+    settings: SettingsDep,
+):
     if body.model not in served_models(settings):
-        raise APIError(404, f"The model '{body.model}' does not exist or you do not have access to it.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{body.model}' does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
     if body.stream_options is not None and not body.stream:
-        raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                       param="stream_options", code="invalid_value")
+        raise APIError(
+            400,
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+            code="invalid_value",
+        )
     params = body.to_params(settings.default_max_tokens)
-    job = jobs.new_job(tenant_id=tenant.id, model=body.model, params=params.to_json(),
-                       prompts=body.prompts(), stream=bool(body.stream), user=body.user)
+    job = jobs.new_job(
+        tenant_id=tenant.id,
+        model=body.model,
+        params=params.to_json(),
+        prompts=body.prompts(),
+        stream=bool(body.stream),
+        user=body.user,
+    )
     await submit(session, job)
 
     if "respond-async" in request.headers.get("prefer", ""):

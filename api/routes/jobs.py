@@ -35,10 +35,19 @@ async def cancel(job_id: str, tenant: TenantDep, session: SessionDep, redis: Red
     return job_body(row)
 
 
-@router.get("/{job_id}/events", response_model=None,
-            responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}})
-async def job_events(job_id: str, request: Request, tenant: TenantDep, session: SessionDep, redis: RedisDep,
-                     last_event_id: str | None = None) -> EventSourceResponse:
+@router.get(
+    "/{job_id}/events",
+    response_model=None,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}},
+)
+async def job_events(
+    job_id: str,
+    request: Request,
+    tenant: TenantDep,
+    session: SessionDep,
+    redis: RedisDep,
+    last_event_id: str | None = None,
+) -> EventSourceResponse:
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
     header, or the `last_event_id` query parameter for clients that cannot set headers)."""
     row = (await session.execute(jobs.get_for_tenant(job_id, tenant.id))).scalar()

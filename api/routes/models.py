@@ -13,8 +13,13 @@ _CREATED = 1735689600  # fixed: the model list is configuration, not a dated obj
 
 
 def _model(spec: ModelSpec) -> dict:
-    return {"id": spec.id, "object": "model", "created": _CREATED, "owned_by": spec.owned_by,
-            "context_length": spec.context_length}
+    return {
+        "id": spec.id,
+        "object": "model",
+        "created": _CREATED,
+        "owned_by": spec.owned_by,
+        "context_length": spec.context_length,
+    }
 
 
 @router.get("")

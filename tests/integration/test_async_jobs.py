@@ -7,9 +7,18 @@ from tests.sse import collect
 
 
 def _submit(http, **body):
-    r = http.post("/v1/completions", headers={"Prefer": "respond-async"},
-                  json={"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 20,
-                        "temperature": 0.5, "seed": 5, **body})
+    r = http.post(
+        "/v1/completions",
+        headers={"Prefer": "respond-async"},
+        json={
+            "model": MODEL,
+            "prompt": "The three primary colors are",
+            "max_tokens": 20,
+            "temperature": 0.5,
+            "seed": 5,
+            **body,
+        },
+    )
     assert r.status_code == 202, r.text
     job = r.json()
     assert job["object"] == "job" and job["state"] in ("queued", "dispatched", "running")
@@ -18,8 +27,11 @@ def _submit(http, **body):
 
 
 def _poll_done(http, job_id):
-    return wait_for(lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["state"] == "succeeded" and j,
-                    60, f"job {job_id} succeeded")
+    return wait_for(
+        lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["state"] == "succeeded" and j,
+        60,
+        f"job {job_id} succeeded",
+    )
 
 
 def test_async_poll_then_replay_from_start_and_from_last_event_id(stack):
@@ -49,8 +61,8 @@ def test_async_poll_then_replay_from_start_and_from_last_event_id(stack):
             with http.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": ids[k]}) as resp:
                 rest, done = collect(resp)
             assert done
-            assert [e.id for e in rest] == ids[k + 1:]
-            assert [e.data for e in rest] == [e.data for e in evs[k + 1:]]
+            assert [e.id for e in rest] == ids[k + 1 :]
+            assert [e.data for e in rest] == [e.data for e in evs[k + 1 :]]
 
 
 def test_events_stream_attaches_while_running(stack):
@@ -87,8 +99,11 @@ def test_cancel(stack, db):
 def test_other_tenants_job_is_not_found(stack):
     with stack.http(stack.keys["alpha"]) as alpha, stack.http(stack.keys["beta"]) as beta:
         job_id = _submit(alpha, max_tokens=2)
-        for method, path in (("GET", f"/v1/jobs/{job_id}"), ("GET", f"/v1/jobs/{job_id}/events"),
-                             ("POST", f"/v1/jobs/{job_id}/cancel")):
+        for method, path in (
+            ("GET", f"/v1/jobs/{job_id}"),
+            ("GET", f"/v1/jobs/{job_id}/events"),
+            ("POST", f"/v1/jobs/{job_id}/cancel"),
+        ):
             r = beta.request(method, path)
             assert r.status_code == 404, (path, r.text)
             assert r.json()["error"]["code"] == "job_not_found"

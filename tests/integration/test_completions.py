@@ -51,8 +51,9 @@ def test_stream_concatenation_equals_non_stream_for_same_seed(stack, seed):
 
 def test_prompt_array_and_n_index_choices_prompt_major(stack):
     client = stack.openai()
-    resp = client.completions.create(model=MODEL, prompt=["Hello, my name is", "1, 2, 3,"], n=2, max_tokens=6,
-                                     temperature=0.8, seed=3)
+    resp = client.completions.create(
+        model=MODEL, prompt=["Hello, my name is", "1, 2, 3,"], n=2, max_tokens=6, temperature=0.8, seed=3
+    )
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     assert all(c.text for c in resp.choices)
     # Two samples of the same prompt with the same request seed still differ: each choice has its own RNG.
@@ -70,8 +71,9 @@ def test_stop_string_is_not_returned(stack):
 
 
 def test_max_tokens_gives_length(stack):
-    resp = stack.openai().completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=3, temperature=0,
-                                             extra_body={"ignore_eos": True})
+    resp = stack.openai().completions.create(
+        model=MODEL, prompt="Count: one, two,", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 3
 

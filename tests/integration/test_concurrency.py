@@ -11,13 +11,21 @@ from tests.conftest import MODEL
 def test_sixteen_concurrent_streams(stack, rds, db):
     import openai
 
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.keys["alpha"], max_retries=0,
-                                timeout=300)
+    client = openai.AsyncOpenAI(
+        base_url=stack.base_url + "/v1", api_key=stack.keys["alpha"], max_retries=0, timeout=300
+    )
     prompts = [f"Write a short sentence about the number {i}." for i in range(16)]
 
     async def one(prompt: str):
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.7,
-                                                 seed=11, stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0.7,
+            seed=11,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         parts, job_id, finish = [], None, None
         async for chunk in stream:
             job_id = chunk.id

@@ -21,22 +21,25 @@ def _assert_error(r, status, param=None, code=None):
     return err
 
 
-@pytest.mark.parametrize(("body", "status", "param", "code"), [
-    ({"prompt": "x"}, 400, "model", "missing_parameter"),
-    ({"model": MODEL}, 400, "prompt", "missing_parameter"),
-    ({"model": "no-such-model", "prompt": "x"}, 404, "model", "model_not_found"),
-    ({**GOOD, "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
-    ({**GOOD, "temperature": "hot"}, 400, "temperature", "invalid_value"),
-    ({**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
-    ({**GOOD, "n": 0}, 400, "n", "invalid_value"),
-    ({**GOOD, "stream": "yes"}, 400, "stream", "invalid_value"),
-    ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
-    ({**GOOD, "prompt": []}, 400, "prompt", "invalid_value"),
-    ({**GOOD, "prompt": 42}, 400, "prompt", "invalid_value"),
-    ({**GOOD, "model": 7}, 400, "model", "invalid_value"),
-    ({**GOOD, "frobnicate": True}, 400, "frobnicate", "unknown_parameter"),
-    ({**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        ({"prompt": "x"}, 400, "model", "missing_parameter"),
+        ({"model": MODEL}, 400, "prompt", "missing_parameter"),
+        ({"model": "no-such-model", "prompt": "x"}, 404, "model", "model_not_found"),
+        ({**GOOD, "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
+        ({**GOOD, "temperature": "hot"}, 400, "temperature", "invalid_value"),
+        ({**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
+        ({**GOOD, "n": 0}, 400, "n", "invalid_value"),
+        ({**GOOD, "stream": "yes"}, 400, "stream", "invalid_value"),
+        ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+        ({**GOOD, "prompt": []}, 400, "prompt", "invalid_value"),
+        ({**GOOD, "prompt": 42}, 400, "prompt", "invalid_value"),
+        ({**GOOD, "model": 7}, 400, "model", "invalid_value"),
+        ({**GOOD, "frobnicate": True}, 400, "frobnicate", "unknown_parameter"),
+        ({**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
+    ],
+)
 def test_bad_bodies(stack, db, body, status, param, code):
     before = count_jobs(db)
     with stack.http(stack.keys["alpha"]) as http:

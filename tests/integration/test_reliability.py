@@ -24,8 +24,7 @@ def test_same_message_delivered_twice_yields_one_result(stack, db, rds):
     params = GenerationParams(max_tokens=16, temperature=0.7, seed=99, ignore_eos=True)
     with Session(db) as s:
         tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "alpha"))
-        job = jobs.new_job(tenant_id=tenant_id, model=MODEL, params=params.to_json(), prompts=["Twice:"],
-                           stream=False)
+        job = jobs.new_job(tenant_id=tenant_id, model=MODEL, params=params.to_json(), prompts=["Twice:"], stream=False)
         s.add(job)
         s.commit()
         job_id = job.id
@@ -52,9 +51,18 @@ def test_killed_worker_job_is_requeued_and_finished_seamlessly(stack, db, rds):
     key = stack.keys["alpha"]
     n_tokens = 400
     with stack.http(key) as http:
-        r = http.post("/v1/completions", headers={"Prefer": "respond-async"},
-                      json={"model": MODEL, "prompt": "A long story about a lighthouse keeper:",
-                            "max_tokens": n_tokens, "temperature": 0.8, "seed": 21, "ignore_eos": True})
+        r = http.post(
+            "/v1/completions",
+            headers={"Prefer": "respond-async"},
+            json={
+                "model": MODEL,
+                "prompt": "A long story about a lighthouse keeper:",
+                "max_tokens": n_tokens,
+                "temperature": 0.8,
+                "seed": 21,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 202
         job_id = r.json()["id"]
 

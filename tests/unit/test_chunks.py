@@ -32,8 +32,9 @@ def _data(raw: bytes) -> str:
 
 
 def test_delta_chunk_matches_schema_and_carries_id():
-    out = ChunkWriter(_job(), include_usage=True).render("1-0", {
-        "type": "delta", "choice": 0, "text": "Hi", "finish_reason": None})
+    out = ChunkWriter(_job(), include_usage=True).render(
+        "1-0", {"type": "delta", "choice": 0, "text": "Hi", "finish_reason": None}
+    )
     assert out[0].decode().count("id: 1-0") == 1
     body = json.loads(_data(out[0]))
     assert body["choices"][0] == {"text": "Hi", "index": 0, "logprobs": None, "finish_reason": None}
@@ -46,8 +47,10 @@ def test_delta_chunk_matches_schema_and_carries_id():
 
 
 def test_empty_delta_without_finish_is_not_sent():
-    assert ChunkWriter(_job(), False).render("1-0", {"type": "delta", "choice": 0, "text": "",
-                                                     "finish_reason": None}) == []
+    assert (
+        ChunkWriter(_job(), False).render("1-0", {"type": "delta", "choice": 0, "text": "", "finish_reason": None})
+        == []
+    )
 
 
 def test_done_sends_usage_then_done_marker():

@@ -23,17 +23,34 @@ def test_minus_one_means_rest_of_context_and_stop_string_becomes_tuple():
     assert p.max_tokens is None and p.stop == ("\n",) and p.seed == 3
 
 
-@pytest.mark.parametrize("prompt,expected", [
-    ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]]),
-])
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        ("a", ["a"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2], [[1, 2]]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
 def test_prompt_forms_normalize(prompt, expected):
     assert req(prompt=prompt).prompts() == expected
 
 
-@pytest.mark.parametrize("bad", [
-    {"max_tokens": "5"}, {"temperature": 2.5}, {"top_p": 0}, {"n": 129}, {"stop": ["a"] * 5},
-    {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1]}, {"unknown": 1}, {"stream": 1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": "5"},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"n": 129},
+        {"stop": ["a"] * 5},
+        {"prompt": []},
+        {"prompt": [[]]},
+        {"prompt": [-1]},
+        {"unknown": 1},
+        {"stream": 1},
+    ],
+)
 def test_rejected(bad):
     with pytest.raises(ValidationError):
         req(**bad)

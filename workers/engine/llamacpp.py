@@ -51,8 +51,16 @@ def _quiet_llama_logs() -> None:
 
 
 class LlamaCppEngine:
-    def __init__(self, model_id: str, path: Path, *, n_ctx: int = 2048, max_batch: int = 16,
-                 n_batch: int = 512, n_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        path: Path,
+        *,
+        n_ctx: int = 2048,
+        max_batch: int = 16,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+    ) -> None:
         self.model_id = model_id
         self.n_ctx = n_ctx
         self.max_batch = max_batch
@@ -88,8 +96,9 @@ class LlamaCppEngine:
         self._live: dict[Hashable, _Seq] = {}
         self._pieces: dict[int, bytes] = {}
         self.add_bos = bool(llc.llama_vocab_get_add_bos(self._vocab))
-        log.info("llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads", path.name, self.n_ctx,
-                 max_batch, threads)
+        log.info(
+            "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads", path.name, self.n_ctx, max_batch, threads
+        )
 
     # -- tokenizer --------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:

@@ -15,9 +15,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def sample(
-    logits: np.ndarray, *, temperature: float, top_p: float, rng: np.random.Generator
-) -> tuple[int, float]:
+def sample(logits: np.ndarray, *, temperature: float, top_p: float, rng: np.random.Generator) -> tuple[int, float]:
     """Pick one token; return it with its log-probability under the unmodified distribution."""
     logits = logits.astype(np.float32, copy=False)
     logp = log_softmax(logits)
