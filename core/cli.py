@@ -142,6 +142,17 @@ def _ensure_first_key(tenant_name: str) -> str | None:
         return key
 
 
+@app.command("settings")
+def settings_table() -> None:
+    """Print every SPOOL_* setting with its default and meaning, as a Markdown table."""
+    from core.settings import Settings
+
+    typer.echo("| variable | default | meaning |\n| --- | --- | --- |")
+    for name, f in Settings.model_fields.items():
+        default = "(unset)" if f.default is None else f"`{f.default}`"
+        typer.echo(f"| `SPOOL_{name.upper()}` | {default} | {f.description or ''} |")
+
+
 @tenant_app.command("create")
 def tenant_create(name: str) -> None:
     """Create a tenant."""

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import events, jobs
 from core.models import Job
-from core.queue import send_run_job
+from core.queue import queue_for, send_run_job
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ async def submit(session: AsyncSession, job: Job) -> None:
         await session.commit()
 
 
-def tick(session: Session, rds: redis.Redis, settings: Settings) -> dict[str, int]:
+def tick(session: Session, rds: redis.Redis, broker: redis.Redis, settings: Settings) -> dict[str, int]:
     """One pass of the dispatcher. Returns counts for logs and tests."""
     requeued = session.execute(jobs.requeue_lapsed(settings.max_attempts)).all()
     failed = session.execute(jobs.fail_lapsed(settings.max_attempts)).all()
@@ -68,7 +68,12 @@ def tick(session: Session, rds: redis.Redis, settings: Settings) -> dict[str, in
         )
         pipe.execute()
 
-    stale = session.execute(jobs.touch_stale_dispatched(settings.dispatch_timeout_s, settings.dispatcher_batch)).all()
+    # Only where the model's queue is empty: a message still waiting in a busy queue is slow, not
+    # lost, and re-sending it would pile duplicates onto the backlog.
+    idle = [m for m in settings.model_ids if broker.llen(queue_for(m)) == 0]
+    stale = session.execute(
+        jobs.touch_stale_dispatched(settings.dispatch_timeout_s, settings.dispatcher_batch, idle)
+    ).all()
     session.commit()
     picked = session.execute(jobs.take_queued(settings.dispatcher_batch)).all()
     session.commit()
@@ -89,11 +94,12 @@ def tick(session: Session, rds: redis.Redis, settings: Settings) -> dict[str, in
 
 def run_forever(sessions: sessionmaker, rds: redis.Redis, settings: Settings) -> None:
     log.info("dispatcher started (every %.1fs)", settings.dispatcher_interval_s)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
     while True:
         started = time.monotonic()
         try:
             with sessions() as session:
-                tick(session, rds, settings)
+                tick(session, rds, broker, settings)
         except Exception:
             log.exception("dispatcher tick failed; retrying")
         time.sleep(max(0.0, settings.dispatcher_interval_s - (time.monotonic() - started)))

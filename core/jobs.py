@@ -147,13 +147,14 @@ def take_queued(limit: int) -> Update:
     )
 
 
-def touch_stale_dispatched(timeout_s: float, limit: int) -> Update:
-    """Jobs `dispatched` but never claimed: their message was lost. Restamp them for a re-send; the
-    claim's compare-and-set makes a re-send of a message that was merely slow harmless."""
+def touch_stale_dispatched(timeout_s: float, limit: int, models: list[str]) -> Update:
+    """Jobs of `models` `dispatched` but never claimed: their message was lost. Restamp them for a
+    re-send; the claim's compare-and-set makes a re-send of a message that was merely slow harmless."""
     stale = (
         select(Job.id)
         .where(
             Job.state == JobState.dispatched.value,
+            Job.model.in_(models),
             Job.dispatched_at < func.now() - timedelta(seconds=timeout_s),
         )
         .limit(limit)

