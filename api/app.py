@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+import anyio
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from sqlalchemy import text
 
 from api import errors
-from api.routes import completions, jobs, models
+from api.routes import completions, jobs, models, tokens
 from core.db import async_engine
 from core.settings import get_settings
+from core.tokenizer import tokenizer_for
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    app.state.redis = aioredis.Redis.from_url(get_settings().redis_url, decode_responses=True)
+    settings = get_settings()
+    app.state.redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    for model in settings.model_ids:  # load tokenizers now, not on the first request
+        await anyio.to_thread.run_sync(tokenizer_for, model)
     yield
     await app.state.redis.aclose()
     await async_engine().dispose()
@@ -45,6 +50,7 @@ def create_app() -> FastAPI:
     app.include_router(completions.router)
     app.include_router(jobs.router)
     app.include_router(models.router)
+    app.include_router(tokens.router)
 
     @app.get("/health", include_in_schema=False)
     async def health(request: Request) -> dict:

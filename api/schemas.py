@@ -1,16 +1,19 @@
-"""Wire schemas (OpenAI's shapes) and the one translation from OpenAI JSON to GenerationParams."""
+"""Wire schemas: OpenAI's request and response shapes, with the seed documents' extensions.
+
+Validation of types and ranges lives here; turning a request into engine-neutral parameters lives
+in api/translate.py (the one place that does it).
+"""
 
 from __future__ import annotations
 
-import secrets
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from core.models import Job
-from core.params import GenerationParams
 
-PromptField = str | list[str] | list[int] | list[list[int]]
+PromptPiece = str | int
+Prompt = str | list[PromptPiece | list[PromptPiece]]
 
 
 class StreamOptions(BaseModel):
@@ -18,66 +21,118 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class CompletionRequest(BaseModel):
-    # Strict: "max_tokens": "5" is a 400, as with OpenAI. Unknown fields are a 400 naming them,
-    # because a silently ignored parameter returns unconstrained output with a 200.
+class ToolFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class GrammarSpec(BaseModel):
+    """mistral.rs's grammar object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["regex", "lark", "json_schema", "gbnf"]
+    value: Any
+
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class CompletionRequest(BaseModel):
+    # Strict: "max_tokens": "5" is a 400, as with OpenAI. Fields nobody declared are collected
+    # (extra="allow") and refused by the route, naming them, unless the deployment relaxes that.
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
     model: str
-    prompt: PromptField
+    prompt: Prompt
+    suffix: str | None = None
+    # Length
     max_tokens: Annotated[int, Field(ge=-1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    # Sampling
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    typical_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    # Penalties
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0, le=10)] | None = Field(
+        None, validation_alias=AliasChoices("repetition_penalty", "repeat_penalty")
+    )
+    dry_multiplier: Annotated[Float, Field(ge=0)] | None = None
+    dry_base: Annotated[Float, Field(ge=1)] | None = None
+    dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
+    dry_sequence_breakers: list[str] | None = None
+    mirostat: Literal[0, 1, 2] | None = None
+    mirostat_tau: Annotated[Float, Field(ge=0)] | None = Field(
+        None, validation_alias=AliasChoices("mirostat_tau", "mirostat_target")
+    )
+    mirostat_eta: Annotated[Float, Field(ge=0)] | None = Field(
+        None, validation_alias=AliasChoices("mirostat_eta", "mirostat_lr")
+    )
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    # Stopping and choices
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
     n: Annotated[int, Field(ge=1, le=128)] | None = None
+    best_of: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Log-probabilities (Llama Stack sends a boolean)
+    logprobs: bool | Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Constrained output
+    grammar: str | GrammarSpec | None = None
+    json_schema: dict[str, Any] | str | None = None
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    guided_choice: list[str] | None = None
+    # Context overflow
+    context_length_exceeded_behavior: Literal["truncate", "error"] | None = None
+    truncate_sequence: bool | None = None
+    # Serving
+    cache_prompt: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool | None = None
+    # Accepted for compatibility; no effect on a text-completion model
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    images: list[str] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: PromptField) -> PromptField:
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("the prompt array must not be empty")
-            if isinstance(v[0], list) and any(not p for p in v):
-                raise ValueError("token-id prompts must not be empty")
-            if any(isinstance(t, int) and t < 0 for t in v):
-                raise ValueError("token ids must be non-negative")
-            if any(isinstance(p, list) and any(t < 0 for t in p) for p in v):
+    def _prompt_shape(cls, v: Prompt) -> Prompt:
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError("the prompt array must not be empty")
+        for item in v:
+            pieces = item if isinstance(item, list) else [item]
+            if isinstance(item, list) and not item:
+                raise ValueError("a prompt inside the array must not be empty")
+            if any(isinstance(t, int) and t < 0 for t in pieces):
                 raise ValueError("token ids must be non-negative")
         return v
 
-    def prompts(self) -> list[str | list[int]]:
-        """Normalize to a list of prompts, each text or token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
-
-    def to_params(self, default_max_tokens: int) -> GenerationParams:
-        if self.max_tokens == -1:
-            max_tokens: int | None = None  # llama.cpp's "until the context is full"
-        elif self.max_tokens is None:
-            max_tokens = default_max_tokens
-        else:
-            max_tokens = self.max_tokens
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return GenerationParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            stop=tuple(s for s in stop if s),
-            # Pick the seed here when the client did not: the job then replays identically when a
-            # later attempt resumes it, and the seed is on record.
-            seed=self.seed if self.seed is not None else secrets.randbits(63),
-            n=self.n or 1,
-            ignore_eos=bool(self.ignore_eos),
-        )
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
 
 def completion_body(job: Job) -> dict[str, Any]:
@@ -93,18 +148,21 @@ def completion_body(job: Job) -> dict[str, Any]:
     }
 
 
+def _ts(d: Any) -> int | None:
+    return int(d.timestamp()) if d else None
+
+
 def job_body(job: Job) -> dict[str, Any]:
     """Spool's job object, for `Prefer: respond-async` and `GET /v1/jobs/{id}`."""
-    ts = lambda d: int(d.timestamp()) if d else None  # noqa: E731
     return {
         "id": job.id,
         "object": "job",
         "model": job.model,
         "state": job.state,
         "attempt": job.attempt,
-        "created_at": ts(job.created_at),
-        "started_at": ts(job.started_at),
-        "finished_at": ts(job.finished_at),
+        "created_at": _ts(job.created_at),
+        "started_at": _ts(job.started_at),
+        "finished_at": _ts(job.finished_at),
         "usage": job.usage,
         "error": job.error,
         "result": completion_body(job) if job.state == "succeeded" else None,

@@ -1,7 +1,8 @@
 """Engine-neutral generation parameters.
 
-The API translates OpenAI JSON into these once, at the edge (api/schemas.py); workers and engines
-only ever see this shape, stored with the job in Postgres.
+The API translates OpenAI JSON (and the seed documents' extensions and aliases) into these once, at
+the edge (api/translate.py); workers and engines only ever see this shape, stored with the job.
+Every field here is honoured by every engine, or refused at the edge with a 400 naming it.
 """
 
 from __future__ import annotations
@@ -10,20 +11,50 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-# A prompt is text, or token ids the client tokenized itself.
-Prompt = str | list[int]
+# llama.cpp's default DRY sequence breakers.
+DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
 
 
 class GenerationParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # Length
     max_tokens: int | None = 16  # None: up to the end of the context
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int = 0  # always set: the edge picks one when the client did not, so retries replay
-    n: int = 1
+    min_tokens: int = 0  # end-of-sequence is suppressed until this many tokens exist
     ignore_eos: bool = False
+    # Sampling (temperature 0 = greedy)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    # Penalties
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    dry_multiplier: float = 0.0  # 0 = DRY off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    mirostat: int = 0  # 0 off, 1 Mirostat, 2 Mirostat 2.0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    logit_bias: dict[int, float] = {}
+    # Reproducibility: always set; the edge picks one when the client did not, so retries replay.
+    seed: int = 0
+    # Stopping
+    stop: tuple[str, ...] = ()
+    # Choices: n returned per prompt, best_of generated per prompt (best by mean token logprob)
+    n: int = 1
+    best_of: int = 1
+    # Log-probabilities
+    logprobs: int | None = None  # top alternatives per token (0..5); None = no logprobs
+    echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top k
+    # Constrained decoding: an llguidance grammar (core/constraints.py), already validated
+    grammar: str | None = None
+    # Prefix reuse across requests
+    cache_prompt: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -31,6 +62,15 @@ class GenerationParams(BaseModel):
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerationParams:
         return cls.model_validate(data)
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt."""
+        return max(self.n, self.best_of)
+
+    @property
+    def needs_token_logprobs(self) -> bool:
+        return self.logprobs is not None or self.best_of > self.n
 
 
 def choice_index(prompt_index: int, sample_index: int, n: int) -> int:

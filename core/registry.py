@@ -16,17 +16,11 @@ from core.settings import Settings
 @dataclass(frozen=True)
 class ModelSpec:
     id: str
-    context_length: int
     owned_by: str = "spool"
 
 
-KNOWN: dict[str, ModelSpec] = {
-    "smollm2-135m-instruct": ModelSpec("smollm2-135m-instruct", context_length=8192),
-}
-
-
 def served_models(settings: Settings) -> dict[str, ModelSpec]:
-    return {m: KNOWN.get(m, ModelSpec(m, context_length=settings.n_ctx)) for m in settings.model_ids}
+    return {m: ModelSpec(m) for m in settings.model_ids}
 
 
 def smollm2_gguf() -> Path:

@@ -34,6 +34,17 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, description="Port of `spool api`.")
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get 413.")
     default_max_tokens: int = Field(16, description="`max_tokens` when a request omits it (OpenAI: 16).")
+    unknown_params: str = Field(
+        "error",
+        description="`error`: an unknown request field is a 400 naming it; `ignore`: drop it and name it "
+        "in the `x-spool-ignored-params` response header.",
+    )
+    context_overflow: str = Field(
+        "error",
+        description="Default `context_length_exceeded_behavior` when prompt + max_tokens exceeds the "
+        "context: `error` (OpenAI) or `truncate` (lower max_tokens to fit).",
+    )
+    max_sequences_per_job: int = Field(128, description="Most prompts x best_of sequences one request may ask for.")
     cancel_on_disconnect: bool = Field(True, description="Cancel a streaming job when its client disconnects.")
     wait_timeout_s: float = Field(
         600.0, description="How long a non-streaming request waits; past it the answer is 202 with the job to poll."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
@@ -14,10 +15,12 @@ from api.errors import APIError, error_body
 from api.jobs_access import cancel_job, terminal_row_check
 from api.schemas import CompletionRequest, completion_body, job_body
 from api.streaming import HEARTBEAT, ChunkWriter, follow, sse_comment
+from api.translate import to_generation
 from core import jobs
 from core.db import async_sessions
 from core.dispatch import submit
 from core.registry import served_models
+from core.tokenizer import tokenizer_for
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -27,6 +30,7 @@ _ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409}
 
 
 @router.post("/v1/completions", response_model=None)
+@router.post("/v1/openai/v1/completions", response_model=None, include_in_schema=False)  # Llama Stack's path
 async def create_completion(
     body: CompletionRequest,
     request: Request,
@@ -35,6 +39,14 @@ async def create_completion(
     redis: RedisDep,
     settings: SettingsDep,
 ):
+    headers: dict[str, str] = {}
+    unknown = body.unknown_fields()
+    if unknown:
+        if settings.unknown_params != "ignore":
+            raise APIError(
+                400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter"
+            )
+        headers["x-spool-ignored-params"] = ",".join(unknown)
     if body.model not in served_models(settings):
         raise APIError(
             404,
@@ -42,33 +54,27 @@ async def create_completion(
             param="model",
             code="model_not_found",
         )
-    if body.stream_options is not None and not body.stream:
-        raise APIError(
-            400,
-            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-            param="stream_options",
-            code="invalid_value",
-        )
-    params = body.to_params(settings.default_max_tokens)
+    tok = await anyio.to_thread.run_sync(tokenizer_for, body.model)
+    params, prompts = await anyio.to_thread.run_sync(to_generation, body, settings, tok)
     job = jobs.new_job(
         tenant_id=tenant.id,
         model=body.model,
         params=params.to_json(),
-        prompts=body.prompts(),
+        prompts=prompts,
         stream=bool(body.stream),
         user=body.user,
     )
     await submit(session, job)
 
     if "respond-async" in request.headers.get("prefer", ""):
-        return JSONResponse(job_body(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+        return JSONResponse(job_body(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}", **headers})
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_stream(request, job, include_usage, tenant.id, redis, settings))
-    return await _wait(job, tenant.id, redis, settings)
+        return EventSourceResponse(_stream(job, include_usage, tenant.id, redis, settings), headers=headers)
+    return await _wait(job, tenant.id, redis, settings, headers)
 
 
-async def _stream(request: Request, job, include_usage: bool, tenant_id: int, redis, settings):
+async def _stream(job, include_usage: bool, tenant_id: int, redis, settings):
     writer = ChunkWriter(job, include_usage)
     finished = False
     try:
@@ -95,7 +101,7 @@ async def _cancel_quietly(job_id: str, tenant_id: int, redis) -> None:
         log.warning("cancel after disconnect failed for %s", job_id, exc_info=True)
 
 
-async def _wait(job, tenant_id: int, redis, settings) -> JSONResponse:
+async def _wait(job, tenant_id: int, redis, settings, headers: dict[str, str]) -> JSONResponse:
     check = terminal_row_check(job.id, tenant_id)
     try:
         async with asyncio.timeout(settings.wait_timeout_s):
@@ -103,11 +109,11 @@ async def _wait(job, tenant_id: int, redis, settings) -> JSONResponse:
                 if item is not HEARTBEAT and item[1].get("type") in ("done", "error", "cancelled"):
                     break
     except TimeoutError:
-        return JSONResponse(job_body(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+        return JSONResponse(job_body(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}", **headers})
     async with async_sessions()() as session:
         row = (await session.execute(jobs.get_for_tenant(job.id, tenant_id))).scalar_one()
     if row.state == "succeeded":
-        return JSONResponse(completion_body(row))
+        return JSONResponse(completion_body(row), headers=headers)
     err = {"param": None, "code": None, **(row.error or {"message": f"Job {row.state}.", "type": "server_error"})}
     status = _ERROR_STATUS.get(err.get("type", ""), 503)
     return JSONResponse(error_body(err["message"], err["type"], err["param"], err["code"]), status_code=status)

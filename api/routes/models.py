@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter
 
 from api.deps import SettingsDep, TenantDep
 from api.errors import APIError
 from core.registry import ModelSpec, served_models
+from core.settings import Settings
+from core.tokenizer import context_length, tokenizer_for
 
 router = APIRouter(prefix="/v1/models")
 _CREATED = 1735689600  # fixed: the model list is configuration, not a dated object
 
 
-def _model(spec: ModelSpec) -> dict:
+async def _model(spec: ModelSpec, settings: Settings) -> dict:
+    tok = await anyio.to_thread.run_sync(tokenizer_for, spec.id)
     return {
         "id": spec.id,
         "object": "model",
         "created": _CREATED,
         "owned_by": spec.owned_by,
-        "context_length": spec.context_length,
+        "context_length": context_length(tok, settings.n_ctx),
     }
 
 
 @router.get("")
 async def list_models(_: TenantDep, settings: SettingsDep) -> dict:
-    return {"object": "list", "data": [_model(m) for m in served_models(settings).values()]}
+    return {"object": "list", "data": [await _model(m, settings) for m in served_models(settings).values()]}
 
 
 @router.get("/{model_id:path}")
@@ -32,4 +36,4 @@ async def get_model(model_id: str, _: TenantDep, settings: SettingsDep) -> dict:
     spec = served_models(settings).get(model_id)
     if spec is None:
         raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
-    return _model(spec)
+    return await _model(spec, settings)

@@ -12,6 +12,7 @@ from core import events, jobs
 from core.models import Tenant
 from core.params import GenerationParams
 from core.queue import RUN_JOB, queue_for
+from core.tokenizer import tokenizer_for
 from tests.conftest import MODEL, TEST_REDIS, job_row, wait_for
 from tests.sse import collect
 
@@ -25,7 +26,14 @@ def _insert_job(db, *, dispatched: bool, prompt: str = "Twice:") -> str:
     params = GenerationParams(max_tokens=16, temperature=0.7, seed=99, ignore_eos=True)
     with Session(db) as s:
         tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "alpha"))
-        job = jobs.new_job(tenant_id=tenant_id, model=MODEL, params=params.to_json(), prompts=[prompt], stream=False)
+        ids = tokenizer_for(MODEL).encode(prompt)
+        job = jobs.new_job(
+            tenant_id=tenant_id,
+            model=MODEL,
+            params=params.to_json(),
+            prompts=[{"ids": ids, "text": prompt}],
+            stream=False,
+        )
         s.add(job)
         s.commit()
         job_id = job.id

@@ -1,10 +1,18 @@
 """CPU engine: llama.cpp through llama-cpp-python's low-level API, with real batching.
 
-The high-level `Llama` object runs one sequence at a time. Here every live sequence gets its own
-KV-cache slot (seq_id) and each `step()` is one `llama_decode` over a batch holding one new token
-per decoding sequence plus prompt chunks of sequences still in prefill, so N streams cost about one
-forward pass per token instead of N. Sampling happens in numpy on each sequence's logits
-(workers/engine/sampling.py) with a per-sequence seeded RNG.
+The high-level `Llama` object runs one sequence at a time. Here every live sequence owns a KV-cache
+sequence id (a slot) and each `step()` is one `llama_decode` over a batch holding one new token per
+decoding sequence plus prompt chunks of sequences still in prefill, so N streams cost about one
+forward pass per token instead of N.
+
+Sampling uses llama.cpp's own sampler chain per sequence (its native samplers: penalties, DRY,
+top-k/p, min-p, typical, temperature, mirostat, logit bias, seeded draw). What the chain cannot do is
+done on the logits row in place before it runs: end-of-sequence suppression (`ignore_eos`,
+`min_tokens`) and the llguidance grammar mask. Log-probabilities come from the raw row, in numpy,
+only for sequences that asked for them.
+
+A finished sequence leaves its tokens in its slot's cache; a later prompt sharing a prefix with
+them reuses it (`cache_prompt`), as llama.cpp's server does per slot.
 """
 
 from __future__ import annotations
@@ -17,37 +25,91 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as llc
 import numpy as np
 
-from workers.engine.base import SeqSpec, TokenEvent
-from workers.engine.sampling import sample
+from core.llamalog import quiet_llama_logs
+from core.params import GenerationParams
+from core.tokenizer import LlamaVocab
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
+from workers.engine.logits import GrammarMask, log_softmax, top_logprobs
 
 log = logging.getLogger(__name__)
+
+Plan = list[tuple[str, tuple[Any, ...]]]
+
+
+def sampler_plan(p: GenerationParams, seed: int, n_vocab: int, n_ctx: int) -> Plan:
+    """GenerationParams -> llama.cpp sampler chain, in llama-server's order. Plain data so it is
+    unit-tested without a model; `_build_chain` turns it into samplers."""
+    plan: Plan = []
+    if p.logit_bias:
+        plan.append(("logit_bias", (tuple(sorted(p.logit_bias.items())),)))
+    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        plan.append(("penalties", (n_ctx, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)))
+    if p.dry_multiplier > 0:
+        plan.append(("dry", (p.dry_multiplier, p.dry_base, p.dry_allowed_length, n_ctx, p.dry_sequence_breakers)))
+    seed32 = seed & 0xFFFFFFFF
+    if p.temperature <= 0:
+        plan.append(("greedy", ()))
+        return plan
+    if p.mirostat:
+        plan.append(("temp", (p.temperature,)))
+        if p.mirostat == 1:
+            plan.append(("mirostat", (n_vocab, seed32, p.mirostat_tau, p.mirostat_eta, 100)))
+        else:
+            plan.append(("mirostat_v2", (seed32, p.mirostat_tau, p.mirostat_eta)))
+        return plan
+    if p.top_k > 0:
+        plan.append(("top_k", (p.top_k,)))
+    if p.typical_p < 1.0:
+        plan.append(("typical", (p.typical_p, 1)))
+    if p.top_p < 1.0:
+        plan.append(("top_p", (p.top_p, 1)))
+    if p.min_p > 0.0:
+        plan.append(("min_p", (p.min_p, 1)))
+    plan.append(("temp", (p.temperature,)))
+    plan.append(("dist", (seed32,)))
+    return plan
+
+
+def _build_chain(plan: Plan, vocab: Any, n_vocab: int) -> Any:
+    chain = llc.llama_sampler_chain_init(llc.llama_sampler_chain_default_params())
+    for name, args in plan:
+        if name == "logit_bias":
+            items = args[0]
+            arr = (llc.llama_logit_bias * len(items))(*[llc.llama_logit_bias(t, b) for t, b in items])
+            smp = llc.llama_sampler_init_logit_bias(n_vocab, len(items), arr)
+        elif name == "dry":
+            mult, base, allowed, last_n, breakers = args
+            enc = [b.encode() for b in breakers]
+            arr = (ctypes.c_char_p * len(enc))(*enc)
+            smp = llc.llama_sampler_init_dry(vocab, mult, base, allowed, last_n, arr, len(enc))
+        elif name == "penalties":
+            smp = llc.llama_sampler_init_penalties(*args)
+        else:
+            smp = getattr(llc, f"llama_sampler_init_{name}")(*args)
+        llc.llama_sampler_chain_add(chain, smp)  # the chain owns it from here
+    return chain
 
 
 @dataclass
 class _Seq:
     spec: SeqSpec
     slot: int
-    rng: np.random.Generator
+    chain: Any
     pending: list[int]  # prompt tokens not yet decoded
-    pos: int = 0  # next position in this slot's KV cache
-    generated: int = 0
+    pos: int = 0  # next position in the slot's KV cache
+    cached: int = 0
+    generated: int = 0  # by this attempt (spec.prior came before)
     last: int | None = None  # the token to feed next step
-    started: float = field(default_factory=time.monotonic)
-
-
-@llc.llama_log_callback
-def _log_cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    if level == 4:  # GGML_LOG_LEVEL_ERROR; debug, info, warnings and continuations are dropped
-        log.error("llama.cpp: %s", text.decode(errors="replace").rstrip())
-
-
-def _quiet_llama_logs() -> None:
-    # llama.cpp prints every tensor it loads to stderr; route only its errors to our log.
-    llc.llama_log_set(_log_cb, ctypes.c_void_p(0))
+    grammar: GrammarMask | None = None
+    want_logprobs: bool = False
+    top_k: int = 0
+    prompt_lp: list[tuple[float | None, int | None, list | None]] | None = None
+    fed: list[int] = field(default_factory=list)  # every token now in this slot's KV, in order
 
 
 class LlamaCppEngine:
@@ -62,18 +124,17 @@ class LlamaCppEngine:
         n_threads: int | None = None,
     ) -> None:
         self.model_id = model_id
-        self.n_ctx = n_ctx
         self.max_batch = max_batch
         self.n_batch = n_batch
-        _quiet_llama_logs()
+        quiet_llama_logs()
         llc.llama_backend_init()
-        mparams = llc.llama_model_default_params()
-        self._model = llc.llama_model_load_from_file(str(path).encode(), mparams)
+        self._model = llc.llama_model_load_from_file(str(path).encode(), llc.llama_model_default_params())
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {path}")
-        self._vocab = llc.llama_model_get_vocab(self._model)
-        self.n_vocab = llc.llama_vocab_n_tokens(self._vocab)
         self.n_ctx = min(n_ctx, llc.llama_model_n_ctx_train(self._model))
+        self.vocab = LlamaVocab(llc.llama_model_get_vocab(self._model), llc.llama_model_n_ctx_train(self._model))
+        self.n_vocab = self.vocab.n_vocab
+        self._eog = np.array(sorted(self.vocab.eog_tokens), dtype=np.int64)
         cparams = llc.llama_context_default_params()
         cparams.n_seq_max = max_batch
         # One shared KV buffer: measured here, 16 streams decode ~1.7x faster unified than with a
@@ -92,40 +153,31 @@ class LlamaCppEngine:
         self._mem = llc.llama_get_memory(self._ctx)
         self._batch = llc.llama_batch_init(n_batch, 0, 1)
         self._free = list(range(max_batch))
+        self._slot_tokens: dict[int, list[int]] = {s: [] for s in range(max_batch)}  # what each slot's KV holds
         self._waiting: collections.deque[SeqSpec] = collections.deque()
         self._live: dict[Hashable, _Seq] = {}
-        self._pieces: dict[int, bytes] = {}
-        self.add_bos = bool(llc.llama_vocab_get_add_bos(self._vocab))
+        self._ll_tokenizer: Any = None
         log.info(
             "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads", path.name, self.n_ctx, max_batch, threads
         )
 
     # -- tokenizer --------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        raw = text.encode()
-        cap = len(raw) + 8
-        buf = (llc.llama_token * cap)()
-        n = llc.llama_tokenize(self._vocab, raw, len(raw), buf, cap, self.add_bos, True)
-        if n < 0:  # buffer too small: -n is the size needed
-            cap = -n
-            buf = (llc.llama_token * cap)()
-            n = llc.llama_tokenize(self._vocab, raw, len(raw), buf, cap, self.add_bos, True)
-        return list(buf[:n])
+        return self.vocab.encode(text)
 
     def token_bytes(self, token_id: int) -> bytes:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llc.llama_token_to_piece(self._vocab, token_id, buf, 64, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llc.llama_token_to_piece(self._vocab, token_id, buf, -n, 0, False)
-            piece = buf.raw[:n]
-            self._pieces[token_id] = piece
-        return piece
+        return self.vocab.token_bytes(token_id)
 
-    def is_eog(self, token_id: int) -> bool:
-        return bool(llc.llama_vocab_is_eog(self._vocab, token_id))
+    def token_text(self, token_id: int) -> str:
+        return self.vocab.token_text(token_id)
+
+    def ll_tokenizer(self) -> Any:
+        """llguidance's view of this vocabulary (built once: ~1 s)."""
+        if self._ll_tokenizer is None:
+            from llguidance.llamacpp import lltokenizer_from_vocab
+
+            self._ll_tokenizer = lltokenizer_from_vocab(self.vocab.vocab)
+        return self._ll_tokenizer
 
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
@@ -148,26 +200,70 @@ class LlamaCppEngine:
         return bool(self._live or self._waiting)
 
     def _release(self, seq: _Seq) -> None:
-        llc.llama_memory_seq_rm(self._mem, seq.slot, -1, -1)
+        llc.llama_sampler_free(seq.chain)
+        self._slot_tokens[seq.slot] = seq.fed  # its KV stays: a later prompt may reuse the prefix
         self._free.append(seq.slot)
+
+    def _pick_slot(self, spec: SeqSpec, reuse: bool) -> tuple[int, int]:
+        """A free slot and how many of the prompt's tokens its cache already holds."""
+        best, best_len = self._free[-1], 0
+        if reuse:
+            for slot in self._free:
+                held = self._slot_tokens[slot]
+                n = 0
+                for a, b in zip(held, spec.prompt_ids, strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                if n > best_len:
+                    best, best_len = slot, n
+        self._free.remove(best)
+        # Always decode at least the last prompt token: its logits start generation.
+        return best, min(best_len, len(spec.prompt_ids) - 1)
 
     def _admit(self) -> None:
         while self._waiting and self._free:
             spec = self._waiting.popleft()
-            slot = self._free.pop()
-            self._live[spec.key] = _Seq(spec, slot, np.random.default_rng(spec.seed), list(spec.prompt_ids))
+            p = spec.params
+            reuse = p.cache_prompt and not spec.prompt_logprobs
+            slot, keep = self._pick_slot(spec, reuse)
+            llc.llama_memory_seq_rm(self._mem, slot, keep, -1)
+            plan = sampler_plan(p, spec.seed, self.n_vocab, self.n_ctx)
+            chain = _build_chain(plan, self.vocab.vocab, self.n_vocab)
+            if any(name in ("penalties", "dry") for name, _ in plan):
+                for t in spec.prompt_ids:  # penalties and DRY look at the prompt and what came before
+                    llc.llama_sampler_accept(chain, t)
+            seq = _Seq(
+                spec=spec,
+                slot=slot,
+                chain=chain,
+                pending=list(spec.prompt_ids[keep:]),
+                pos=keep,
+                cached=keep,
+                want_logprobs=p.needs_token_logprobs,
+                top_k=p.logprobs or 0,
+                fed=list(spec.prompt_ids[:keep]),
+            )
+            if spec.matcher is not None:
+                seq.grammar = GrammarMask(spec.matcher, self.n_vocab)
+            if spec.prompt_logprobs is not None:
+                seq.prompt_lp = [(None, None, None)]
+            self._live[spec.key] = seq
 
     # -- one decode step --------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> list[TokenEvent | PromptEvent]:
         self._admit()
         b = self._batch
         n = 0
-        wants: list[tuple[_Seq, int]] = []  # sequences that get logits this step, and their row
-        decoding = [s for s in self._live.values() if not s.pending]
-        for s in decoding:
+        samplers: list[tuple[_Seq, int]] = []  # sequences sampling this step, and their logits row
+        scorers: list[tuple[_Seq, int, int]] = []  # (seq, row, prompt index the row predicts)
+        for s in self._live.values():
+            if s.pending:
+                continue
             self._put(b, n, s.last, s.pos, s.slot, True)
+            s.fed.append(s.last)
             s.pos += 1
-            wants.append((s, n))
+            samplers.append((s, n))
             n += 1
         for s in self._live.values():  # prompt chunks fill the rest of the batch
             if not s.pending or n >= self.n_batch:
@@ -176,34 +272,79 @@ class LlamaCppEngine:
             chunk, s.pending = s.pending[:take], s.pending[take:]
             for i, tok in enumerate(chunk):
                 last = not s.pending and i == take - 1
-                self._put(b, n, tok, s.pos, s.slot, last)
-                s.pos += 1
+                score = s.prompt_lp is not None and s.pos + 1 < s.spec.prompt_logprobs_len
+                self._put(b, n, tok, s.pos, s.slot, last or score)
+                if score:
+                    scorers.append((s, n, s.pos + 1))
                 if last:
-                    wants.append((s, n))
+                    samplers.append((s, n))
+                s.fed.append(tok)
+                s.pos += 1
                 n += 1
         if n == 0:
             return []
         b.n_tokens = n
         rc = llc.llama_decode(self._ctx, b)
         if rc != 0:
+            # The cache may now hold part of this batch: forget every slot's contents.
+            for seq in self._live.values():
+                seq.fed = []
+            for slot in self._slot_tokens:
+                self._slot_tokens[slot] = []
+                llc.llama_memory_seq_rm(self._mem, slot, -1, -1)
             raise RuntimeError(f"llama_decode returned {rc}")
         now = time.monotonic()
-        out: list[TokenEvent] = []
-        for s, row in wants:
-            ptr = llc.llama_get_logits_ith(self._ctx, row)
-            logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-            tok, lp = sample(logits, temperature=s.spec.temperature, top_p=s.spec.top_p, rng=s.rng)
-            if self.is_eog(tok) and not s.spec.ignore_eos:
-                out.append(TokenEvent(s.spec.key, None, None, "stop", now))
-                self._finish(s)
-                continue
-            s.generated += 1
-            s.last = tok
-            done = s.generated >= s.spec.max_new_tokens
-            out.append(TokenEvent(s.spec.key, tok, lp, "length" if done else None, now))
-            if done:
-                self._finish(s)
+        out: list[TokenEvent | PromptEvent] = []
+        for s, row, target in scorers:
+            logp = log_softmax(self._row(row))
+            lp = float(logp[s.spec.prompt_ids[target]])
+            rank = int((logp > lp).sum()) + 1
+            s.prompt_lp.append((lp, rank, top_logprobs(logp, s.spec.prompt_logprobs or 0)))
+        for s, row in samplers:
+            if s.last is None:  # first token of this sequence: its prompt is done
+                out.append(PromptEvent(s.spec.key, s.cached, s.prompt_lp))
+                if s.spec.max_new_tokens == 0:
+                    out.append(TokenEvent(s.spec.key, None, None, "length", t=now))
+                    self._finish(s)
+                    continue
+            out.append(self._sample(s, row, now))
         return out
+
+    def _row(self, row: int) -> np.ndarray:
+        return np.ctypeslib.as_array(llc.llama_get_logits_ith(self._ctx, row), shape=(self.n_vocab,))
+
+    def _sample(self, s: _Seq, row: int, now: float) -> TokenEvent:
+        logits = self._row(row)  # a view of llama.cpp's buffer: edits are seen by the sampler chain
+        logp = log_softmax(logits) if s.want_logprobs else None
+        p = s.spec.params
+        grammar_ending = s.grammar is not None and s.grammar.accepting
+        if (p.ignore_eos or s.spec.prior + s.generated < p.min_tokens) and not grammar_ending:
+            logits[self._eog] = -np.inf
+        if s.grammar is not None:
+            s.grammar.apply(logits)
+        if not np.isfinite(logits).any():  # nothing allowed: the grammar is complete
+            self._finish(s)
+            return TokenEvent(s.spec.key, None, None, "stop", t=now)
+        tok = int(llc.llama_sampler_sample(s.chain, self._ctx, row))
+        lp = float(logp[tok]) if logp is not None else None
+        top = top_logprobs(logp, s.top_k) if logp is not None and s.top_k else None
+        if self.vocab.is_eog(tok):
+            self._finish(s)
+            return TokenEvent(s.spec.key, None, None, "stop", t=now)
+        s.generated += 1
+        s.last = tok
+        finish = None
+        if s.grammar is not None:
+            s.grammar.consume(tok)
+            if s.grammar.error:
+                finish = f"error:grammar: {s.grammar.error}"
+            elif s.grammar.done:
+                finish = "stop"
+        if finish is None and s.generated >= s.spec.max_new_tokens:
+            finish = "length"
+        if finish:
+            self._finish(s)
+        return TokenEvent(s.spec.key, tok, lp, finish, top, now)
 
     def _finish(self, s: _Seq) -> None:
         del self._live[s.spec.key]

@@ -12,11 +12,11 @@ import queue
 import threading
 from collections.abc import Callable, Hashable
 
-from workers.engine.base import Engine, SeqSpec, TokenEvent
+from workers.engine.base import Engine, PromptEvent, SeqSpec, TokenEvent
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[TokenEvent], None]
+Sink = Callable[[TokenEvent | PromptEvent], None]
 
 
 class EngineLoop:
@@ -78,6 +78,6 @@ class EngineLoop:
                 sink = self._sinks.get(ev.key)
                 if sink is None:
                     continue
-                if ev.finish_reason is not None:
+                if isinstance(ev, TokenEvent) and ev.finish_reason is not None:
                     del self._sinks[ev.key]
                 sink(ev)

@@ -1,0 +1,59 @@
+"""POST /tokenize and /detokenize in llama.cpp's shapes (plus an optional `model`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import SettingsDep, TenantDep
+from api.errors import APIError
+from core.registry import served_models
+from core.settings import Settings
+from core.tokenizer import Tokenizer, tokenizer_for
+
+router = APIRouter()
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+    model: str | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tokens: list[Annotated[int, Field(ge=0)]]
+    model: str | None = None
+
+
+async def _tokenizer(model: str | None, settings: Settings) -> Tokenizer:
+    models = served_models(settings)
+    model = model or next(iter(models))
+    if model not in models:
+        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+    return await anyio.to_thread.run_sync(tokenizer_for, model)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, _: TenantDep, settings: SettingsDep) -> dict:
+    tok = await _tokenizer(body.model, settings)
+    ids = tok.encode(body.content, add_special=body.add_special)
+    if body.with_pieces:
+        return {"tokens": [{"id": t, "piece": tok.token_text(t)} for t in ids]}
+    return {"tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, _: TenantDep, settings: SettingsDep) -> dict:
+    tok = await _tokenizer(body.model, settings)
+    bad = [t for t in body.tokens if t >= tok.n_vocab]
+    if bad:
+        raise APIError(
+            400, f"Token id {bad[0]} is out of range (0..{tok.n_vocab - 1}).", param="tokens", code="invalid_value"
+        )
+    return {"content": tok.decode(body.tokens)}

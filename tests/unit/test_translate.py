@@ -1,0 +1,120 @@
+"""OpenAI JSON -> GenerationParams + token-id prompts: the one translation at the edge."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from api.errors import APIError
+from api.schemas import CompletionRequest
+from api.translate import to_generation
+from core.settings import Settings
+from core.tokenizer import tokenizer_for
+
+MODEL = "smollm2-135m-instruct"
+SETTINGS = Settings(n_ctx=1024)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer_for(MODEL)
+
+
+def translate(tok, **kw):
+    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "p", **kw})
+    return to_generation(req, SETTINGS, tok)
+
+
+def test_defaults_follow_openai(tok):
+    p, prompts = translate(tok)
+    assert (p.max_tokens, p.temperature, p.top_p, p.n, p.best_of, p.stop) == (16, 1.0, 1.0, 1, 1, ())
+    assert isinstance(p.seed, int)  # chosen at the edge, so a resumed attempt replays
+    assert prompts == [{"ids": tok.encode("p"), "text": "p"}]
+
+
+def test_null_and_minus_one_max_tokens_mean_rest_of_context(tok):
+    assert translate(tok, max_tokens=None)[0].max_tokens is None
+    assert translate(tok, max_tokens=-1)[0].max_tokens is None
+    assert translate(tok, max_tokens=0)[0].max_tokens == 0
+
+
+def test_aliases(tok):
+    p, _ = translate(tok, repeat_penalty=1.3, mirostat=2, mirostat_target=3.0, mirostat_lr=0.2, logprobs=True)
+    assert (p.repetition_penalty, p.mirostat_tau, p.mirostat_eta, p.logprobs) == (1.3, 3.0, 0.2, 1)
+    assert translate(tok, logprobs=False)[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "count"),
+    [("a", 1), (["a", "b"], 2), ([1, 2], 1), ([[1], [2, 3]], 2), ([1, "a", 2], 1), (["a", [1, "b"]], 2)],
+)
+def test_prompt_forms(tok, prompt, count):
+    _, prompts = translate(tok, prompt=prompt)
+    assert len(prompts) == count
+
+
+def test_mixed_prompt_concatenates_pieces(tok):
+    _, prompts = translate(tok, prompt=[504, " capital", 282])
+    assert prompts[0]["ids"] == [504, *tok.encode(" capital", add_special=True), 282]
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"prompt": [10**6]}, "prompt"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"best_of": 3, "stream": True}, "best_of"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"suffix": "x"}, "suffix"),
+        ({"images": ["data:image/png;base64,AAAA"]}, "images"),
+        ({"regex": "[a-"}, "regex"),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"json_schema": {"type": "bogus"}}, "json_schema"),
+        ({"regex": "a", "guided_choice": ["b"]}, "regex"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": 2000}, "max_tokens"),
+        ({"prompt": "word " * 1100, "max_tokens": 5}, "prompt"),
+        ({"prompt": ["a"] * 20, "n": 10}, "n"),
+    ],
+)
+def test_refused_with_the_parameter_named(tok, kw, param):
+    with pytest.raises(APIError) as err:
+        translate(tok, **kw)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_context_overflow_choices(tok):
+    long = "word " * 1100
+    assert translate(tok, max_tokens=2000, context_length_exceeded_behavior="truncate")[0].max_tokens == 2000
+    _, prompts = translate(tok, prompt=long, max_tokens=10, truncate_sequence=True)
+    assert len(prompts[0]["ids"]) == 1024 - 10
+    assert prompts[0]["ids"] == tok.encode(long)[-(1024 - 10) :]  # cut from the left
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": "5"},
+        {"temperature": 2.5},
+        {"n": 129},
+        {"stop": ["a"] * 5},
+        {"prompt": []},
+        {"prompt": [[]]},
+        {"prompt": [-1]},
+        {"stream": 1},
+        {"mirostat": 3},
+        {"logprobs": 6},
+        {"top_p": 1.5},
+    ],
+)
+def test_schema_rejects(bad):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "p", **bad})
+
+
+def test_unknown_fields_are_collected_not_silently_used():
+    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "frobnicate": 1})
+    assert req.unknown_fields() == ["frobnicate"]
