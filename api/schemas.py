@@ -144,7 +144,6 @@ def completion_body(job: Job) -> dict[str, Any]:
         "model": job.model,
         "choices": (job.result or {}).get("choices", []),
         "usage": job.usage,
-        "system_fingerprint": None,
     }
 
 

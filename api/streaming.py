@@ -46,16 +46,19 @@ async def follow(
 def synthesize(job: Job) -> list[dict[str, Any]]:
     """Events rebuilt from a terminal job row, for when its stream is gone."""
     if job.state == "succeeded":
-        out: list[dict[str, Any]] = [
-            {
+        out: list[dict[str, Any]] = []
+        for c in (job.result or {}).get("choices", []):
+            ev = {
                 "type": "delta",
                 "choice": c["index"],
                 "text": c["text"],
                 "token_ids": [],
                 "finish_reason": c["finish_reason"],
+                "logprobs": c.get("logprobs"),
             }
-            for c in (job.result or {}).get("choices", [])
-        ]
+            if "prompt_logprobs" in c:
+                ev["prompt_logprobs"] = c["prompt_logprobs"]
+            out.append(ev)
         return [*out, {"type": "done", "usage": job.usage}]
     if job.state == "cancelled":
         return [{"type": "cancelled"}]
@@ -80,13 +83,13 @@ class ChunkWriter:
             "object": "text_completion",
             "created": int(job.created_at.timestamp()),
             "model": job.model,
-            "system_fingerprint": None,
         }
         self.include_usage = include_usage
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        # `usage` only on the final chunk: the reference schema has no null usage.
         body = {**self.base, "choices": choices}
-        if self.include_usage:
+        if usage is not None:
             body["usage"] = usage
         return body
 
@@ -95,14 +98,17 @@ class ChunkWriter:
         if kind == "delta":
             # Never an empty-text chunk unless it carries the finish_reason: benchmarks time the
             # first chunk as the first token.
-            if not ev["text"] and not ev.get("finish_reason"):
+            lp = ev.get("logprobs")
+            if not ev["text"] and not ev.get("finish_reason") and not (lp and lp["tokens"]):
                 return []
             choice = {
                 "text": ev["text"],
                 "index": ev["choice"],
-                "logprobs": None,
+                "logprobs": lp,
                 "finish_reason": ev.get("finish_reason"),
             }
+            if "prompt_logprobs" in ev:
+                choice["prompt_logprobs"] = ev["prompt_logprobs"]
             return [sse(self._chunk([choice]), entry_id)]
         if kind == "done":
             out = [sse(self._chunk([], ev.get("usage")), entry_id)] if self.include_usage else []

@@ -15,6 +15,9 @@ from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class ConstraintError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -74,7 +77,9 @@ def from_json_schema(schema: Any, param: str) -> str:
     if not isinstance(schema, dict):
         raise ConstraintError(param, f"'{param}' must be a JSON Schema object.")
     try:
-        return LLMatcher.grammar_from_json_schema(schema)
+        # Compact JSON (", " and ": " only): with free whitespace small models pad with spaces
+        # and newlines until max_tokens runs out.
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
     except Exception as exc:  # llguidance raises plain ValueError/RuntimeError for bad schemas
         raise ConstraintError(param, f"Invalid JSON schema in '{param}': {exc}") from exc
 

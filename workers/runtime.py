@@ -25,7 +25,12 @@ def build_engine(model_id: str) -> Engine:
         from workers.engine.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine(
-            model_id, model_path(s, model_id), n_ctx=s.n_ctx, max_batch=s.max_batch, n_threads=s.n_threads
+            model_id,
+            model_path(s, model_id),
+            n_ctx=s.n_ctx,
+            max_batch=s.max_batch,
+            n_threads=s.n_threads,
+            kv_unified=s.kv_unified,
         )
     raise ValueError(f"unknown engine {s.engine!r} (the exllamav2 engine comes with its own issue)")
 

@@ -48,7 +48,7 @@ def sampler_plan(p: GenerationParams, seed: int, n_vocab: int, n_ctx: int) -> Pl
     if p.logit_bias:
         plan.append(("logit_bias", (tuple(sorted(p.logit_bias.items())),)))
     if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-        plan.append(("penalties", (n_ctx, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)))
+        plan.append(("penalties", (n_vocab, n_ctx, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)))
     if p.dry_multiplier > 0:
         plan.append(("dry", (p.dry_multiplier, p.dry_base, p.dry_allowed_length, n_ctx, p.dry_sequence_breakers)))
     seed32 = seed & 0xFFFFFFFF
@@ -122,6 +122,7 @@ class LlamaCppEngine:
         max_batch: int = 16,
         n_batch: int = 512,
         n_threads: int | None = None,
+        kv_unified: bool = False,
     ) -> None:
         self.model_id = model_id
         self.max_batch = max_batch
@@ -137,9 +138,11 @@ class LlamaCppEngine:
         self._eog = np.array(sorted(self.vocab.eog_tokens), dtype=np.int64)
         cparams = llc.llama_context_default_params()
         cparams.n_seq_max = max_batch
-        # One shared KV buffer: measured here, 16 streams decode ~1.7x faster unified than with a
-        # stream per sequence (191 vs 113 tok/s on 2 cores), and one stream loses nothing.
-        cparams.kv_unified = True
+        # A KV stream per sequence (the default) keeps every sequence's arithmetic independent of
+        # what else is cached or batched, so a seed replays bit for bit. A unified buffer is ~20%
+        # faster at 16 streams on 2 cores, but the attention sums then run over a layout that depends
+        # on other sequences, and sampled text drifts (measured: see BENCHMARKS.md).
+        cparams.kv_unified = kv_unified
         cparams.n_ctx = self.n_ctx * max_batch
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
@@ -221,38 +224,47 @@ class LlamaCppEngine:
         # Always decode at least the last prompt token: its logits start generation.
         return best, min(best_len, len(spec.prompt_ids) - 1)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[TokenEvent]:
+        """Move waiting sequences into free slots. A sequence that cannot start fails alone."""
+        failed: list[TokenEvent] = []
         while self._waiting and self._free:
             spec = self._waiting.popleft()
-            p = spec.params
-            reuse = p.cache_prompt and not spec.prompt_logprobs
-            slot, keep = self._pick_slot(spec, reuse)
-            llc.llama_memory_seq_rm(self._mem, slot, keep, -1)
-            plan = sampler_plan(p, spec.seed, self.n_vocab, self.n_ctx)
-            chain = _build_chain(plan, self.vocab.vocab, self.n_vocab)
-            if any(name in ("penalties", "dry") for name, _ in plan):
-                for t in spec.prompt_ids:  # penalties and DRY look at the prompt and what came before
-                    llc.llama_sampler_accept(chain, t)
-            seq = _Seq(
-                spec=spec,
-                slot=slot,
-                chain=chain,
-                pending=list(spec.prompt_ids[keep:]),
-                pos=keep,
-                cached=keep,
-                want_logprobs=p.needs_token_logprobs,
-                top_k=p.logprobs or 0,
-                fed=list(spec.prompt_ids[:keep]),
-            )
-            if spec.matcher is not None:
-                seq.grammar = GrammarMask(spec.matcher, self.n_vocab)
-            if spec.prompt_logprobs is not None:
-                seq.prompt_lp = [(None, None, None)]
-            self._live[spec.key] = seq
+            try:
+                self._start(spec)
+            except Exception as exc:
+                log.exception("could not start sequence %s", spec.key)
+                failed.append(TokenEvent(spec.key, None, None, f"error:{exc}", t=time.monotonic()))
+        return failed
+
+    def _start(self, spec: SeqSpec) -> None:
+        p = spec.params
+        plan = sampler_plan(p, spec.seed, self.n_vocab, self.n_ctx)
+        chain = _build_chain(plan, self.vocab.vocab, self.n_vocab)  # first: it is what can fail
+        if any(name in ("penalties", "dry") for name, _ in plan):
+            for t in spec.prompt_ids:  # penalties and DRY look at the prompt and what came before
+                llc.llama_sampler_accept(chain, t)
+        slot, keep = self._pick_slot(spec, reuse=p.cache_prompt and not spec.prompt_logprobs)
+        llc.llama_memory_seq_rm(self._mem, slot, keep, -1)
+        seq = _Seq(
+            spec=spec,
+            slot=slot,
+            chain=chain,
+            pending=list(spec.prompt_ids[keep:]),
+            pos=keep,
+            cached=keep,
+            want_logprobs=p.needs_token_logprobs,
+            top_k=p.logprobs or 0,
+            fed=list(spec.prompt_ids[:keep]),
+        )
+        if spec.matcher is not None:
+            seq.grammar = GrammarMask(spec.matcher, self.n_vocab)
+        if spec.prompt_logprobs is not None:
+            seq.prompt_lp = [(None, None, None)]
+        self._live[spec.key] = seq
 
     # -- one decode step --------------------------------------------------------------------
     def step(self) -> list[TokenEvent | PromptEvent]:
-        self._admit()
+        out: list[TokenEvent | PromptEvent] = list(self._admit())
         b = self._batch
         n = 0
         samplers: list[tuple[_Seq, int]] = []  # sequences sampling this step, and their logits row
@@ -282,7 +294,7 @@ class LlamaCppEngine:
                 s.pos += 1
                 n += 1
         if n == 0:
-            return []
+            return out
         b.n_tokens = n
         rc = llc.llama_decode(self._ctx, b)
         if rc != 0:
@@ -294,7 +306,6 @@ class LlamaCppEngine:
                 llc.llama_memory_seq_rm(self._mem, slot, -1, -1)
             raise RuntimeError(f"llama_decode returned {rc}")
         now = time.monotonic()
-        out: list[TokenEvent | PromptEvent] = []
         for s, row, target in scorers:
             logp = log_softmax(self._row(row))
             lp = float(logp[s.spec.prompt_ids[target]])
