@@ -14,7 +14,6 @@ from typing import Any
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
