@@ -118,3 +118,23 @@ def test_schema_rejects(bad):
 def test_unknown_fields_are_collected_not_silently_used():
     req = CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "frobnicate": 1})
     assert req.unknown_fields() == ["frobnicate"]
+
+
+class FimTokenizer:
+    """A tokenizer stand-in with fill-in-the-middle tokens (SmolLM2 has none)."""
+
+    n_vocab = 100
+    train_context = 64
+    eos = 0
+
+    def encode(self, text, *, add_special=True):
+        return [10 + (ord(c) % 50) for c in text]
+
+    def fim_tokens(self):
+        return (1, 2, 3)
+
+
+def test_suffix_builds_a_fill_in_the_middle_prompt():
+    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "ab", "suffix": "c", "max_tokens": 4})
+    _, prompts = to_generation(req, SETTINGS, FimTokenizer())
+    assert prompts == [{"ids": [1, 10 + ord("a") % 50, 10 + ord("b") % 50, 2, 10 + ord("c") % 50, 3], "text": None}]
