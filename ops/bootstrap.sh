@@ -11,6 +11,6 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # llama-cpp-python compiles llama.cpp (about 8 minutes on 2 cores the first time; pip caches the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-.venv/bin/python -m pip install --quiet --progress-bar off -e ".[cpu,test]"
+.venv/bin/python -m pip install --quiet --progress-bar off -e ".[cpu,test,bench]"
 
 bash ops/services.sh
