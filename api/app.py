@@ -6,11 +6,12 @@ from contextlib import asynccontextmanager
 
 import anyio
 import redis.asyncio as aioredis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from api import errors
-from api.routes import completions, jobs, models, tokens
+from api.routes import admin, completions, jobs, models, tokens, usage
 from core.db import async_engine
 from core.settings import get_settings
 from core.tokenizer import tokenizer_for
@@ -51,6 +52,12 @@ def create_app() -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(models.router)
     app.include_router(tokens.router)
+    app.include_router(usage.router)
+    app.include_router(admin.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", include_in_schema=False)
     async def health(request: Request) -> dict:

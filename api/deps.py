@@ -1,8 +1,9 @@
-"""Request dependencies: settings, database session, Redis, and the tenant behind the API key."""
+"""Request dependencies: settings, database session, Redis, and who is calling (tenant + key)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated
 
 import redis.asyncio as aioredis
@@ -10,9 +11,9 @@ from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.errors import APIError
-from core.auth import lookup_tenant_stmt
+from core.auth import lookup_stmt
 from core.db import async_sessions
-from core.models import Tenant
+from core.models import ApiKey, Tenant
 from core.settings import Settings, get_settings
 
 
@@ -25,24 +26,43 @@ def redis_client(request: Request) -> aioredis.Redis:
     return request.app.state.redis
 
 
-async def current_tenant(request: Request, session: Annotated[AsyncSession, Depends(db_session)]) -> Tenant:
+@dataclass(frozen=True)
+class Principal:
+    tenant: Tenant
+    key: ApiKey
+
+
+async def current_principal(request: Request, session: Annotated[AsyncSession, Depends(db_session)]) -> Principal:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise APIError(
             401,
-            "You didn't provide an API key. You need to provide your API key in an "
-            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+            "You didn't provide an API key. You need to provide your API key in an Authorization header using "
+            "Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
             code="missing_api_key",
             type_="invalid_request_error",
         )
-    tenant = (await session.execute(lookup_tenant_stmt(key.strip()))).scalar()
-    if tenant is None:
+    row = (await session.execute(lookup_stmt(key.strip()))).first()
+    if row is None:
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", type_="invalid_request_error")
-    return tenant
+    return Principal(row[0], row[1])
+
+
+async def current_tenant(principal: Annotated[Principal, Depends(current_principal)]) -> Tenant:
+    return principal.tenant
+
+
+async def admin_principal(principal: Annotated[Principal, Depends(current_principal)]) -> Principal:
+    if principal.key.scope != "admin":
+        # Same answer as an unknown route: an ordinary key learns nothing about /admin.
+        raise APIError(404, "Unknown request URL. Please check the URL for typos.")
+    return principal
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[AsyncSession, Depends(db_session)]
 RedisDep = Annotated[aioredis.Redis, Depends(redis_client)]
+PrincipalDep = Annotated[Principal, Depends(current_principal)]
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
+AdminDep = Annotated[Principal, Depends(admin_principal)]

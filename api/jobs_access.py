@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from core import events, jobs
+from core import events, jobs, ratelimit, usage
 from core.db import async_sessions
 from core.models import Job
 from core.settings import get_settings
@@ -24,8 +24,13 @@ async def cancel_job(session: AsyncSession, rds: aioredis.Redis, job_id: str, te
     """Cancel if live; returns the job row either way (None if it is not this tenant's)."""
     s = get_settings()
     row = (await session.execute(jobs.cancel(job_id, tenant_id))).scalar()
+    if row is not None:
+        await session.execute(
+            usage.record(tenant_id=row.tenant_id, key_id=row.key_id, model=row.model, outcome="cancelled")
+        )
     await session.commit()
     if row is not None:
+        await ratelimit.settle_async(rds, job_id, 0)  # a cancelled job gives its reservation back
         pipe = rds.pipeline(transaction=False)
         pipe.set(events.cancel_key(job_id), 1, ex=3600)
         events.queue_append(pipe, job_id, [{"type": "cancelled"}], s.events_ttl_s, s.events_maxlen)

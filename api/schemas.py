@@ -111,6 +111,7 @@ class CompletionRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: Annotated[int, Field(ge=-100, le=100)] | None = None  # within the tenant: higher runs first
     # Accepted for compatibility; no effect on a text-completion model
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -182,5 +182,23 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
         prompt_logprobs=req.prompt_logprobs,
         grammar=grammar,
         cache_prompt=True if req.cache_prompt is None else req.cache_prompt,
+        reproducible=req.seed is not None
+        or req.temperature == 0
+        or logprobs is not None
+        or bool(req.echo)
+        or req.prompt_logprobs is not None
+        or best_of > n,
     )
     return params, prompts
+
+
+def reservation(params: GenerationParams, prompts: list[dict], ctx: int) -> int:
+    """Tokens to reserve against the tenant's limits: every prompt plus the most every candidate
+    may generate. Settled to the real usage when the job ends."""
+    total = 0
+    for p in prompts:
+        n = len(p["ids"])
+        room = max(ctx - n, 0)
+        gen = room if params.max_tokens is None else min(params.max_tokens, room)
+        total += n + params.candidates * gen
+    return total

@@ -92,11 +92,17 @@ def dispatcher() -> None:
     import redis
 
     from core.db import sync_sessions
-    from core.dispatch import run_forever
+    from core.dispatch import Dispatcher
 
     _logging()
     s = get_settings()
-    run_forever(sync_sessions(), redis.Redis.from_url(s.redis_url), s)
+    if s.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(s.metrics_port)
+    Dispatcher(
+        sync_sessions(), redis.Redis.from_url(s.redis_url), redis.Redis.from_url(s.celery_broker_url), s
+    ).run_forever()
 
 
 @app.command()
@@ -137,7 +143,7 @@ def _ensure_first_key(tenant_name: str) -> str | None:
         t = tenant_by_name(session, tenant_name) or create_tenant(session, tenant_name)
         if session.scalar(select(ApiKey.id).where(ApiKey.tenant_id == t.id).limit(1)) is not None:
             return None
-        key = create_key(session, t, name="first")
+        key, _ = create_key(session, t, name="first", scope="admin")
         session.commit()
         return key
 
@@ -222,27 +228,98 @@ def settings_table() -> None:
         typer.echo(f"| `SPOOL_{name.upper()}` | {default} | {f.description or ''} |")
 
 
+LimitOpt = typer.Option(None, help="Limit (omit to leave as is; 0 clears it).")
+
+
+def _limit_values(**kw: int | None) -> dict[str, int | None]:
+    return {k: (None if v == 0 else v) for k, v in kw.items() if v is not None}
+
+
 @tenant_app.command("create")
-def tenant_create(name: str) -> None:
-    """Create a tenant."""
+def tenant_create(
+    name: str,
+    weight: int = typer.Option(1, help="Share of the workers when tenants compete."),
+    rpm: int | None = LimitOpt,
+    tpm: int | None = LimitOpt,
+    tpd: int | None = LimitOpt,
+    max_concurrent: int | None = LimitOpt,
+    max_queued: int | None = LimitOpt,
+) -> None:
+    """Create a tenant, optionally with limits (requests/tokens per minute, tokens per day, ...)."""
     from core.auth import create_tenant, tenant_by_name
     from core.db import sync_sessions
+    from core.tenants import set_limits
 
     with sync_sessions()() as session:
         if tenant_by_name(session, name):
             typer.echo(f"tenant '{name}' already exists", err=True)
             raise typer.Exit(1)
         t = create_tenant(session, name)
+        session.execute(
+            set_limits(
+                name,
+                {
+                    "weight": weight,
+                    **_limit_values(rpm=rpm, tpm=tpm, tpd=tpd, max_concurrent=max_concurrent, max_queued=max_queued),
+                },
+            )
+        )
         session.commit()
         typer.echo(f"tenant '{t.name}' created (id {t.id})")
+
+
+@tenant_app.command("update")
+def tenant_update(
+    name: str,
+    weight: int | None = typer.Option(None),
+    rpm: int | None = LimitOpt,
+    tpm: int | None = LimitOpt,
+    tpd: int | None = LimitOpt,
+    max_concurrent: int | None = LimitOpt,
+    max_queued: int | None = LimitOpt,
+) -> None:
+    """Change a tenant's weight or limits (0 clears a limit)."""
+    from core.db import sync_sessions
+    from core.tenants import set_limits, tenant_json
+
+    values = _limit_values(rpm=rpm, tpm=tpm, tpd=tpd, max_concurrent=max_concurrent, max_queued=max_queued)
+    if weight is not None:
+        values["weight"] = weight
+    with sync_sessions()() as session:
+        t = session.execute(set_limits(name, values)).scalar()
+        if t is None:
+            typer.echo(f"no tenant '{name}'", err=True)
+            raise typer.Exit(1)
+        session.commit()
+        typer.echo(tenant_json(t))
+
+
+@tenant_app.command("list")
+def tenant_list() -> None:
+    """List tenants and their limits."""
+    from sqlalchemy import select
+
+    from core.db import sync_sessions
+    from core.models import Tenant
+    from core.tenants import tenant_json
+
+    with sync_sessions()() as session:
+        for t in session.scalars(select(Tenant).order_by(Tenant.id)):
+            typer.echo(tenant_json(t))
 
 
 @key_app.command("create")
 def key_create(
     tenant: str = typer.Option(..., "--tenant", help="Tenant name."),
     name: str | None = typer.Option(None, help="A label for the key."),
+    scope: str = typer.Option("user", help="user, or admin (may call /admin)."),
+    expires_days: float | None = typer.Option(None, help="Expire after this many days."),
+    rpm: int | None = typer.Option(None, help="Per-key requests/minute, on top of the tenant's."),
+    tpm: int | None = typer.Option(None, help="Per-key tokens/minute, on top of the tenant's."),
 ) -> None:
     """Create an API key and print it. It is stored hashed: this is the only time it is shown."""
+    from datetime import UTC, datetime, timedelta
+
     from core.auth import create_key, tenant_by_name
     from core.db import sync_sessions
 
@@ -251,9 +328,42 @@ def key_create(
         if t is None:
             typer.echo(f"no tenant '{tenant}' (spool tenant create {tenant})", err=True)
             raise typer.Exit(1)
-        key = create_key(session, t, name=name)
+        expires = datetime.now(UTC) + timedelta(days=expires_days) if expires_days else None
+        key, _ = create_key(session, t, name=name, scope=scope, expires_at=expires, rpm=rpm, tpm=tpm)
         session.commit()
     typer.echo(key)
+
+
+@key_app.command("list")
+def key_list(tenant: str = typer.Option(..., "--tenant")) -> None:
+    """List a tenant's keys (prefix, scope, expiry, revoked; never the key)."""
+    from sqlalchemy import select
+
+    from core.auth import tenant_by_name
+    from core.db import sync_sessions
+    from core.models import ApiKey
+    from core.tenants import key_json
+
+    with sync_sessions()() as session:
+        t = tenant_by_name(session, tenant)
+        if t is None:
+            raise typer.Exit(1)
+        for k in session.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id).order_by(ApiKey.id)):
+            typer.echo(key_json(k))
+
+
+@key_app.command("revoke")
+def key_revoke(key_id: int) -> None:
+    """Revoke a key by id; the next request with it gets 401."""
+    from core.db import sync_sessions
+    from core.tenants import revoke
+
+    with sync_sessions()() as session:
+        if session.execute(revoke(key_id)).first() is None:
+            typer.echo(f"no key {key_id}", err=True)
+            raise typer.Exit(1)
+        session.commit()
+    typer.echo(f"key {key_id} revoked")
 
 
 def main() -> None:

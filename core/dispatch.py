@@ -1,10 +1,11 @@
 """Persist, then enqueue; and the dispatcher loop that owns everything the happy path missed.
 
-- The API commits a job as `queued`, then moves it to `dispatched` and sends its message. If the
-  send fails, the job goes back to `queued` and the dispatcher sends it.
-- The dispatcher (`spool dispatcher`; running two is safe, every pick uses SKIP LOCKED) sends
-  `queued` jobs, re-sends `dispatched` jobs nobody claimed (lost messages), and returns jobs whose
-  worker stopped renewing its lease to `queued` with the next attempt number.
+- The API commits a job as `queued`; if the tenant is under its concurrency cap it moves the job to
+  `dispatched` and sends its message at once. If the send fails, the job goes back to `queued`.
+- The dispatcher (`spool dispatcher`; running two is safe: every move is a compare-and-set) feeds
+  each model's queues in weighted fair order (core/scheduler.py), never more than the workers can
+  start soon; re-sends `dispatched` jobs nobody claimed (lost messages); and returns jobs whose
+  worker stopped renewing its lease to `queued` with the next attempt number, or fails them.
 """
 
 from __future__ import annotations
@@ -14,92 +15,124 @@ import time
 
 import anyio
 import redis
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, sessionmaker
 
-from core import events, jobs
-from core.models import Job
-from core.queue import queue_for, send_run_job
+from core import events, jobs, ratelimit, usage
+from core.metrics import QUEUED
+from core.models import Job, JobState
+from core.queue import queues_for, send_run_job
+from core.scheduler import FairScheduler
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-async def submit(session: AsyncSession, job: Job) -> None:
-    """Commit the job, then hand it to Celery. The row exists before any message can name it."""
+async def submit(session: AsyncSession, job: Job, cap: int | None = None) -> None:
+    """Commit the job, then hand it to Celery if its tenant has room. The row exists before any
+    message can name it."""
     session.add(job)
     await session.commit()
-    moved = (await session.execute(jobs.mark_dispatched(job.id, job.attempt))).first()
+    if job.kind != "interactive":
+        return  # batch lines always go through the fair dispatcher
+    moved = (await session.execute(jobs.dispatch_now(job.id, job.attempt, job.tenant_id, cap))).first()
     await session.commit()
-    if moved is None:  # cancelled in between, or the dispatcher already took it
+    if moved is None:  # over the cap (or cancelled already): the dispatcher will send it
         return
     try:
-        await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model)
+        await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model, job.kind)
     except Exception:
         log.warning("could not send job %s; leaving it to the dispatcher", job.id, exc_info=True)
         await session.execute(jobs.undispatch(job.id, job.attempt))
         await session.commit()
 
 
-def tick(session: Session, rds: redis.Redis, broker: redis.Redis, settings: Settings) -> dict[str, int]:
-    """One pass of the dispatcher. Returns counts for logs and tests."""
-    requeued = session.execute(jobs.requeue_lapsed(settings.max_attempts)).all()
-    failed = session.execute(jobs.fail_lapsed(settings.max_attempts)).all()
-    session.commit()
-    for job_id, attempt in failed:  # wake anyone waiting on these jobs
-        pipe = rds.pipeline(transaction=False)
-        events.queue_append(
-            pipe,
-            job_id,
-            [
-                {
-                    "type": "error",
-                    "attempt": attempt,
-                    "error": {
-                        "message": "The worker running this job was lost too many times.",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "worker_lost",
+class Dispatcher:
+    def __init__(self, sessions: sessionmaker, rds: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
+        self.sessions, self.rds, self.broker, self.settings = sessions, rds, broker, settings
+        self.scheduler = FairScheduler()
+
+    def tick(self) -> dict[str, int]:
+        """One pass. Returns counts for logs and tests."""
+        s = self.settings
+        with self.sessions() as session:
+            counts = {"requeued": len(session.execute(jobs.requeue_lapsed(s.max_attempts)).all())}
+            failed = session.execute(jobs.fail_lapsed(s.max_attempts)).all()
+            for row in failed:
+                session.execute(
+                    usage.record(tenant_id=row.tenant_id, key_id=row.key_id, model=row.model, outcome="failed")
+                )
+            session.commit()
+            counts["failed"] = len(failed)
+            for row in failed:  # release its limits and wake anyone waiting on it
+                ratelimit.settle(self.rds, row.id, 0)
+                self._event(
+                    row.id,
+                    {
+                        "type": "error",
+                        "attempt": row.attempt,
+                        "error": {
+                            "message": "The worker running this job was lost too many times.",
+                            "type": "server_error",
+                            "param": None,
+                            "code": "worker_lost",
+                        },
                     },
-                }
-            ],
-            settings.events_ttl_s,
-            settings.events_maxlen,
-        )
+                )
+
+            # Re-send only where the model's queues are empty: a message still waiting in a busy
+            # queue is slow, not lost, and re-sending would pile duplicates onto the backlog.
+            idle = [m for m in s.model_ids if self._depth(m) == 0]
+            stale = session.execute(jobs.touch_stale_dispatched(s.dispatch_timeout_s, s.dispatcher_batch, idle)).all()
+            session.commit()
+            sent = self._send(session, stale)
+
+            for model in s.model_ids:
+                room = min(s.queue_depth - self._depth(model), s.dispatcher_batch)
+                picks = self.scheduler.pick(session, model, room)
+                rows = session.execute(jobs.dispatch_picked(picks)).all() if picks else []
+                session.commit()
+                sent += self._send(session, rows)
+                QUEUED.labels(model).set(
+                    session.scalar(
+                        select(func.count())
+                        .select_from(Job)
+                        .where(Job.state == JobState.queued.value, Job.model == model)
+                    )
+                    or 0
+                )
+        counts |= {"resent": len(stale), "sent": sent}
+        if any(counts.values()):
+            log.info("dispatcher: %s", counts)
+        return counts
+
+    def _depth(self, model: str) -> int:
+        return sum(self.broker.llen(q) for q in queues_for(model))
+
+    def _send(self, session: Session, rows: list) -> int:
+        sent = 0
+        for job_id, attempt, model, kind in rows:
+            try:
+                send_run_job(job_id, attempt, model, kind)
+                sent += 1
+            except Exception:
+                log.warning("send failed for %s; back to queued", job_id, exc_info=True)
+                session.execute(jobs.undispatch(job_id, attempt))
+                session.commit()
+        return sent
+
+    def _event(self, job_id: str, ev: dict) -> None:
+        pipe = self.rds.pipeline(transaction=False)
+        events.queue_append(pipe, job_id, [ev], self.settings.events_ttl_s, self.settings.events_maxlen)
         pipe.execute()
 
-    # Only where the model's queue is empty: a message still waiting in a busy queue is slow, not
-    # lost, and re-sending it would pile duplicates onto the backlog.
-    idle = [m for m in settings.model_ids if broker.llen(queue_for(m)) == 0]
-    stale = session.execute(
-        jobs.touch_stale_dispatched(settings.dispatch_timeout_s, settings.dispatcher_batch, idle)
-    ).all()
-    session.commit()
-    picked = session.execute(jobs.take_queued(settings.dispatcher_batch)).all()
-    session.commit()
-    sent = 0
-    for job_id, attempt, model in [*stale, *picked]:
-        try:
-            send_run_job(job_id, attempt, model)
-            sent += 1
-        except Exception:
-            log.warning("send failed for %s; back to queued", job_id, exc_info=True)
-            session.execute(jobs.undispatch(job_id, attempt))
-            session.commit()
-    counts = {"requeued": len(requeued), "failed": len(failed), "resent": len(stale), "sent": sent}
-    if any(counts.values()):
-        log.info("dispatcher: %s", counts)
-    return counts
-
-
-def run_forever(sessions: sessionmaker, rds: redis.Redis, settings: Settings) -> None:
-    log.info("dispatcher started (every %.1fs)", settings.dispatcher_interval_s)
-    broker = redis.Redis.from_url(settings.celery_broker_url)
-    while True:
-        started = time.monotonic()
-        try:
-            with sessions() as session:
-                tick(session, rds, broker, settings)
-        except Exception:
-            log.exception("dispatcher tick failed; retrying")
-        time.sleep(max(0.0, settings.dispatcher_interval_s - (time.monotonic() - started)))
+    def run_forever(self) -> None:
+        log.info("dispatcher started (every %.1fs)", self.settings.dispatcher_interval_s)
+        while True:
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:
+                log.exception("dispatcher tick failed; retrying")
+            time.sleep(max(0.0, self.settings.dispatcher_interval_s - (time.monotonic() - started)))

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import enum
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Date,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -43,6 +45,14 @@ class Tenant(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
+    # Share of the workers when tenants compete (weighted fair dispatch).
+    weight: Mapped[int] = mapped_column(Integer, server_default="1")
+    # Limits; NULL means unlimited.
+    rpm: Mapped[int | None] = mapped_column(Integer)  # requests per minute
+    tpm: Mapped[int | None] = mapped_column(Integer)  # tokens (prompt + max_tokens reserved) per minute
+    tpd: Mapped[int | None] = mapped_column(BigInteger)  # tokens per day
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)  # jobs dispatched or running at once
+    max_queued: Mapped[int | None] = mapped_column(Integer)  # jobs not yet finished
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
@@ -55,7 +65,11 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     name: Mapped[str | None] = mapped_column(String(128))
+    scope: Mapped[str] = mapped_column(String(16), server_default="user")  # user | admin
     revoked: Mapped[bool] = mapped_column(Boolean, server_default="false")
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rpm: Mapped[int | None] = mapped_column(Integer)  # optional per-key limits, on top of the tenant's
+    tpm: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
@@ -69,11 +83,17 @@ class Job(Base):
         # The dispatcher's scans: oldest queued first, stale dispatched, lapsed leases.
         Index("ix_jobs_state_created", "state", "created_at"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
+        # The fair dispatcher: each tenant's queued jobs of a model, best first.
+        Index("ix_jobs_queue", "model", "state", "tenant_id", "kind", "priority", "created_at"),
+        CheckConstraint("kind IN ('interactive', 'batch')", name="ck_jobs_kind"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_id: Mapped[int | None] = mapped_column(BigInteger)  # the API key that created it (for usage)
     model: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16), server_default="interactive")  # interactive | batch
+    reserved_tokens: Mapped[int] = mapped_column(Integer, server_default="0")  # TPM/TPD reservation
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.queued.value)
     attempt: Mapped[int] = mapped_column(Integer, server_default="1")
     priority: Mapped[int] = mapped_column(Integer, server_default="0")
@@ -91,3 +111,19 @@ class Job(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class UsageDaily(Base):
+    """What a provider bills from: per day, tenant, key and model, written when jobs end."""
+
+    __tablename__ = "usage_daily"
+
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    key_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # 0: no key
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    gpu_seconds: Mapped[float] = mapped_column(Float, server_default="0")

@@ -55,6 +55,9 @@ class GenerationParams(BaseModel):
     grammar: str | None = None
     # Prefix reuse across requests
     cache_prompt: bool = True
+    # Must replay bit for bit (an explicit seed, greedy, or scoring): engines may run such
+    # sequences on a slower exact path (workers/engine/llamacpp.py: lanes).
+    reproducible: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

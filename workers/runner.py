@@ -15,7 +15,8 @@ from typing import Any
 import redis
 from sqlalchemy.orm import sessionmaker
 
-from core import events, jobs
+from core import events, jobs, ratelimit, usage
+from core.metrics import QUEUE_WAIT
 from core.models import Job
 from core.params import GenerationParams, choice_index
 from core.settings import Settings
@@ -133,15 +134,40 @@ class JobRunner:
             s.commit()
         return ok
 
-    def settle(self, job: Job, stmt: Any) -> bool:
-        """Run a terminal transition; False when it matched nothing (cancelled, or not ours any more)."""
+    def settle(
+        self,
+        job: Job,
+        stmt: Any,
+        outcome: str,
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        engine_s: float = 0.0,
+    ) -> bool:
+        """Run a terminal transition and record the job's usage in the same transaction, then settle
+        its rate-limit reservation. False when the transition matched nothing (cancelled, or no
+        longer this attempt's job): then nothing is recorded here, whoever won did it."""
         with self.sessions() as s:
             won = s.execute(stmt).first() is not None
+            if won:
+                s.execute(
+                    usage.record(
+                        tenant_id=job.tenant_id,
+                        key_id=job.key_id,
+                        model=job.model,
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=completion_tokens,
+                        gpu_seconds=engine_s,
+                        outcome=outcome,
+                    )
+                )
             s.commit()
+        if won:
+            ratelimit.settle(self.redis, job.id, prompt_tokens + completion_tokens if outcome == "succeeded" else 0)
         return won
 
     def _fail(self, job: Job, error: dict[str, Any]) -> None:
-        if self.settle(job, jobs.fail(job.id, job.attempt, error)):
+        if self.settle(job, jobs.fail(job.id, job.attempt, error), "failed"):
             self._append(job.id, [{"type": "error", "attempt": job.attempt, "error": error}])
 
 
@@ -158,6 +184,7 @@ class _Attempt:
         self.prompts: list[list[int]] = [list(x["ids"]) for x in job.prompts]
         self.buffered = self.p.best_of > self.p.n  # best_of: publish only the winners, at the end
         self.choices: dict[int, _Choice] = {}
+        self.engine_s = 0.0
 
     # -- setup ------------------------------------------------------------------------------
     def _build(self) -> list[SeqSpec]:
@@ -206,6 +233,7 @@ class _Attempt:
                         if scores
                         else None,
                         prompt_logprobs_len=len(ids),
+                        interactive=job.kind != "batch",
                     )
                 )
         return specs
@@ -229,6 +257,8 @@ class _Attempt:
     # -- the attempt ------------------------------------------------------------------------
     def run(self) -> str:
         job = self.job
+        if job.started_at is not None and job.created_at is not None:
+            QUEUE_WAIT.labels(job.kind).observe((job.started_at - job.created_at).total_seconds())
         specs = self._build()
         if not self.buffered:
             self._publish([ch for ch in self.choices.values() if ch.prefix_ready])
@@ -277,15 +307,23 @@ class _Attempt:
             max((ch.cached for ch in self.choices.values() if ch.prompt == pi), default=0)
             for pi in range(len(self.prompts))
         )
-        usage = {
+        usage_body = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
-        if not self.runner.settle(job, jobs.succeed(job.id, job.attempt, result, usage)):
+        won = self.runner.settle(
+            job,
+            jobs.succeed(job.id, job.attempt, result, usage_body),
+            "succeeded",
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            engine_s=self.engine_s,
+        )
+        if not won:
             return "lost"
-        self.runner._append(job.id, [{"type": "done", "attempt": job.attempt, "usage": usage}])
+        self.runner._append(job.id, [{"type": "done", "attempt": job.attempt, "usage": usage_body}])
         return "succeeded"
 
     def _accept(self, ch: _Choice, ev: TokenEvent | PromptEvent, live: set) -> _Choice:
@@ -295,6 +333,7 @@ class _Attempt:
             if ev.entries is not None and not ch.prefix_sent:
                 self._prompt_scores(ch, ev.entries)
             return ch
+        self.engine_s += ev.engine_s
         if ch.done:
             return ch
         if ev.finish_reason and ev.finish_reason.startswith("error:"):

@@ -30,9 +30,21 @@ def build_engine(model_id: str) -> Engine:
             n_ctx=s.n_ctx,
             max_batch=s.max_batch,
             n_threads=s.n_threads,
-            kv_unified=s.kv_unified,
+            fast_lane=s.fast_lane,
         )
-    raise ValueError(f"unknown engine {s.engine!r} (the exllamav2 engine comes with its own issue)")
+    if s.engine == "exllamav2":
+        from workers.engine.exllamav2 import ExLlamaV2Engine  # imports torch and CUDA: only here
+
+        return ExLlamaV2Engine(
+            model_id,
+            model_path(s, model_id),
+            n_ctx=s.n_ctx,
+            max_batch=s.max_batch,
+            cache_size=s.exl2_cache_tokens,
+            cache_quant=s.exl2_cache_quant,
+            chunk=s.exl2_chunk_size,
+        )
+    raise ValueError(f"unknown engine {s.engine!r}: `llamacpp` or `exllamav2`")
 
 
 @lru_cache

@@ -10,17 +10,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 
-from api.deps import RedisDep, SessionDep, SettingsDep, TenantDep
+from api.deps import PrincipalDep, RedisDep, SessionDep, SettingsDep
 from api.errors import APIError, error_body
 from api.jobs_access import cancel_job, terminal_row_check
+from api.limits import admit
 from api.schemas import CompletionRequest, completion_body, job_body
 from api.streaming import HEARTBEAT, ChunkWriter, follow, sse_comment
-from api.translate import to_generation
-from core import jobs
+from api.translate import reservation, to_generation
+from core import jobs, ratelimit
 from core.db import async_sessions
 from core.dispatch import submit
+from core.metrics import ADMITTED
 from core.registry import served_models
-from core.tokenizer import tokenizer_for
+from core.tokenizer import context_length, tokenizer_for
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -34,11 +36,12 @@ _ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409}
 async def create_completion(
     body: CompletionRequest,
     request: Request,
-    tenant: TenantDep,
+    principal: PrincipalDep,
     session: SessionDep,
     redis: RedisDep,
     settings: SettingsDep,
 ):
+    tenant = principal.tenant
     headers: dict[str, str] = {}
     unknown = body.unknown_fields()
     if unknown:
@@ -63,8 +66,17 @@ async def create_completion(
         prompts=prompts,
         stream=bool(body.stream),
         user=body.user,
+        priority=body.priority or 0,
     )
-    await submit(session, job)
+    job.key_id = principal.key.id
+    job.reserved_tokens = reservation(params, prompts, context_length(tok, settings.n_ctx))
+    headers |= await admit(redis, principal, job.id, job.reserved_tokens)
+    try:
+        await submit(session, job, cap=tenant.max_concurrent)
+    except Exception:
+        await ratelimit.settle_async(redis, job.id, 0)  # nothing was stored: give the limits back
+        raise
+    ADMITTED.labels(str(tenant.id), body.model).inc()
 
     if "respond-async" in request.headers.get("prefer", ""):
         return JSONResponse(job_body(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}", **headers})

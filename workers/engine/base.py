@@ -27,6 +27,7 @@ class SeqSpec:
     matcher: Any = None  # llguidance.LLMatcher, already advanced past `prior` tokens
     prompt_logprobs: int | None = None  # report logprob + top-k for each prompt token
     prompt_logprobs_len: int = 0  # ... of the first this-many prompt tokens
+    interactive: bool = True  # waiting interactive sequences start before batch ones
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class TokenEvent:
     finish_reason: str | None  # "stop" | "length" | "error:<message>" | None while running
     top: TopList | None = None
     t: float = 0.0  # monotonic time the step finished (concurrency evidence, latency stats)
+    engine_s: float = 0.0  # on the final event: this sequence's share of engine time (billing)
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ def _build_chain(plan: Plan, vocab: Any, n_vocab: int) -> Any:
 @dataclass
 class _Seq:
     spec: SeqSpec
+    lane: _Lane
     slot: int
     chain: Any
     pending: list[int]  # prompt tokens not yet decoded
@@ -112,6 +113,71 @@ class _Seq:
     fed: list[int] = field(default_factory=list)  # every token now in this slot's KV, in order
 
 
+class _Lane:
+    """One llama.cpp context (its own KV cache and slots) that decodes its sequences together.
+
+    `exact` lanes keep a KV stream per sequence: a sequence's arithmetic is then independent of
+    what else is cached or batched, so a seed replays bit for bit, but llama.cpp gains nothing from
+    batching them on CPU. The `fast` lane shares one KV buffer: measured ~1.5-2x the throughput at
+    16 streams on 2 cores, but attention sums run over a layout that depends on the other
+    sequences, so sampled text can drift between identical requests (see BENCHMARKS.md).
+    """
+
+    def __init__(
+        self, model: Any, name: str, *, unified: bool, n_ctx: int, max_batch: int, n_batch: int, threads: int
+    ) -> None:
+        self.name = name
+        cparams = llc.llama_context_default_params()
+        cparams.n_seq_max = max_batch
+        cparams.kv_unified = unified
+        cparams.n_ctx = n_ctx * max_batch
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        self.ctx = llc.llama_init_from_model(model, cparams)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.mem = llc.llama_get_memory(self.ctx)
+        self.batch = llc.llama_batch_init(n_batch, 0, 1)
+        self.n_batch = n_batch
+        self.free = list(range(max_batch))
+        self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(max_batch)}  # what each slot's KV holds
+        self.waiting: collections.deque[SeqSpec] = collections.deque()
+        self.live: dict[Hashable, _Seq] = {}
+
+    def pick_slot(self, spec: SeqSpec, reuse: bool) -> tuple[int, int]:
+        """A free slot and how many of the prompt's tokens its cache already holds."""
+        best, best_len = self.free[-1], 0
+        if reuse:
+            for slot in self.free:
+                n = 0
+                for a, b in zip(self.slot_tokens[slot], spec.prompt_ids, strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                if n > best_len:
+                    best, best_len = slot, n
+        self.free.remove(best)
+        # Always decode at least the last prompt token: its logits start generation.
+        return best, min(best_len, len(spec.prompt_ids) - 1)
+
+    def release(self, seq: _Seq) -> None:
+        llc.llama_sampler_free(seq.chain)
+        self.slot_tokens[seq.slot] = seq.fed  # its KV stays: a later prompt may reuse the prefix
+        self.free.append(seq.slot)
+        self.live.pop(seq.spec.key, None)
+
+    def forget_all(self) -> None:
+        """After a failed decode the cache may hold part of the batch: trust none of it."""
+        for seq in self.live.values():
+            seq.fed = []
+        for slot in self.slot_tokens:
+            self.slot_tokens[slot] = []
+            llc.llama_memory_seq_rm(self.mem, slot, -1, -1)
+
+
 class LlamaCppEngine:
     def __init__(
         self,
@@ -122,11 +188,10 @@ class LlamaCppEngine:
         max_batch: int = 16,
         n_batch: int = 512,
         n_threads: int | None = None,
-        kv_unified: bool = False,
+        fast_lane: bool = True,
     ) -> None:
         self.model_id = model_id
         self.max_batch = max_batch
-        self.n_batch = n_batch
         quiet_llama_logs()
         llc.llama_backend_init()
         self._model = llc.llama_model_load_from_file(str(path).encode(), llc.llama_model_default_params())
@@ -136,32 +201,19 @@ class LlamaCppEngine:
         self.vocab = LlamaVocab(llc.llama_model_get_vocab(self._model), llc.llama_model_n_ctx_train(self._model))
         self.n_vocab = self.vocab.n_vocab
         self._eog = np.array(sorted(self.vocab.eog_tokens), dtype=np.int64)
-        cparams = llc.llama_context_default_params()
-        cparams.n_seq_max = max_batch
-        # A KV stream per sequence (the default) keeps every sequence's arithmetic independent of
-        # what else is cached or batched, so a seed replays bit for bit. A unified buffer is ~20%
-        # faster at 16 streams on 2 cores, but the attention sums then run over a layout that depends
-        # on other sequences, and sampled text drifts (measured: see BENCHMARKS.md).
-        cparams.kv_unified = kv_unified
-        cparams.n_ctx = self.n_ctx * max_batch
-        cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
         threads = n_threads or os.cpu_count() or 1
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.no_perf = True
-        self._ctx = llc.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        self._mem = llc.llama_get_memory(self._ctx)
-        self._batch = llc.llama_batch_init(n_batch, 0, 1)
-        self._free = list(range(max_batch))
-        self._slot_tokens: dict[int, list[int]] = {s: [] for s in range(max_batch)}  # what each slot's KV holds
-        self._waiting: collections.deque[SeqSpec] = collections.deque()
-        self._live: dict[Hashable, _Seq] = {}
+        lane = dict(n_ctx=self.n_ctx, max_batch=max_batch, n_batch=n_batch, threads=threads)
+        self._exact = _Lane(self._model, "exact", unified=False, **lane)
+        self._fast = _Lane(self._model, "fast", unified=True, **lane) if fast_lane else self._exact
+        self._lanes = [self._exact] if self._fast is self._exact else [self._exact, self._fast]
         self._ll_tokenizer: Any = None
         log.info(
-            "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads", path.name, self.n_ctx, max_batch, threads
+            "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads, lanes %s",
+            path.name,
+            self.n_ctx,
+            max_batch,
+            threads,
+            [ln.name for ln in self._lanes],
         )
 
     # -- tokenizer --------------------------------------------------------------------------
@@ -190,63 +242,44 @@ class LlamaCppEngine:
             raise ValueError(f"prompt + max_new_tokens exceeds the context ({self.n_ctx})")
         if any(t < 0 or t >= self.n_vocab for t in spec.prompt_ids):
             raise ValueError(f"token id out of range 0..{self.n_vocab - 1}")
-        self._waiting.append(spec)
+        (self._exact if spec.params.reproducible else self._fast).waiting.append(spec)
 
     def cancel(self, key: Hashable) -> None:
-        seq = self._live.pop(key, None)
-        if seq is not None:
-            self._release(seq)
-        else:
-            self._waiting = collections.deque(s for s in self._waiting if s.key != key)
+        for lane in self._lanes:
+            seq = lane.live.get(key)
+            if seq is not None:
+                lane.release(seq)
+                return
+            lane.waiting = collections.deque(s for s in lane.waiting if s.key != key)
 
     def has_work(self) -> bool:
-        return bool(self._live or self._waiting)
+        return any(lane.live or lane.waiting for lane in self._lanes)
 
-    def _release(self, seq: _Seq) -> None:
-        llc.llama_sampler_free(seq.chain)
-        self._slot_tokens[seq.slot] = seq.fed  # its KV stays: a later prompt may reuse the prefix
-        self._free.append(seq.slot)
-
-    def _pick_slot(self, spec: SeqSpec, reuse: bool) -> tuple[int, int]:
-        """A free slot and how many of the prompt's tokens its cache already holds."""
-        best, best_len = self._free[-1], 0
-        if reuse:
-            for slot in self._free:
-                held = self._slot_tokens[slot]
-                n = 0
-                for a, b in zip(held, spec.prompt_ids, strict=False):
-                    if a != b:
-                        break
-                    n += 1
-                if n > best_len:
-                    best, best_len = slot, n
-        self._free.remove(best)
-        # Always decode at least the last prompt token: its logits start generation.
-        return best, min(best_len, len(spec.prompt_ids) - 1)
-
-    def _admit(self) -> list[TokenEvent]:
+    def _admit(self, lane: _Lane) -> list[TokenEvent]:
         """Move waiting sequences into free slots. A sequence that cannot start fails alone."""
         failed: list[TokenEvent] = []
-        while self._waiting and self._free:
-            spec = self._waiting.popleft()
+        while lane.waiting and lane.free:
+            spec = next((w for w in lane.waiting if w.interactive), lane.waiting[0])
+            lane.waiting.remove(spec)
             try:
-                self._start(spec)
+                self._start(lane, spec)
             except Exception as exc:
                 log.exception("could not start sequence %s", spec.key)
                 failed.append(TokenEvent(spec.key, None, None, f"error:{exc}", t=time.monotonic()))
         return failed
 
-    def _start(self, spec: SeqSpec) -> None:
+    def _start(self, lane: _Lane, spec: SeqSpec) -> None:
         p = spec.params
         plan = sampler_plan(p, spec.seed, self.n_vocab, self.n_ctx)
         chain = _build_chain(plan, self.vocab.vocab, self.n_vocab)  # first: it is what can fail
         if any(name in ("penalties", "dry") for name, _ in plan):
             for t in spec.prompt_ids:  # penalties and DRY look at the prompt and what came before
                 llc.llama_sampler_accept(chain, t)
-        slot, keep = self._pick_slot(spec, reuse=p.cache_prompt and not spec.prompt_logprobs)
-        llc.llama_memory_seq_rm(self._mem, slot, keep, -1)
+        slot, keep = lane.pick_slot(spec, reuse=p.cache_prompt and not spec.prompt_logprobs)
+        llc.llama_memory_seq_rm(lane.mem, slot, keep, -1)
         seq = _Seq(
             spec=spec,
+            lane=lane,
             slot=slot,
             chain=chain,
             pending=list(spec.prompt_ids[keep:]),
@@ -260,16 +293,23 @@ class LlamaCppEngine:
             seq.grammar = GrammarMask(spec.matcher, self.n_vocab)
         if spec.prompt_logprobs is not None:
             seq.prompt_lp = [(None, None, None)]
-        self._live[spec.key] = seq
+        lane.live[spec.key] = seq
 
     # -- one decode step --------------------------------------------------------------------
     def step(self) -> list[TokenEvent | PromptEvent]:
-        out: list[TokenEvent | PromptEvent] = list(self._admit())
-        b = self._batch
+        out: list[TokenEvent | PromptEvent] = []
+        for lane in self._lanes:
+            out += self._admit(lane)
+            if lane.live:
+                out += self._step_lane(lane)
+        return out
+
+    def _step_lane(self, lane: _Lane) -> list[TokenEvent | PromptEvent]:
+        b = lane.batch
         n = 0
         samplers: list[tuple[_Seq, int]] = []  # sequences sampling this step, and their logits row
         scorers: list[tuple[_Seq, int, int]] = []  # (seq, row, prompt index the row predicts)
-        for s in self._live.values():
+        for s in lane.live.values():
             if s.pending:
                 continue
             self._put(b, n, s.last, s.pos, s.slot, True)
@@ -277,10 +317,10 @@ class LlamaCppEngine:
             s.pos += 1
             samplers.append((s, n))
             n += 1
-        for s in self._live.values():  # prompt chunks fill the rest of the batch
-            if not s.pending or n >= self.n_batch:
+        for s in lane.live.values():  # prompt chunks fill the rest of the batch
+            if not s.pending or n >= lane.n_batch:
                 continue
-            take = min(len(s.pending), self.n_batch - n)
+            take = min(len(s.pending), lane.n_batch - n)
             chunk, s.pending = s.pending[:take], s.pending[take:]
             for i, tok in enumerate(chunk):
                 last = not s.pending and i == take - 1
@@ -294,20 +334,16 @@ class LlamaCppEngine:
                 s.pos += 1
                 n += 1
         if n == 0:
-            return out
+            return []
         b.n_tokens = n
-        rc = llc.llama_decode(self._ctx, b)
+        rc = llc.llama_decode(lane.ctx, b)
         if rc != 0:
-            # The cache may now hold part of this batch: forget every slot's contents.
-            for seq in self._live.values():
-                seq.fed = []
-            for slot in self._slot_tokens:
-                self._slot_tokens[slot] = []
-                llc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            lane.forget_all()
             raise RuntimeError(f"llama_decode returned {rc}")
         now = time.monotonic()
+        out: list[TokenEvent | PromptEvent] = []
         for s, row, target in scorers:
-            logp = log_softmax(self._row(row))
+            logp = log_softmax(self._row(lane, row))
             lp = float(logp[s.spec.prompt_ids[target]])
             rank = int((logp > lp).sum()) + 1
             s.prompt_lp.append((lp, rank, top_logprobs(logp, s.spec.prompt_logprobs or 0)))
@@ -316,16 +352,16 @@ class LlamaCppEngine:
                 out.append(PromptEvent(s.spec.key, s.cached, s.prompt_lp))
                 if s.spec.max_new_tokens == 0:
                     out.append(TokenEvent(s.spec.key, None, None, "length", t=now))
-                    self._finish(s)
+                    lane.release(s)
                     continue
             out.append(self._sample(s, row, now))
         return out
 
-    def _row(self, row: int) -> np.ndarray:
-        return np.ctypeslib.as_array(llc.llama_get_logits_ith(self._ctx, row), shape=(self.n_vocab,))
+    def _row(self, lane: _Lane, row: int) -> np.ndarray:
+        return np.ctypeslib.as_array(llc.llama_get_logits_ith(lane.ctx, row), shape=(self.n_vocab,))
 
     def _sample(self, s: _Seq, row: int, now: float) -> TokenEvent:
-        logits = self._row(row)  # a view of llama.cpp's buffer: edits are seen by the sampler chain
+        logits = self._row(s.lane, row)  # a view of llama.cpp's buffer: edits are seen by the sampler chain
         logp = log_softmax(logits) if s.want_logprobs else None
         p = s.spec.params
         grammar_ending = s.grammar is not None and s.grammar.accepting
@@ -336,7 +372,7 @@ class LlamaCppEngine:
         if not np.isfinite(logits).any():  # nothing allowed: the grammar is complete
             self._finish(s)
             return TokenEvent(s.spec.key, None, None, "stop", t=now)
-        tok = int(llc.llama_sampler_sample(s.chain, self._ctx, row))
+        tok = int(llc.llama_sampler_sample(s.chain, s.lane.ctx, row))
         lp = float(logp[tok]) if logp is not None else None
         top = top_logprobs(logp, s.top_k) if logp is not None and s.top_k else None
         if self.vocab.is_eog(tok):
@@ -358,8 +394,7 @@ class LlamaCppEngine:
         return TokenEvent(s.spec.key, tok, lp, finish, top, now)
 
     def _finish(self, s: _Seq) -> None:
-        del self._live[s.spec.key]
-        self._release(s)
+        s.lane.release(s)
 
     @staticmethod
     def _put(b: llc.llama_batch, i: int, tok: int | None, pos: int, slot: int, logits: bool) -> None:

@@ -7,9 +7,11 @@ the engine itself needs no locking.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable
 
 from workers.engine.base import Engine, PromptEvent, SeqSpec, TokenEvent
@@ -25,6 +27,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[tuple[str, object, Sink | None]] = queue.SimpleQueue()
         self._sinks: dict[Hashable, Sink] = {}
         self.max_live = 0  # most sequences live at once: concurrency evidence for tests and metrics
+        self._busy: dict[Hashable, float] = {}  # engine seconds per sequence (step time / live count)
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -50,6 +53,7 @@ class EngineLoop:
         elif cmd == "cancel":
             if self._sinks.pop(arg, None) is not None:
                 self.engine.cancel(arg)
+                self._busy.pop(arg, None)
 
     def _run(self) -> None:
         while True:
@@ -64,6 +68,7 @@ class EngineLoop:
             if not self.engine.has_work():
                 continue
             self.max_live = max(self.max_live, len(self._sinks))
+            started = time.monotonic()
             try:
                 events = self.engine.step()
             except Exception:
@@ -74,10 +79,14 @@ class EngineLoop:
                 self._sinks.clear()
                 continue
             self.steps += 1
+            share = (time.monotonic() - started) / max(1, len(self._sinks))
+            for key in self._sinks:
+                self._busy[key] = self._busy.get(key, 0.0) + share
             for ev in events:
                 sink = self._sinks.get(ev.key)
                 if sink is None:
                     continue
                 if isinstance(ev, TokenEvent) and ev.finish_reason is not None:
                     del self._sinks[ev.key]
+                    ev = dataclasses.replace(ev, engine_s=self._busy.pop(ev.key, 0.0))
                 sink(ev)

@@ -1,0 +1,24 @@
+"""GET /v1/usage: the calling tenant's usage per day and model (and key)."""
+
+from __future__ import annotations
+
+from datetime import date
+
+from fastapi import APIRouter, Query
+
+from api.deps import SessionDep, TenantDep
+from core import tenants
+
+router = APIRouter()
+
+
+@router.get("/v1/usage")
+async def usage(
+    tenant: TenantDep,
+    session: SessionDep,
+    start: date | None = None,
+    end: date | None = None,
+    by_key: bool = Query(False),
+) -> dict:
+    rows = (await session.execute(tenants.usage_rows(tenant.id, start, end, by_key))).all()
+    return {"object": "list", "data": [tenants.usage_json(r) for r in rows]}

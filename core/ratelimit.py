@@ -1,0 +1,234 @@
+"""Per-tenant (and per-key) limits, enforced atomically in Redis so any number of API replicas
+share them.
+
+Why hand-written Lua: `slowapi` is synchronous and `limits` cannot refund, while tokens per minute
+must be reserved at admission (prompt + max_tokens) and settled to the real usage when the job
+ends. One script checks every limit and commits all of them or none; another settles a job's
+reservation exactly once (the reservation record is deleted as it is settled).
+
+- requests/minute: GCRA (burst = the limit), per tenant and optionally per key
+- tokens/minute: a token bucket that refills continuously and takes refunds
+- tokens/day: a counter per UTC day
+- queued jobs: a leased set of the tenant's live jobs (members expire if a settle is ever lost)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ADMIT = r"""
+-- KEYS: 1 rpm_tenant 2 tpm_tenant 3 tpd_tenant 4 active_tenant 5 rpm_key 6 tpm_key 7 reservation
+-- ARGV: 1 now_ms 2 rpm_t 3 tpm_t 4 tpd_t 5 max_queued 6 rpm_k 7 tpm_k 8 cost 9 job_id 10 lease_ms 11 day_ttl_ms
+local now = tonumber(ARGV[1])
+local cost = tonumber(ARGV[8])
+
+local function gcra(key, limit)
+  if limit <= 0 then return {1, -1, -1, 0, 0} end
+  local period = 60000
+  local emission = period / limit
+  local tat = tonumber(redis.call('GET', key) or now)
+  if tat < now then tat = now end
+  local new_tat = tat + emission
+  local allow_at = new_tat - period
+  if now < allow_at then
+    return {0, limit, 0, tat - now, allow_at - now}
+  end
+  return {1, limit, math.floor((now - allow_at) / emission), new_tat - now, 0, new_tat}
+end
+
+local function bucket(key, cap)
+  if cap <= 0 then return {1, -1, -1, 0, 0} end
+  local rate = cap / 60000
+  local tokens = tonumber(redis.call('HGET', key, 't') or cap)
+  local ts = tonumber(redis.call('HGET', key, 's') or now)
+  tokens = math.min(cap, tokens + (now - ts) * rate)
+  if cost > tokens then
+    local wait = (cost - tokens) / rate
+    if cost > cap then wait = -1 end
+    return {0, cap, math.floor(tokens), math.ceil((cap - tokens) / rate), wait}
+  end
+  return {1, cap, math.floor(tokens - cost), math.ceil((cap - tokens + cost) / rate), 0, tokens - cost}
+end
+
+local r1 = gcra(KEYS[1], tonumber(ARGV[2]))
+local r2 = gcra(KEYS[5], tonumber(ARGV[6]))
+local t1 = bucket(KEYS[2], tonumber(ARGV[3]))
+local t2 = bucket(KEYS[6], tonumber(ARGV[7]))
+local tpd = tonumber(ARGV[4])
+local used = tonumber(redis.call('GET', KEYS[3]) or 0)
+local maxq = tonumber(ARGV[5])
+if maxq > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now) end
+local queued = (maxq > 0) and redis.call('ZCARD', KEYS[4]) or 0
+
+-- the headers report the tightest of tenant and key
+local req = r1
+if r2[2] >= 0 and (req[2] < 0 or r2[3] < req[3]) then req = r2 end
+local tok = t1
+if t2[2] >= 0 and (tok[2] < 0 or t2[3] < tok[3]) then tok = t2 end
+
+local refused = ''
+local wait = 0
+if r1[1] == 0 then refused = 'requests'; wait = r1[5]
+elseif r2[1] == 0 then refused = 'requests'; wait = r2[5]
+elseif t1[1] == 0 then refused = 'tokens'; wait = t1[5]
+elseif t2[1] == 0 then refused = 'tokens'; wait = t2[5]
+elseif tpd > 0 and used + cost > tpd then refused = 'tokens_per_day'; wait = -2
+elseif maxq > 0 and queued >= maxq then refused = 'queued_jobs'; wait = 1000
+end
+if refused ~= '' then
+  return {0, refused, tostring(wait), req[2], req[3], tostring(req[4]), tok[2], tok[3], tostring(tok[4])}
+end
+
+-- commit every limit
+if r1[6] then redis.call('SET', KEYS[1], r1[6], 'PX', math.ceil(r1[6] - now) + 1) end
+if r2[6] then redis.call('SET', KEYS[5], r2[6], 'PX', math.ceil(r2[6] - now) + 1) end
+if t1[6] then redis.call('HSET', KEYS[2], 't', t1[6], 's', now); redis.call('PEXPIRE', KEYS[2], 120000) end
+if t2[6] then redis.call('HSET', KEYS[6], 't', t2[6], 's', now); redis.call('PEXPIRE', KEYS[6], 120000) end
+if tpd > 0 then redis.call('INCRBY', KEYS[3], cost); redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[11])) end
+if maxq > 0 then redis.call('ZADD', KEYS[4], now + tonumber(ARGV[10]), ARGV[9]) end
+redis.call('HSET', KEYS[7], 'cost', cost, 'tpm_t', (tonumber(ARGV[3]) > 0) and KEYS[2] or '',
+  'tpm_k', (tonumber(ARGV[7]) > 0) and KEYS[6] or '', 'tpd', (tpd > 0) and KEYS[3] or '',
+  'active', (maxq > 0) and KEYS[4] or '', 'cap_t', ARGV[3], 'cap_k', ARGV[7], 'job', ARGV[9])
+redis.call('PEXPIRE', KEYS[7], tonumber(ARGV[11]))
+return {1, '', '0', req[2], req[3], tostring(req[4]), tok[2], tok[3], tostring(tok[4])}
+"""
+
+SETTLE = r"""
+-- KEYS: 1 reservation; ARGV: 1 now_ms 2 actual tokens. Refund (cost - actual) once.
+local r = redis.call('HGETALL', KEYS[1])
+if #r == 0 then return 0 end
+local h = {}
+for i = 1, #r, 2 do h[r[i]] = r[i + 1] end
+local now = tonumber(ARGV[1])
+local refund = tonumber(h.cost) - tonumber(ARGV[2])
+local function give(key, cap)
+  if key == '' or cap <= 0 then return end
+  local rate = cap / 60000
+  local tokens = tonumber(redis.call('HGET', key, 't') or cap)
+  local ts = tonumber(redis.call('HGET', key, 's') or now)
+  tokens = math.min(cap, tokens + (now - ts) * rate + refund)
+  redis.call('HSET', key, 't', tokens, 's', now)
+  redis.call('PEXPIRE', key, 120000)
+end
+give(h.tpm_t, tonumber(h.cap_t))
+give(h.tpm_k, tonumber(h.cap_k))
+if h.tpd ~= '' and redis.call('EXISTS', h.tpd) == 1 then redis.call('DECRBY', h.tpd, refund) end
+if h.active ~= '' then redis.call('ZREM', h.active, h.job) end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    rpm: int = 0  # 0: unlimited
+    tpm: int = 0
+    tpd: int = 0
+    max_queued: int = 0
+    key_rpm: int = 0
+    key_tpm: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    refused: str  # which limit: requests | tokens | tokens_per_day | queued_jobs
+    retry_after_s: float | None  # None: waiting cannot help (the request exceeds the limit itself)
+    headers: dict[str, str]
+
+
+def _duration(ms: float) -> str:
+    """OpenAI's reset format: 1s, 6m0s, 20ms."""
+    ms = max(0.0, ms)
+    if ms < 1000:
+        return f"{int(ms)}ms"
+    s = ms / 1000
+    if s < 60:
+        return f"{s:.3g}s"
+    return f"{int(s // 60)}m{int(s % 60)}s"
+
+
+def _headers(
+    req_limit: int, req_left: int, req_reset: float, tok_limit: int, tok_left: int, tok_reset: float
+) -> dict[str, str]:
+    h: dict[str, str] = {}
+    if req_limit >= 0:
+        h |= {
+            "x-ratelimit-limit-requests": str(req_limit),
+            "x-ratelimit-remaining-requests": str(max(req_left, 0)),
+            "x-ratelimit-reset-requests": _duration(req_reset),
+        }
+    if tok_limit >= 0:
+        h |= {
+            "x-ratelimit-limit-tokens": str(tok_limit),
+            "x-ratelimit-remaining-tokens": str(max(tok_left, 0)),
+            "x-ratelimit-reset-tokens": _duration(tok_reset),
+        }
+    return h
+
+
+def _keys(tenant_id: int, key_id: int, job_id: str, day: str) -> list[str]:
+    return [
+        f"rl:t{tenant_id}:rpm",
+        f"rl:t{tenant_id}:tpm",
+        f"rl:t{tenant_id}:tpd:{day}",
+        f"rl:t{tenant_id}:active",
+        f"rl:k{key_id}:rpm",
+        f"rl:k{key_id}:tpm",
+        reservation_key(job_id),
+    ]
+
+
+def reservation_key(job_id: str) -> str:
+    return f"rl:res:{job_id}"
+
+
+def _decode(raw: list[Any]) -> Decision:
+    def s(x: Any) -> str:
+        return x.decode() if isinstance(x, bytes) else str(x)
+
+    allowed = int(raw[0]) == 1
+    wait = float(s(raw[2]))
+    headers = _headers(int(raw[3]), int(raw[4]), float(s(raw[5])), int(raw[6]), int(raw[7]), float(s(raw[8])))
+    if wait == -2:  # tokens per day: until the next UTC midnight
+        now = time.time()
+        wait = ((now // 86400 + 1) * 86400 - now) * 1000
+    return Decision(allowed, s(raw[1]), None if wait < 0 else wait / 1000, headers)
+
+
+def _args(limits: Limits, cost: int, job_id: str, lease_s: float) -> tuple[list[Any], str]:
+    now = time.time()
+    day = time.strftime("%Y%m%d", time.gmtime(now))
+    argv = [
+        int(now * 1000),
+        limits.rpm,
+        limits.tpm,
+        limits.tpd,
+        limits.max_queued,
+        limits.key_rpm,
+        limits.key_tpm,
+        cost,
+        job_id,
+        int(lease_s * 1000),
+        2 * 86400 * 1000,
+    ]
+    return argv, day
+
+
+async def admit(
+    rds: Any, tenant_id: int, key_id: int, job_id: str, limits: Limits, cost: int, lease_s: float = 86400
+) -> Decision:
+    """Check and take every limit for one job (asyncio client)."""
+    argv, day = _args(limits, cost, job_id, lease_s)
+    return _decode(await rds.eval(ADMIT, 7, *_keys(tenant_id, key_id, job_id, day), *argv))
+
+
+async def settle_async(rds: Any, job_id: str, actual_tokens: int) -> None:
+    await rds.eval(SETTLE, 1, reservation_key(job_id), int(time.time() * 1000), actual_tokens)
+
+
+def settle(rds: Any, job_id: str, actual_tokens: int) -> None:
+    """Settle a job's reservation to what it really used (0 releases it all). Idempotent."""
+    rds.eval(SETTLE, 1, reservation_key(job_id), int(time.time() * 1000), actual_tokens)
