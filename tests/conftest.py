@@ -98,6 +98,15 @@ class Stack:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
 
+    def new_tenant(self, name: str, **limits) -> str:
+        """Create a tenant through /admin and return a fresh user key for it."""
+        with self.http(self.keys["admin"]) as admin:
+            r = admin.post("/admin/tenants", json={"name": name, **limits})
+            assert r.status_code == 201, r.text
+            r = admin.post(f"/admin/tenants/{name}/keys", json={"name": "test"})
+            assert r.status_code == 201, r.text
+            return r.json()["key"]
+
     def openai(self, tenant: str = "alpha"):
         import openai
 
@@ -131,9 +140,10 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     redis_lib.Redis.from_url(TEST_REDIS).flushdb()
     st = Stack(env=env, logdir=logdir, port=port)
     st.cli("migrate")
-    for tenant in ("alpha", "beta"):
+    for tenant in ("alpha", "beta", "ops"):
         st.cli("tenant", "create", tenant)
         st.keys[tenant] = st.cli("key", "create", "--tenant", tenant).splitlines()[-1]
+    st.keys["admin"] = st.cli("key", "create", "--tenant", "ops", "--scope", "admin").splitlines()[-1]
     try:
         st.start("api", "api")
         st.start("dispatcher", "dispatcher")

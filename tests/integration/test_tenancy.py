@@ -1,0 +1,173 @@
+"""Tenants and limits against real processes: shared limits across API replicas, token
+reservations settled and released, revocation, isolation, usage."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, free_port, wait_for
+
+CHAT_DONE = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\nOK."  # greedy: ends right away
+
+
+def _post(http: httpx.Client, **body) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": MODEL, "prompt": CHAT_DONE, "temperature": 0, **body})
+
+
+@pytest.fixture(scope="module")
+def replica2(stack):
+    port = free_port()
+    proc = stack.start("api2", "api", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, 60, "second API replica")
+    yield url
+    proc.terminate()
+
+
+def test_two_replicas_share_one_rpm_limit(stack, replica2):
+    key = stack.new_tenant("rpm5", rpm=5)
+    headers = {"Authorization": f"Bearer {key}", "Prefer": "respond-async"}
+    with (
+        httpx.Client(base_url=stack.base_url, headers=headers) as one,
+        httpx.Client(base_url=replica2, headers=headers) as two,
+    ):
+        replies = [_post(c, max_tokens=1) for c in (one, two, one, two, one)]
+        assert [r.status_code for r in replies] == [202] * 5
+        assert [r.headers["x-ratelimit-remaining-requests"] for r in replies] == ["4", "3", "2", "1", "0"]
+        for client in (one, two):  # the 6th is refused whichever replica gets it
+            r = _post(client, max_tokens=1)
+            assert r.status_code == 429, r.text
+            err = r.json()["error"]
+            assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.headers["x-ratelimit-limit-requests"] == "5"
+            assert r.headers["x-ratelimit-remaining-requests"] == "0"
+            assert r.headers["x-ratelimit-reset-requests"]
+
+
+def test_tpm_reservation_is_settled_to_real_usage(stack):
+    key = stack.new_tenant("tpm400", tpm=400)
+    with stack.http(key) as http:
+        first = _post(http, max_tokens=300)
+        assert first.status_code == 200, first.text
+        used = first.json()["usage"]["total_tokens"]
+        assert used < 60  # it stopped early: most of the reservation was not used
+        reserved_left = int(first.headers["x-ratelimit-remaining-tokens"])
+        assert reserved_left < 100  # prompt + 300 were reserved at admission
+        # Without the refund this second reservation could not fit for many seconds.
+        second = _post(http, max_tokens=300)
+        assert second.status_code == 200, second.text
+        assert int(second.headers["x-ratelimit-remaining-tokens"]) < 150
+        assert _post(http, max_tokens=1000).status_code == 429  # more than the limit allows at all
+
+
+def test_cancelled_and_failed_jobs_release_their_reservation(stack, db):
+    key = stack.new_tenant("tpm500", tpm=500)
+    with stack.http(key) as http:
+        r = http.post(
+            "/v1/completions",
+            headers={"Prefer": "respond-async"},
+            json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True},
+        )
+        assert r.status_code == 202
+        job_id = r.json()["id"]
+        assert _post(http, max_tokens=400).status_code == 429  # the running job holds the tokens
+        assert http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        ok = _post(http, max_tokens=400)
+        assert ok.status_code == 200, ok.text
+
+
+def test_revoked_key_is_refused_on_the_next_request(stack):
+    key = stack.new_tenant("revokee")
+    with stack.http(key) as http:
+        assert _post(http, max_tokens=1).status_code == 200
+        with stack.http(stack.keys["admin"]) as admin:
+            keys = admin.get("/admin/tenants/revokee/keys").json()["data"]
+            assert all("key" not in k for k in keys) and keys[0]["prefix"] == key[:16]
+            assert admin.post(f"/admin/keys/{keys[0]['id']}/revoke").json()["revoked"] is True
+        r = _post(http, max_tokens=1)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_max_queued_refuses_and_max_concurrent_holds_jobs_in_postgres(stack, db):
+    key = stack.new_tenant("narrow", max_queued=3, max_concurrent=1)
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 60, "ignore_eos": True}
+    with stack.http(key) as http:
+        ids = []
+        for _ in range(3):
+            r = http.post("/v1/completions", headers={"Prefer": "respond-async"}, json=body)
+            assert r.status_code == 202, r.text
+            ids.append(r.json()["id"])
+        r = http.post("/v1/completions", headers={"Prefer": "respond-async"}, json=body)
+        assert r.status_code == 429 and r.json()["error"]["message"].startswith("Too many unfinished jobs")
+        states = [http.get(f"/v1/jobs/{i}").json()["state"] for i in ids]
+        assert states.count("queued") >= 1, states  # over the concurrency cap: waiting in Postgres
+        running_at_once = 0
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            states = [http.get(f"/v1/jobs/{i}").json()["state"] for i in ids]
+            running_at_once = max(running_at_once, sum(s in ("dispatched", "running") for s in states))
+            if all(s == "succeeded" for s in states):
+                break
+            time.sleep(0.2)
+        assert all(s == "succeeded" for s in states), states
+        assert running_at_once == 1
+        assert http.post("/v1/completions", headers={"Prefer": "respond-async"}, json=body).status_code == 202
+
+
+def test_admin_needs_an_admin_key_and_usage_is_per_tenant(stack):
+    key = stack.new_tenant("metered")
+    with stack.http(key) as http:
+        for _ in range(2):
+            assert _post(http, max_tokens=3, ignore_eos=True).status_code == 200
+        assert http.get("/admin/tenants").status_code == 404  # an ordinary key learns nothing about /admin
+        rows = http.get("/v1/usage").json()["data"]
+        assert len(rows) == 1 and rows[0]["requests"] == 2 and rows[0]["model"] == MODEL
+        assert rows[0]["prompt_tokens"] > 0 and rows[0]["completion_tokens"] > 0 and rows[0]["gpu_seconds"] > 0
+    with stack.http(stack.keys["admin"]) as admin:
+        all_rows = admin.get("/admin/usage").json()["data"]
+        assert {r["tenant_id"] for r in all_rows} >= {rows[0]["tenant_id"]}
+        assert len({r["tenant_id"] for r in all_rows}) > 1
+        t = admin.patch("/admin/tenants/metered", json={"rpm": 100, "weight": 2}).json()
+        assert (t["rpm"], t["weight"]) == (100, 2)
+    metrics = httpx.get(stack.base_url + "/metrics").text
+    assert "spool_requests_admitted_total" in metrics
+
+
+def test_tenant_b_gets_404_for_every_object_of_tenant_a(stack):
+    a, b = stack.keys["alpha"], stack.keys["beta"]
+    with stack.http(a) as http_a, stack.http(b) as http_b:
+        r = http_a.post(
+            "/v1/completions",
+            headers={"Prefer": "respond-async"},
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+        )
+        job_id = r.json()["id"]
+        for method, path in [
+            ("GET", f"/v1/jobs/{job_id}"),
+            ("GET", f"/v1/jobs/{job_id}/events"),
+            ("POST", f"/v1/jobs/{job_id}/cancel"),
+        ]:
+            got = http_b.request(method, path)
+            assert got.status_code == 404, (method, path, got.text)
+            missing = http_b.request(method, path.replace(job_id, "cmpl-000000000000000000000000"))
+            assert missing.json() == {
+                **got.json(),
+                "error": {**got.json()["error"], "message": missing.json()["error"]["message"]},
+            }
+        assert all(r["tenant_id"] != _tenant_id(http_a) for r in http_b.get("/v1/usage").json()["data"])
+
+
+def _tenant_id(http: httpx.Client) -> int:
+    rows = http.get("/v1/usage").json()["data"]
+    return rows[0]["tenant_id"] if rows else -1
