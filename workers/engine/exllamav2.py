@@ -1,0 +1,385 @@
+"""GPU engine: ExLlamaV2's dynamic generator (exllamav2 0.3.2) behind the llama.cpp engine's interface.
+
+The dynamic generator is what base.py was modelled on: `enqueue` a job per sequence, `iterate()`
+advances every active job by one token (prefilling new prompts in chunks between), `cancel` drops a
+job. With flash-attn (>= 2.5.7) its cache is paged: jobs are batched continuously and a prompt whose
+leading 256-token pages are already cached (from any earlier job) skips them. Without flash-attn it
+runs unpaged, one job at a time.
+
+What the mapping cannot express is done here with the model at hand: logit bias as a padded
+vocabulary tensor, DRY breakers as token ids, the llguidance grammar as an `ExLlamaV2Filter`, and
+prompt scoring (echo with logprobs, prompt_logprobs) as one plain forward pass, because the
+generator's prefill keeps no logits. exllamav2 and torch are imported only when an engine is built:
+exllamav2 compiles or loads a CUDA extension at import, which fails on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Hashable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
+from workers.engine.exl2_mapping import (
+    CACHE_CLASSES,
+    SeqState,
+    cache_tokens,
+    chunk_size,
+    dry_breaker_ids,
+    events_from_result,
+    job_arguments,
+    logit_bias_pairs,
+    prompt_entries,
+    sampler_settings,
+    stop_token_ids,
+    unsupported,
+)
+
+log = logging.getLogger(__name__)
+
+SCORE_ROWS = 256  # prompt positions per log-softmax when scoring: bounds the float32 buffer
+
+
+def load_ll_tokenizer(folder: Path, n_vocab: int, eos_ids: list[int]) -> Any:
+    """llguidance's tokenizer for a model folder. Through transformers when it is installed (it also
+    folds in tokens that only tokenizer_config.json lists); otherwise from tokenizer.json directly,
+    which is what `llguidance.hf.from_tokenizer` hands to LLTokenizer in the end."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        from llguidance import LLTokenizer
+
+        text = (folder / "tokenizer.json").read_text(encoding="utf-8")
+        return LLTokenizer(text, n_vocab=n_vocab, eos_token=eos_ids)
+    from llguidance.hf import from_tokenizer
+
+    return from_tokenizer(AutoTokenizer.from_pretrained(str(folder)), n_vocab=n_vocab, eos_token=eos_ids)
+
+
+@cache
+def grammar_filter_class() -> type:
+    """`ExLlamaV2Filter` subclass driving an llguidance matcher (built on first use: the base class
+    lives in exllamav2).
+
+    It takes the generator's logit-mask path (`can_mask_logits`): `prepare_logit_mask` computes the
+    allowed-token bitmask, in the generator's filter thread pool while the GPU runs the next forward
+    pass (`use_background_worker`), and `mask_logits` applies it. When the grammar is complete or has
+    failed, llguidance allows only EOS, which is a stop token of every job, so the job ends there.
+    """
+    from exllamav2.generator.filters import ExLlamaV2Filter
+    from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+
+    class LLGuidanceFilter(ExLlamaV2Filter):
+        def __init__(self, model: Any, tokenizer: Any, matcher: Any, n_vocab: int) -> None:
+            super().__init__(model, tokenizer)
+            self.matcher = matcher
+            self.n_vocab = n_vocab
+            self.bits = allocate_token_bitmask(1, n_vocab)
+            # Set on the loop thread (in feed), read by the engine: the matcher itself may be busy in
+            # the filter pool, and it must not be touched from two threads at once.
+            self.error: str | None = None
+
+        def clone(self, c: Any = None) -> Any:
+            c = c if c is not None else LLGuidanceFilter.__new__(LLGuidanceFilter)
+            super().clone(c)
+            c.matcher = self.matcher.deep_copy()
+            c.n_vocab = self.n_vocab
+            c.bits = self.bits.copy()
+            c.error = self.error
+            c.background_result = None
+            return c
+
+        def begin(self, prefix_str: str = "") -> None:
+            pass  # the matcher arrives already advanced past the sequence's earlier tokens
+
+        def feed(self, token: Any) -> None:
+            if self.error is None and not self.matcher.consume_token(int(token)):
+                self.error = self.matcher.get_error() or "token rejected by the grammar"
+
+        def use_background_worker(self) -> bool:
+            return True
+
+        def can_mask_logits(self) -> bool:
+            return True
+
+        def prepare_logit_mask(self) -> bool:
+            fill_next_token_bitmask(self.matcher, self.bits)
+            return True
+
+        def mask_logits(self, logits: Any) -> Any:
+            # A masked copy: the row the job returns for logprobs stays the model's (llama.cpp's
+            # engine also reports logprobs from before the grammar mask).
+            out = logits.clone()
+            row = out.numpy()
+            apply_token_bitmask_inplace(row[: self.n_vocab], self.bits[0])
+            row[self.n_vocab :] = -np.inf  # head padding beyond the vocabulary
+            return out
+
+        def next(self) -> tuple[list[int], list[int]]:
+            """The allowed-list path (used only if some other filter cannot mask logits)."""
+            self.prepare_logit_mask()
+            bits = np.unpackbits(self.bits[0].view(np.uint8), bitorder="little")[: self.n_vocab]
+            return np.flatnonzero(bits).tolist(), []
+
+    return LLGuidanceFilter
+
+
+class ExLlamaV2Engine:
+    def __init__(
+        self,
+        model_id: str,
+        path: Path,
+        *,
+        n_ctx: int = 2048,
+        max_batch: int = 16,
+        cache_size: int | None = None,
+        cache_quant: str = "fp16",
+        chunk: int = 2048,
+        warmup: bool = True,
+    ) -> None:
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"the exllamav2 engine needs a model folder with config.json (SPOOL_MODEL_PATH): {path}")
+        if cache_quant not in CACHE_CLASSES:
+            raise ValueError(f"cache quantization must be one of {sorted(CACHE_CLASSES)}, not {cache_quant!r}")
+        import torch
+        from exllamav2.attn import has_flash_attn_with_paged
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("the exllamav2 engine needs a CUDA GPU")
+        self._torch = torch
+        self._job_class = ExLlamaV2DynamicJob
+        self._settings_class = ExLlamaV2Sampler.Settings
+        self.model_id = model_id
+        self._chunk = chunk_size(chunk)
+        config = self._read_config(Path(path), n_ctx)
+        # arch_compat_overrides turns flash-attn off for models it cannot serve (softcap, sliding window).
+        paged = bool(has_flash_attn_with_paged) and not config.no_flash_attn
+        if not paged:
+            log.warning(
+                "exllamav2: no paged attention (flash-attn >= 2.5.7 not importable, or off for this model): "
+                "one sequence at a time (max_batch 1), no continuous batching"
+            )
+        self.max_batch = max_batch if paged else 1
+        size = cache_tokens(self.n_ctx, self.max_batch, cache_size, paged)
+        self._load(config, CACHE_CLASSES[cache_quant], size, paged)
+        if warmup:
+            self._gen.warmup()  # kernel autotuning happens here rather than in the first request
+        self._load_vocabulary(config, Path(path))
+        self._waiting: collections.deque[SeqSpec] = collections.deque()
+        self._ready: list[TokenEvent | PromptEvent] = []  # events owed without running the model
+        self._live: dict[Hashable, tuple[Any, SeqState]] = {}
+        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}
+        self._bytes: dict[int, bytes] = {}
+        log.info(
+            "exllamav2 engine: %s, ctx %d/seq, batch %d, cache %d tokens (%s), chunk %d, %s",
+            Path(path).name,
+            self.n_ctx,
+            self.max_batch,
+            size,
+            cache_quant,
+            self._chunk,
+            "paged" if paged else "unpaged",
+        )
+
+    def _read_config(self, path: Path, n_ctx: int) -> Any:
+        from exllamav2 import ExLlamaV2Config
+
+        config = ExLlamaV2Config(str(path))
+        config.arch_compat_overrides()
+        self.n_ctx = min(n_ctx, config.max_seq_len)
+        config.max_seq_len = self.n_ctx
+        config.max_input_len = self._chunk  # the generator's prefill chunk may not exceed it
+        config.max_attention_size = self._chunk**2
+        return config
+
+    def _load(self, config: Any, cache_class: str, size: int, paged: bool) -> None:
+        """Weights (split over the visible GPUs), the paged KV cache and the dynamic generator."""
+        import exllamav2
+        from exllamav2 import ExLlamaV2, ExLlamaV2Tokenizer
+        from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+        self._model = ExLlamaV2(config)
+        kv = getattr(exllamav2, cache_class)(self._model, max_seq_len=size, lazy=True)
+        self._model.load_autosplit(kv, progress=False)
+        self._tok = ExLlamaV2Tokenizer(config)
+        self._gen = ExLlamaV2DynamicGenerator(
+            model=self._model,
+            cache=kv,
+            tokenizer=self._tok,
+            max_batch_size=self.max_batch,
+            max_seq_len=self.n_ctx,
+            max_chunk_size=self._chunk,
+            paged=paged,
+        )
+
+    def _load_vocabulary(self, config: Any, path: Path) -> None:
+        self.n_vocab = int(config.vocab_size)
+        generation_eos = (getattr(config, "generation_config", None) or {}).get("eos_token_id")
+        self._stop_ids = stop_token_ids(self._tok.eos_token_id, generation_eos)
+        self._add_bos = bool((self._tok.tokenizer_config_dict or {}).get("add_bos_token", False))
+        self._ll = load_ll_tokenizer(path, self.n_vocab, self._stop_ids)
+
+    # -- tokenizer --------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_bos=self._add_bos, encode_special_tokens=True)
+        return ids[0].tolist()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to generated text; special tokens add none (as in llama.cpp's)."""
+        piece = self._bytes.get(token_id)
+        if piece is None:
+            piece = b"" if self._ll.is_special_token(token_id) else self._ll.decode_bytes([token_id])
+            self._bytes[token_id] = piece
+        return piece
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text for logprobs and /tokenize: special tokens by their name."""
+        if self._ll.is_special_token(token_id):
+            return self._ll.decode_str([token_id])
+        return self.token_bytes(token_id).decode(errors="replace")
+
+    def ll_tokenizer(self) -> Any:
+        return self._ll
+
+    # -- sequences --------------------------------------------------------------------------
+    def add(self, spec: SeqSpec) -> None:
+        if not spec.prompt_ids:
+            raise ValueError("empty prompt")
+        if len(spec.prompt_ids) + spec.max_new_tokens > self.n_ctx:
+            raise ValueError(f"prompt + max_new_tokens exceeds the context ({self.n_ctx})")
+        if any(t < 0 or t >= self.n_vocab for t in spec.prompt_ids):
+            raise ValueError(f"token id out of range 0..{self.n_vocab - 1}")
+        bad = unsupported(spec.params)
+        if bad:
+            raise ValueError(f"not supported by the exllamav2 engine: {', '.join(bad)}")
+        logit_bias_pairs(spec.params.logit_bias, self.n_vocab)
+        self._waiting.append(spec)
+
+    def cancel(self, key: Hashable) -> None:
+        self._waiting = collections.deque(s for s in self._waiting if s.key != key)
+        self._ready = [ev for ev in self._ready if ev.key != key]
+        live = self._live.pop(key, None)
+        if live is not None:
+            try:
+                self._gen.cancel(live[0])
+            except Exception:  # the loop calls cancel from its own error path: never raise here
+                log.exception("exllamav2 could not cancel %s", key)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._ready or self._live)
+
+    def step(self) -> list[TokenEvent | PromptEvent]:
+        out = self._ready + self._admit()
+        self._ready = []
+        if not self._live and not self._gen.num_remaining_jobs():
+            return out
+        try:
+            results = self._gen.iterate()
+        except Exception:
+            self._drop_all()
+            raise
+        now = time.monotonic()
+        states = {key: state for key, (_, state) in self._live.items()}
+        for result in results:
+            out.extend(events_from_result(result, states, n_vocab=self.n_vocab, now=now))
+            if result.get("eos"):
+                self._live.pop(result.get("identifier"), None)
+        return out
+
+    def _drop_all(self) -> None:
+        """After a failed iterate() the generator's jobs are in an unknown state: forget them all."""
+        self._live.clear()
+        try:
+            self._gen.clear_queue()
+        except Exception:
+            log.exception("exllamav2 could not clear its queue")
+
+    def _admit(self) -> list[TokenEvent | PromptEvent]:
+        """Hand waiting sequences to the generator while it has batch room, interactive ones first.
+        The generator queues without limit; keeping the queue here keeps the priority ours."""
+        out: list[TokenEvent | PromptEvent] = []
+        while self._waiting and self._gen.num_remaining_jobs() < self.max_batch:
+            spec = next((w for w in self._waiting if w.interactive), self._waiting[0])
+            self._waiting.remove(spec)
+            try:
+                out.extend(self._start(spec))
+            except Exception as exc:  # a sequence that cannot start fails alone
+                log.exception("could not start sequence %s", spec.key)
+                out.append(TokenEvent(spec.key, None, None, f"error:{exc}", t=time.monotonic()))
+        return out
+
+    def _start(self, spec: SeqSpec) -> list[TokenEvent | PromptEvent]:
+        torch, p = self._torch, spec.params
+        entries = self._score_prompt(spec) if spec.prompt_logprobs is not None else None
+        if spec.max_new_tokens == 0:  # prefill only: the scores are all that was asked for
+            return [PromptEvent(spec.key, 0, entries), TokenEvent(spec.key, None, None, "length", t=time.monotonic())]
+        grammar = None
+        if spec.matcher is not None:
+            grammar = grammar_filter_class()(self._model, self._tok, spec.matcher, self.n_vocab)
+        job = self._job_class(
+            input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),
+            gen_settings=self._settings(spec),
+            filters=[grammar] if grammar is not None else None,
+            **job_arguments(spec, self._stop_ids),
+        )
+        self._gen.enqueue(job)
+        state = SeqState(spec.key, p.needs_token_logprobs, p.logprobs or 0, entries, grammar=grammar)
+        self._live[spec.key] = (job, state)
+        return []
+
+    def _settings(self, spec: SeqSpec) -> Any:
+        """A fresh Settings per job: Mirostat's mu and DRY's n-gram trie live in it."""
+        p = spec.params
+        kw = sampler_settings(p, self._breaker_ids(p.dry_sequence_breakers) if p.dry_multiplier > 0 else None)
+        pairs = logit_bias_pairs(kw["token_bias"], self.n_vocab)
+        if pairs:
+            # Added to every row by the sampler, so it spans the padded row (a multiple of 32).
+            bias = self._torch.zeros(self._gen.padded_vocab_size, dtype=self._torch.float)
+            bias[[t for t, _ in pairs]] = self._torch.tensor([b for _, b in pairs], dtype=self._torch.float)
+            kw["token_bias"] = bias
+        return self._settings_class(**kw)
+
+    def _breaker_ids(self, breakers: tuple[str, ...]) -> frozenset[int]:
+        if breakers not in self._breakers:
+            pieces = self._tok.get_id_to_piece_list(True)
+            self._breakers[breakers] = dry_breaker_ids(breakers, pieces)
+        return self._breakers[breakers]
+
+    def _score_prompt(self, spec: SeqSpec) -> list[tuple[float | None, int | None, Any]]:
+        """Log-probability, rank and top-k of prompt tokens 1..n-1, from one cache-less forward pass
+        (which exllamav2 limits to `max_input_len`, our chunk size)."""
+        n = min(spec.prompt_logprobs_len or len(spec.prompt_ids), len(spec.prompt_ids))
+        if n > self._chunk:
+            raise ValueError(
+                f"prompt scoring (echo with logprobs, prompt_logprobs) covers at most {self._chunk} prompt "
+                f"tokens on this engine (SPOOL_EXL2_CHUNK_SIZE); this prompt has {n}"
+            )
+        torch, k = self._torch, spec.prompt_logprobs or 0
+        lps: list[float] = []
+        ranks: list[int] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        if n < 2:
+            return prompt_entries(lps, ranks, top_ids, top_lps)
+        ids = torch.tensor([spec.prompt_ids[:n]], dtype=torch.long)
+        with torch.inference_mode():
+            logits = self._model.forward(ids)  # (1, n, padded vocab) on the last layer's device
+            rows = logits[0, :-1, : self.n_vocab]
+            targets = ids[0, 1:].to(rows.device)
+            for a in range(0, n - 1, SCORE_ROWS):
+                logp = torch.log_softmax(rows[a : a + SCORE_ROWS].float(), dim=-1)
+                lp = logp.gather(1, targets[a : a + SCORE_ROWS, None])
+                lps += lp[:, 0].tolist()
+                ranks += ((logp > lp).sum(dim=1) + 1).tolist()
+                if k:
+                    best = logp.topk(k, dim=-1)
+                    top_ids += best.indices.tolist()
+                    top_lps += best.values.tolist()
+        return prompt_entries(lps, ranks, top_ids, top_lps)
