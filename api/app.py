@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from contextlib import asynccontextmanager
 
 import anyio
@@ -11,10 +14,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from api import errors
-from api.routes import admin, completions, jobs, models, tokens, usage
+from api.routes import admin, batches, completions, files, jobs, models, tokens, usage
 from core.db import async_engine
 from core.settings import get_settings
 from core.tokenizer import tokenizer_for
+
+log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
@@ -23,9 +28,30 @@ async def lifespan(app: FastAPI):
     app.state.redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
     for model in settings.model_ids:  # load tokenizers now, not on the first request
         await anyio.to_thread.run_sync(tokenizer_for, model)
+    app.state.validate_now = asyncio.Event()
+    validator = asyncio.create_task(_validate_batches(app.state.validate_now))
     yield
+    validator.cancel()
     await app.state.redis.aclose()
     await async_engine().dispose()
+
+
+async def _validate_batches(wake: asyncio.Event) -> None:
+    """Each API process validates batches (translation lives here, at the edge), one at a time,
+    in a thread; a batch whose validator died is taken over when its lease lapses."""
+    from api.batch_validation import claim_next, validate
+
+    while True:
+        try:
+            batch_id = await anyio.to_thread.run_sync(claim_next)
+            if batch_id:
+                await anyio.to_thread.run_sync(validate, batch_id)
+                continue
+        except Exception:
+            log.exception("batch validation failed; will retry")
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout=2.0)
 
 
 def create_app() -> FastAPI:
@@ -38,11 +64,12 @@ def create_app() -> FastAPI:
     @app.middleware("http")
     async def body_limit(request: Request, call_next):
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_body_bytes:
+        limit = settings.max_file_bytes + (1 << 20) if request.url.path == "/v1/files" else settings.max_body_bytes
+        if length and length.isdigit() and int(length) > limit:
             return errors.error_response(
                 errors.APIError(
                     413,
-                    f"Request body too large: {length} bytes (limit {settings.max_body_bytes}).",
+                    f"Request body too large: {length} bytes (limit {limit}).",
                     code="request_too_large",
                 )
             )
@@ -54,6 +81,8 @@ def create_app() -> FastAPI:
     app.include_router(tokens.router)
     app.include_router(usage.router)
     app.include_router(admin.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

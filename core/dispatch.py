@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, sessionmaker
 
-from core import events, jobs, ratelimit, usage
+from core import batches, events, jobs, ratelimit, usage
 from core.metrics import QUEUED
 from core.models import Job, JobState
 from core.queue import queues_for, send_run_job
@@ -102,6 +102,8 @@ class Dispatcher:
                     )
                     or 0
                 )
+        with self.sessions() as session:
+            counts["batches_ended"] = batches.advance(session)
         counts |= {"resent": len(stale), "sent": sent}
         if any(counts.values()):
             log.info("dispatcher: %s", counts)

@@ -16,8 +16,10 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -86,6 +88,12 @@ class Job(Base):
         # The fair dispatcher: each tenant's queued jobs of a model, best first.
         Index("ix_jobs_queue", "model", "state", "tenant_id", "kind", "priority", "created_at"),
         CheckConstraint("kind IN ('interactive', 'batch')", name="ck_jobs_kind"),
+        # A batch's lines: in input order, and each custom_id once.
+        Index("ix_jobs_batch_line", "batch_id", "line_no", unique=True, postgresql_where=text("batch_id IS NOT NULL")),
+        Index(
+            "ix_jobs_batch_custom", "batch_id", "custom_id", unique=True, postgresql_where=text("batch_id IS NOT NULL")
+        ),
+        Index("ix_jobs_batch_state", "batch_id", "state", postgresql_where=text("batch_id IS NOT NULL")),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -94,6 +102,9 @@ class Job(Base):
     model: Mapped[str] = mapped_column(String(128))
     kind: Mapped[str] = mapped_column(String(16), server_default="interactive")  # interactive | batch
     reserved_tokens: Mapped[int] = mapped_column(Integer, server_default="0")  # TPM/TPD reservation
+    batch_id: Mapped[str | None] = mapped_column(String(40))  # a batch line: its batch,
+    line_no: Mapped[int | None] = mapped_column(Integer)  # its line (1-based),
+    custom_id: Mapped[str | None] = mapped_column(String(512))  # and the client's id for it
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.queued.value)
     attempt: Mapped[int] = mapped_column(Integer, server_default="1")
     priority: Mapped[int] = mapped_column(Integer, server_default="0")
@@ -127,3 +138,67 @@ class UsageDaily(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     completion_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     gpu_seconds: Mapped[float] = mapped_column(Float, server_default="0")
+
+
+class File(Base):
+    """An uploaded or generated file (OpenAI's Files API). Content lives in `file_chunks`, in
+    Postgres, so every API replica on every host sees the same files."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    lines: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    status: Mapped[str] = mapped_column(String(16), server_default="processed")
+    deleted: Mapped[bool] = mapped_column(Boolean, server_default="false")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class FileChunk(Base):
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Batch(Base):
+    """OpenAI's batch object. Each input line becomes a job (kind 'batch') with batch_id/line_no."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_tenant_created", "tenant_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_id: Mapped[int | None] = mapped_column(BigInteger)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), server_default="validating")
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    errors: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    request_counts: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, server_default='{"total": 0, "completed": 0, "failed": 0}'
+    )
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
+    webhook_url: Mapped[str | None] = mapped_column(String(2048))
+    webhook_state: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # validation in progress
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

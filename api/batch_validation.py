@@ -1,0 +1,243 @@
+"""Turning a batch's input file into jobs: every line through the same validation and
+translation as an interactive request (api/translate.py), all or nothing.
+
+Runs in a thread of an API process. The whole file is read one chunk at a time, lines are
+validated one by one and inserted in slices of 1,000 in ONE transaction: if any line is bad, the
+batch fails listing every bad line (up to SPOOL_BATCH_MAX_ERRORS) and no job exists; if the
+process dies midway, nothing was committed and another replica picks the batch up when its
+validation lease lapses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select, update
+from sqlalchemy.dialects.postgresql import insert
+
+from api.errors import APIError, validation_error
+from api.schemas import CompletionRequest
+from api.translate import to_generation
+from core import files, jobs
+from core.db import sync_sessions
+from core.models import Batch, Job
+from core.registry import served_models
+from core.settings import Settings, get_settings
+from core.tokenizer import tokenizer_for
+
+log = logging.getLogger(__name__)
+SLICE = 1000
+
+
+class _LineError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.entry = {"code": code, "message": message, "param": param}
+
+
+def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _LineError("invalid_json_line", f"This line is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise _LineError("invalid_request", "Each line must be a JSON object.")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
+        raise _LineError("missing_custom_id", "Each line needs a 'custom_id' string (1-512 characters).", "custom_id")
+    if obj.get("method", "POST") != "POST":
+        raise _LineError("invalid_method", "'method' must be POST.", "method")
+    if obj.get("url") != b.endpoint:
+        raise _LineError("mismatched_url", f"'url' must be the batch's endpoint, {b.endpoint}.", "url")
+    extra = set(obj) - {"custom_id", "method", "url", "body"}
+    if extra:
+        raise _LineError("invalid_request", f"Unknown fields on the line: {sorted(extra)}.")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _LineError("invalid_request", "'body' must be a JSON object.", "body")
+    try:
+        req = CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        err = validation_error(exc)  # the same wording an interactive request would get
+        raise _LineError(err.code or "invalid_request", err.message, err.param and f"body.{err.param}") from exc
+    unknown = req.unknown_fields()
+    if unknown and settings.unknown_params != "ignore":
+        raise _LineError(
+            "unknown_parameter", f"Unrecognized request argument supplied: {unknown[0]}", f"body.{unknown[0]}"
+        )
+    if req.stream:
+        raise _LineError("invalid_request", "'stream' is not supported in a batch.", "body.stream")
+    if req.model not in served_models(settings):
+        raise _LineError("model_not_found", f"The model '{req.model}' does not exist.", "body.model")
+    try:
+        params, prompts = to_generation(req, settings, tokenizer_for(req.model))
+    except APIError as exc:
+        raise _LineError(exc.code or "invalid_request", exc.message, exc.param and f"body.{exc.param}") from exc
+    job = jobs.new_job(
+        tenant_id=b.tenant_id,
+        key_id=b.key_id,
+        model=req.model,
+        params=params.to_json(),
+        prompts=prompts,
+        stream=False,
+        user=req.user,
+        priority=req.priority or 0,
+        kind="batch",
+    )
+    return {
+        "id": job.id,
+        "tenant_id": b.tenant_id,
+        "key_id": b.key_id,
+        "model": req.model,
+        "kind": "batch",
+        "state": "queued",
+        "attempt": 1,
+        "priority": job.priority,
+        "params": job.params,
+        "prompts": prompts,
+        "stream": False,
+        "user": req.user,
+        "batch_id": b.id,
+        "line_no": line_no,
+        "custom_id": custom_id,
+    }
+
+
+def validate(batch_id: str) -> str:
+    """Validate and enqueue one batch; returns its new status."""
+    settings = get_settings()
+    with sync_sessions()() as session:
+        b = session.get(Batch, batch_id)
+        if b is None or b.status != "validating":
+            return b.status if b else "missing"
+        errors: list[dict[str, Any]] = []
+        extra_errors = 0
+        pending: list[dict[str, Any]] = []
+        total = 0
+
+        def note(line_no: int, entry: dict[str, Any]) -> None:
+            nonlocal extra_errors
+            if len(errors) < settings.batch_max_errors:
+                errors.append({**entry, "line": line_no})
+            else:
+                extra_errors += 1
+
+        def flush() -> None:
+            if not pending:
+                return
+            stmt = (
+                insert(Job)
+                .values(pending)
+                .on_conflict_do_nothing(
+                    index_elements=[Job.batch_id, Job.custom_id], index_where=Job.batch_id.isnot(None)
+                )
+                .returning(Job.line_no)
+            )
+            kept = set(session.scalars(stmt).all())
+            for row in pending:
+                if row["line_no"] not in kept:
+                    note(
+                        row["line_no"],
+                        {
+                            "code": "duplicate_custom_id",
+                            "param": "custom_id",
+                            "message": f"custom_id '{row['custom_id']}' appears on an earlier line.",
+                        },
+                    )
+            pending.clear()
+
+        for line_no, raw in enumerate(files.iter_lines(session, b.input_file_id), start=1):
+            if not raw.strip():
+                continue
+            total += 1
+            try:
+                row = _job_row(line_no, raw, b, settings)
+            except _LineError as exc:
+                note(line_no, exc.entry)
+                continue
+            # Insert even after an error: the unique index is what finds duplicate custom_ids, and
+            # the transaction is rolled back if any line failed.
+            pending.append(row)
+            if len(pending) >= SLICE:
+                flush()
+        flush()
+        now = datetime.now(UTC)
+        if total == 0:
+            errors.append(
+                {"code": "empty_file", "message": "The input file has no requests.", "param": None, "line": None}
+            )
+        if errors:
+            session.rollback()
+            if extra_errors:
+                errors.append(
+                    {
+                        "code": "too_many_errors",
+                        "param": None,
+                        "line": None,
+                        "message": f"{extra_errors} more lines are invalid.",
+                    }
+                )
+            moved = session.execute(
+                update(Batch)
+                .where(Batch.id == batch_id, Batch.status == "validating")
+                .values(
+                    status="failed",
+                    failed_at=now,
+                    errors={"object": "list", "data": errors},
+                    request_counts={"total": total, "completed": 0, "failed": 0},
+                    lease_until=None,
+                )
+            )
+            session.commit()
+            return "failed" if moved.rowcount else "cancelled"
+        moved = session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.status == "validating")
+            .values(
+                status="in_progress",
+                in_progress_at=now,
+                lease_until=None,
+                request_counts={"total": total, "completed": 0, "failed": 0},
+            )
+        )
+        if not moved.rowcount:  # cancelled while validating: none of its lines may run
+            session.rollback()
+            session.execute(
+                update(Batch)
+                .where(Batch.id == batch_id, Batch.status == "cancelling")
+                .values(status="cancelled", cancelled_at=now)
+            )
+            session.commit()
+            return "cancelled"
+        session.commit()
+        log.info("batch %s: %d lines queued", batch_id, total)
+        return "in_progress"
+
+
+def claim_next(lease_s: float = 300) -> str | None:
+    """Take one batch awaiting validation (or whose validator died), for this process."""
+    from datetime import timedelta
+
+    from sqlalchemy import func, or_
+
+    with sync_sessions()() as session:
+        picked = (
+            select(Batch.id)
+            .where(Batch.status == "validating", or_(Batch.lease_until.is_(None), Batch.lease_until < func.now()))
+            .order_by(Batch.created_at)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
+        )
+        got = session.scalar(
+            update(Batch)
+            .where(Batch.id == picked)
+            .values(lease_until=func.now() + timedelta(seconds=lease_s))
+            .returning(Batch.id)
+        )
+        session.commit()
+        return got
