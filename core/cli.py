@@ -27,6 +27,8 @@ tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
+batch_app = typer.Typer(help="Batches (OpenAI's Batch API) from the command line.", no_args_is_help=True)
+app.add_typer(batch_app, name="batch")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -364,6 +366,99 @@ def key_revoke(key_id: int) -> None:
             raise typer.Exit(1)
         session.commit()
     typer.echo(f"key {key_id} revoked")
+
+
+UrlOpt = typer.Option("http://127.0.0.1:8000", envvar="SPOOL_URL", help="Spool's base URL (or SPOOL_URL).")
+KeyOpt = typer.Option(..., envvar="SPOOL_API_KEY", help="API key (or SPOOL_API_KEY).")
+
+
+def _client(url: str, key: str):
+    import httpx
+
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
+
+
+def _check(resp) -> dict:
+    if resp.status_code >= 400:
+        typer.echo(resp.text, err=True)
+        raise typer.Exit(1)
+    return resp.json()
+
+
+@batch_app.command("submit")
+def batch_submit(
+    file: Path = typer.Argument(..., exists=True, readable=True, help="JSONL: one request per line."),
+    url: str = UrlOpt, api_key: str = KeyOpt,
+    window: str = typer.Option("24h", help="completion_window"),
+    wait: bool = typer.Option(False, "--wait", help="Follow the batch with a progress bar until it ends."),
+    output: Path | None = typer.Option(None, "-o", help="With --wait: write the results here."),
+) -> None:
+    """Upload FILE and start a batch on it; print the batch id (and follow it with --wait)."""
+    with _client(url, api_key) as http, file.open("rb") as fh:
+        f = _check(http.post("/v1/files", files={"file": (file.name, fh)}, data={"purpose": "batch"}))
+        b = _check(http.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                  "completion_window": window}))
+        typer.echo(b["id"])
+        if wait:
+            b = _follow(http, b["id"])
+            if output:
+                _download(http, b, output)
+
+
+def _follow(http, batch_id: str) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[failed]} failed"), TextColumn("{task.fields[rate]:.1f}/s"),
+               TimeRemainingColumn())
+    started = time.monotonic()
+    with Progress(*columns) as bar:
+        task = bar.add_task("validating", total=None, failed=0, rate=0.0)
+        while True:
+            b = _check(http.get(f"/v1/batches/{batch_id}"))
+            c = b["request_counts"]
+            done = c["completed"] + c["failed"]
+            bar.update(task, description=b["status"], total=c["total"] or None, completed=done, failed=c["failed"],
+                       rate=done / max(time.monotonic() - started, 1e-6))
+            if b["status"] in ("completed", "failed", "expired", "cancelled"):
+                break
+            time.sleep(1)
+    if b["status"] == "failed":
+        for e in (b.get("errors") or {}).get("data", [])[:20]:
+            typer.echo(f"line {e.get('line')}: {e.get('code')}: {e.get('message')}", err=True)
+    typer.echo(f"{batch_id}: {b['status']} {b['request_counts']}")
+    return b
+
+
+def _download(http, b: dict, output: Path) -> None:
+    with output.open("wb") as out:
+        for fid in (b.get("output_file_id"), b.get("error_file_id")):
+            if fid:
+                with http.stream("GET", f"/v1/files/{fid}/content") as resp:
+                    for chunk in resp.iter_bytes():
+                        out.write(chunk)
+    typer.echo(f"results written to {output}")
+
+
+@batch_app.command("results")
+def batch_results(batch_id: str, output: Path = typer.Option(..., "-o", help="Where to write the JSONL."),
+                  url: str = UrlOpt, api_key: str = KeyOpt) -> None:
+    """Download a finished batch's output and error lines into one JSONL file."""
+    with _client(url, api_key) as http:
+        _download(http, _check(http.get(f"/v1/batches/{batch_id}")), output)
+
+
+@batch_app.command("status")
+def batch_status(batch_id: str, url: str = UrlOpt, api_key: str = KeyOpt,
+                 wait: bool = typer.Option(False, "--wait")) -> None:
+    """Show a batch (and follow it with --wait)."""
+    import json
+
+    with _client(url, api_key) as http:
+        if wait:
+            _follow(http, batch_id)
+        else:
+            typer.echo(json.dumps(_check(http.get(f"/v1/batches/{batch_id}")), indent=2))
 
 
 def main() -> None:
