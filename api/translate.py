@@ -12,7 +12,7 @@ from typing import Any
 
 from api.errors import APIError
 from api.schemas import CompletionRequest
-from core import constraints
+from core import capabilities, constraints
 from core.params import DEFAULT_DRY_BREAKERS, GenerationParams
 from core.settings import Settings
 from core.tokenizer import Tokenizer, context_length
@@ -189,6 +189,12 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
         or req.prompt_logprobs is not None
         or best_of > n,
     )
+    for name in capabilities.unsupported(settings.engine, params):
+        raise bad(
+            name,
+            f"The '{settings.engine}' engine serving '{req.model}' cannot honour '{name}' with this value.",
+            code="unsupported_parameter",
+        )
     return params, prompts
 
 

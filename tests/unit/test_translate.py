@@ -138,3 +138,11 @@ def test_suffix_builds_a_fill_in_the_middle_prompt():
     req = CompletionRequest.model_validate({"model": MODEL, "prompt": "ab", "suffix": "c", "max_tokens": 4})
     _, prompts = to_generation(req, SETTINGS, FimTokenizer())
     assert prompts == [{"ids": [1, 10 + ord("a") % 50, 10 + ord("b") % 50, 2, 10 + ord("c") % 50, 3], "text": None}]
+
+
+def test_a_parameter_the_engine_cannot_honour_is_refused_by_name(tok):
+    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "mirostat": 1})
+    with pytest.raises(APIError) as err:
+        to_generation(req, Settings(n_ctx=1024, engine="exllamav2"), tok)
+    assert err.value.param == "mirostat" and err.value.code == "unsupported_parameter"
+    to_generation(req, SETTINGS, tok)  # llama.cpp has Mirostat 1

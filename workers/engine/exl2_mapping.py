@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from core import capabilities
 from core.params import GenerationParams
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, TopList
 from workers.engine.logits import log_softmax, top_logprobs
@@ -77,12 +78,10 @@ def unsupported(p: GenerationParams) -> list[str]:
     """Parameters (by GenerationParams name) this engine cannot honour for these values.
 
     exllamav2 has one Mirostat, and it is 2.0: `mirostat_pre_cpu` keeps the tokens whose surprise is
-    under mu and `mirostat_post_cpu` moves mu by eta; there is no v1 (Zipf-estimated k).
+    under mu and `mirostat_post_cpu` moves mu by eta; there is no v1 (Zipf-estimated k). The table
+    itself lives in core/capabilities.py so the API refuses these before anything is stored.
     """
-    bad = []
-    if p.mirostat == 1:
-        bad.append("mirostat")
-    return bad
+    return capabilities.unsupported("exllamav2", p)
 
 
 # -- sampler settings -------------------------------------------------------------------------
