@@ -226,7 +226,7 @@ def validate(batch_id: str) -> str:
         return "in_progress"
 
 
-def claim_next(lease_s: float = 300) -> str | None:
+def claim_next() -> str | None:
     """Take one batch awaiting validation (or whose validator died), for this process."""
     from datetime import timedelta
 
@@ -244,7 +244,7 @@ def claim_next(lease_s: float = 300) -> str | None:
         got = session.scalar(
             update(Batch)
             .where(Batch.id == picked)
-            .values(lease_until=func.now() + timedelta(seconds=lease_s))
+            .values(lease_until=func.now() + timedelta(seconds=get_settings().batch_validation_lease_s))
             .returning(Batch.id)
         )
         session.commit()

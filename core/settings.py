@@ -98,6 +98,9 @@ class Settings(BaseSettings):
 
     max_file_bytes: int = Field(2 * 1024**3, description="Largest upload to /v1/files (413 above).")
     max_file_lines: int = Field(2_000_000, description="Most lines a batch input file may have.")
+    batch_validation_lease_s: float = Field(
+        300.0, description="A batch whose validating API process died is taken over by another after this."
+    )
     batch_max_errors: int = Field(1000, description="Validation errors listed per failed batch (the rest counted).")
     events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
     events_maxlen: int = Field(100_000, description="Cap on entries of one job's event stream.")

@@ -134,6 +134,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         "SPOOL_DISPATCH_TIMEOUT_S": "10",
         "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
         "SPOOL_N_CTX": "1024",
+        "SPOOL_BATCH_VALIDATION_LEASE_S": "3",
         "PYTHONUNBUFFERED": "1",
     }
     drop_database(TEST_DB)

@@ -178,3 +178,32 @@ def test_file_errors_and_isolation(stack):
     assert client.files.delete(f.id).deleted is True
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
+
+
+def test_killing_the_api_while_it_validates_loses_nothing(stack):
+    client = stack.openai()
+    n = 20_000  # validation takes a few seconds: long enough to kill the API in the middle
+    f = client.files.create(file=("big.jsonl", io.BytesIO(_lines(n, max_tokens=1))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    time.sleep(1.0)
+    api = stack.procs.pop("api")
+    api.kill()  # mid-validation: its transaction never commits
+    api.wait(10)
+    stack.start("api", "api")
+    wait_for(lambda: _healthy(stack), 60, "API back")
+    b = _poll(client, b.id, {"in_progress", "failed", "completed"}, timeout=120)
+    assert b.status == "in_progress" and b.request_counts.total == n
+    client.batches.cancel(b.id)  # the lines themselves are not the point here
+    b = _poll(client, b.id, {"cancelled"}, timeout=120)
+    out, err = _output(client, b.output_file_id), _output(client, b.error_file_id)
+    ids = [o["custom_id"] for o in out + err]
+    assert len(ids) == n and len(set(ids)) == n  # every line exactly once
+
+
+def _healthy(stack) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(stack.base_url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
