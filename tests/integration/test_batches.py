@@ -207,3 +207,33 @@ def _healthy(stack) -> bool:
         return httpx.get(stack.base_url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_cli_submit_wait_and_results(stack, tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_lines(5, max_tokens=2))
+    out = tmp_path / "out.jsonl"
+    env = {**stack.env, "SPOOL_URL": stack.base_url, "SPOOL_API_KEY": stack.keys["alpha"]}
+    run = subprocess.run(
+        [sys.executable, "-m", "core.cli", "batch", "submit", str(src), "--wait", "-o", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    batch_id = run.stdout.splitlines()[0]
+    assert "completed" in run.stdout
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == [f"req-{i}" for i in range(5)]
+    again = tmp_path / "again.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "core.cli", "batch", "results", batch_id, "-o", str(again)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and again.read_text() == out.read_text()

@@ -145,27 +145,89 @@ def test_admin_needs_an_admin_key_and_usage_is_per_tenant(stack):
 
 
 def test_tenant_b_gets_404_for_every_object_of_tenant_a(stack):
+    """Every endpoint that names an object, with B's key on A's object: 404, shaped exactly like the
+    404 for an id that does not exist (no leak through status, error code or param)."""
+    import io
+    import json
+
     a, b = stack.keys["alpha"], stack.keys["beta"]
     with stack.http(a) as http_a, stack.http(b) as http_b:
-        r = http_a.post(
+        job_id = http_a.post(
             "/v1/completions",
             headers={"Prefer": "respond-async"},
             json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+        ).json()["id"]
+        line = json.dumps(
+            {
+                "custom_id": "1",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+            }
+        )
+        file_id = http_a.post(
+            "/v1/files", files={"file": ("a.jsonl", io.BytesIO(line.encode()))}, data={"purpose": "batch"}
+        ).json()["id"]
+        batch_id = http_a.post(
+            "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+        ).json()["id"]
+        walk = [
+            ("GET", "/v1/jobs/{job}", None),
+            ("GET", "/v1/jobs/{job}/events", None),
+            ("POST", "/v1/jobs/{job}/cancel", None),
+            ("GET", "/v1/files/{file}", None),
+            ("GET", "/v1/files/{file}/content", None),
+            ("DELETE", "/v1/files/{file}", None),
+            ("GET", "/v1/batches/{batch}", None),
+            ("POST", "/v1/batches/{batch}/cancel", None),
+            (
+                "POST",
+                "/v1/batches",
+                {"input_file_id": "{file}", "endpoint": "/v1/completions", "completion_window": "24h"},
+            ),
+        ]
+        ghosts = {"job": "cmpl-" + "0" * 24, "file": "file-" + "0" * 24, "batch": "batch_" + "0" * 24}
+        real = {"job": job_id, "file": file_id, "batch": batch_id}
+        for method, path, body in walk:
+            answers = []
+            for ids in (real, ghosts):
+                url = path.format(**ids)
+                payload = json.loads(json.dumps(body).replace("{file}", ids["file"])) if body else None
+                r = http_b.request(method, url, json=payload)
+                assert r.status_code == 404, (method, url, r.text)
+                e = r.json()["error"]
+                answers.append((e["type"], e["code"], e["param"]))
+            assert answers[0] == answers[1], (method, path, answers)
+        listed = [http_b.get(p).json()["data"] for p in ("/v1/files", "/v1/batches", "/v1/usage")]
+        assert file_id not in [f["id"] for f in listed[0]] and batch_id not in [x["id"] for x in listed[1]]
+        assert all(r["tenant_id"] != _tenant_id(http_a) for r in listed[2])
+        # ...and A still sees all of it.
+        assert http_a.get(f"/v1/jobs/{job_id}").status_code == 200
+        assert http_a.get(f"/v1/files/{file_id}").status_code == 200
+        assert http_a.get(f"/v1/batches/{batch_id}").status_code == 200
+
+
+def test_a_job_whose_worker_keeps_dying_releases_its_reservation(stack, db):
+    """The reaper's last-attempt path: the job fails with worker_lost and its tokens come back."""
+    from sqlalchemy import text
+
+    key = stack.new_tenant("tpm450", tpm=450)
+    with stack.http(key) as http:
+        r = http.post(
+            "/v1/completions",
+            headers={"Prefer": "respond-async"},
+            json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True},
         )
         job_id = r.json()["id"]
-        for method, path in [
-            ("GET", f"/v1/jobs/{job_id}"),
-            ("GET", f"/v1/jobs/{job_id}/events"),
-            ("POST", f"/v1/jobs/{job_id}/cancel"),
-        ]:
-            got = http_b.request(method, path)
-            assert got.status_code == 404, (method, path, got.text)
-            missing = http_b.request(method, path.replace(job_id, "cmpl-000000000000000000000000"))
-            assert missing.json() == {
-                **got.json(),
-                "error": {**got.json()["error"], "message": missing.json()["error"]["message"]},
-            }
-        assert all(r["tenant_id"] != _tenant_id(http_a) for r in http_b.get("/v1/usage").json()["data"])
+        wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["state"] == "running", 30, "running")
+        assert _post(http, max_tokens=400).status_code == 429
+        # Make this the last allowed attempt: the worker's lease renewal (attempt-fenced) now fails,
+        # so it drops the job like a dead worker would, and the lease lapses.
+        with db.begin() as conn:
+            conn.execute(text("UPDATE jobs SET attempt = 3 WHERE id = :i"), {"i": job_id})
+        job = wait_for(lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["state"] == "failed" and j, 60, "reaped")
+        assert job["error"]["code"] == "worker_lost"
+        assert _post(http, max_tokens=400).status_code == 200
 
 
 def _tenant_id(http: httpx.Client) -> int:
