@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, sessionmaker
 
-from core import batches, events, jobs, ratelimit, usage
+from core import batches, events, jobs, ratelimit, usage, webhooks
 from core.metrics import QUEUED
 from core.models import Job, JobState
 from core.queue import queues_for, send_run_job
@@ -107,6 +107,8 @@ class Dispatcher:
             self._next_batches = time.monotonic() + s.dispatcher_interval_s
             with self.sessions() as session:
                 counts["batches_ended"] = batches.advance(session)
+            with self.sessions() as session:
+                counts["webhooks"] = webhooks.deliver_due(session, s.webhook_secret, s.webhook_retry_s)
         counts |= {"resent": len(stale), "sent": sent}
         if any(v for k, v in counts.items() if k != "sent"):
             log.info("dispatcher: %s", counts)

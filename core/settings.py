@@ -101,6 +101,12 @@ class Settings(BaseSettings):
     batch_validation_lease_s: float = Field(
         300.0, description="A batch whose validating API process died is taken over by another after this."
     )
+    webhook_secret: str | None = Field(
+        None, description="HMAC key that signs batch webhooks; batches may name a `webhook_url` only when set."
+    )
+    webhook_retry_s: float = Field(
+        5.0, description="First webhook retry delay; doubles each attempt (max 1 h, 10 tries)."
+    )
     batch_max_errors: int = Field(1000, description="Validation errors listed per failed batch (the rest counted).")
     events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
     events_maxlen: int = Field(100_000, description="Cap on entries of one job's event stream.")

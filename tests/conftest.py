@@ -135,6 +135,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
         "SPOOL_N_CTX": "1024",
         "SPOOL_BATCH_VALIDATION_LEASE_S": "3",
+        "SPOOL_WEBHOOK_SECRET": "test-webhook-secret",
+        "SPOOL_WEBHOOK_RETRY_S": "0.5",
         "PYTHONUNBUFFERED": "1",
     }
     drop_database(TEST_DB)

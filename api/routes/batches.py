@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select, update
 
-from api.deps import PrincipalDep, SessionDep, TenantDep
+from api.deps import PrincipalDep, SessionDep, SettingsDep, TenantDep
 from api.errors import APIError
 from core import batches, files
 from core.models import Batch
@@ -46,7 +46,9 @@ async def _body(session, b: Batch) -> dict[str, Any]:
 
 
 @router.post("")
-async def create_batch(body: BatchCreate, request: Request, principal: PrincipalDep, session: SessionDep) -> dict:
+async def create_batch(
+    body: BatchCreate, request: Request, principal: PrincipalDep, session: SessionDep, settings: SettingsDep
+) -> dict:
     if body.endpoint not in ENDPOINTS:
         raise APIError(
             400,
@@ -60,6 +62,13 @@ async def create_batch(body: BatchCreate, request: Request, principal: Principal
             "completion_window must be '24h' (or a duration like '30m', '2h').",
             param="completion_window",
             code="invalid_value",
+        )
+    if body.webhook_url and not settings.webhook_secret:
+        raise APIError(
+            400,
+            "This deployment signs no webhooks (SPOOL_WEBHOOK_SECRET is unset), so 'webhook_url' cannot be used.",
+            param="webhook_url",
+            code="webhooks_disabled",
         )
     f = (await session.execute(files.get_for_tenant(body.input_file_id, principal.tenant.id))).scalar()
     if f is None:

@@ -237,3 +237,43 @@ def test_cli_submit_wait_and_results(stack, tmp_path):
         timeout=120,
     )
     assert run.returncode == 0 and again.read_text() == out.read_text()
+
+
+def test_completion_webhook_is_signed_and_retried(stack):
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from core.webhooks import verify
+
+    received: list[tuple[bytes, str]] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self):  # http.server calls it by this name
+            body = self.rfile.read(int(self.headers["content-length"]))
+            received.append((body, self.headers["x-spool-signature"]))
+            self.send_response(500 if len(received) == 1 else 200)  # the first delivery fails
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = stack.openai()
+        f = client.files.create(file=("hook.jsonl", io.BytesIO(_lines(2, max_tokens=1))), purpose="batch")
+        url = f"http://127.0.0.1:{server.server_port}/hook"
+        b = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/completions", completion_window="24h", extra_body={"webhook_url": url}
+        )
+        _poll(client, b.id, {"completed"})
+        wait_for(lambda: len(received) >= 2, 60, "the retried webhook")
+        for body, signature in received[:2]:
+            assert verify("test-webhook-secret", body, signature)
+            event = json.loads(body)
+            assert event["type"] == "batch.completed" and event["data"]["id"] == b.id
+        assert not verify("wrong-secret", received[1][0], received[1][1])
+        time.sleep(2)
+        assert len(received) == 2  # delivered once it got a 2xx: no more calls
+    finally:
+        server.shutdown()
