@@ -68,7 +68,7 @@ def _fim(req: CompletionRequest, tok: Tokenizer, prompts: list[dict[str, Any]]) 
 def _fit_context(
     req: CompletionRequest, settings: Settings, tok: Tokenizer, prompts: list[dict], want: int | None
 ) -> None:
-    ctx = context_length(tok, settings.n_ctx)
+    ctx = context_length(tok, settings)
     truncate_prompt = bool(req.truncate_sequence)
     behavior = req.context_length_exceeded_behavior or settings.context_overflow
     for i, p in enumerate(prompts):

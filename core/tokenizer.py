@@ -11,7 +11,7 @@ from functools import lru_cache
 from typing import Any, Protocol
 
 from core.registry import model_path
-from core.settings import get_settings
+from core.settings import Settings, get_settings
 
 
 class Tokenizer(Protocol):
@@ -136,6 +136,10 @@ def tokenizer_for(model_id: str) -> Tokenizer:
     return vocab
 
 
-def context_length(tok: Tokenizer, n_ctx: int) -> int:
-    """The context a deployment serves per sequence: its setting, capped by the model's own."""
-    return min(n_ctx, tok.train_context) if tok.train_context else n_ctx
+def context_length(tok: Tokenizer, settings: Settings) -> int:
+    """The longest sequence a deployment serves: its setting, capped by the model's own context and,
+    on the GPU engine, by the KV cache (a job larger than the cache would never start)."""
+    ctx = min(settings.n_ctx, tok.train_context) if tok.train_context else settings.n_ctx
+    if settings.engine == "exllamav2" and settings.exl2_cache_tokens:
+        ctx = min(ctx, settings.exl2_cache_tokens)
+    return ctx

@@ -69,7 +69,7 @@ async def create_completion(
         priority=body.priority or 0,
     )
     job.key_id = principal.key.id
-    job.reserved_tokens = reservation(params, prompts, context_length(tok, settings.n_ctx))
+    job.reserved_tokens = reservation(params, prompts, context_length(tok, settings))
     headers |= await admit(redis, principal, job.id, job.reserved_tokens)
     try:
         await submit(session, job, cap=tenant.max_concurrent)

@@ -22,7 +22,7 @@ async def _model(spec: ModelSpec, settings: Settings) -> dict:
         "object": "model",
         "created": _CREATED,
         "owned_by": spec.owned_by,
-        "context_length": context_length(tok, settings.n_ctx),
+        "context_length": context_length(tok, settings),
     }
 
 

@@ -146,3 +146,11 @@ def test_a_parameter_the_engine_cannot_honour_is_refused_by_name(tok):
         to_generation(req, Settings(n_ctx=1024, engine="exllamav2"), tok)
     assert err.value.param == "mirostat" and err.value.code == "unsupported_parameter"
     to_generation(req, SETTINGS, tok)  # llama.cpp has Mirostat 1
+
+
+def test_gpu_cache_size_bounds_admission(tok):
+    small = Settings(n_ctx=1024, engine="exllamav2", exl2_cache_tokens=256)
+    req = CompletionRequest.model_validate({"model": MODEL, "prompt": "word " * 200, "max_tokens": 100})
+    with pytest.raises(APIError) as err:
+        to_generation(req, small, tok)
+    assert err.value.code == "context_length_exceeded" and "256" in err.value.message
