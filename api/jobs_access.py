@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from api.streaming import HEARTBEAT, ChunkWriter, follow, sse_comment
 from core import events, jobs, ratelimit, usage
 from core.db import async_sessions
 from core.models import Job
@@ -37,3 +38,16 @@ async def cancel_job(session: AsyncSession, rds: aioredis.Redis, job_id: str, te
         await pipe.execute()
         return row
     return (await session.execute(jobs.get_for_tenant(job_id, tenant_id))).scalar()
+
+
+async def sse_chunks(job: Job, tenant_id: int, rds: aioredis.Redis, *, include_usage: bool, last_id: str = "0-0"):
+    """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
+    stream is silent; ends after the terminal event."""
+    writer = ChunkWriter(job, include_usage)
+    async for item in follow(rds, job.id, terminal_row_check(job.id, tenant_id), last_id=last_id):
+        if item is HEARTBEAT:
+            yield sse_comment("keep-alive")
+            continue
+        entry_id, ev = item
+        for chunk in writer.render(entry_id, ev):
+            yield chunk

@@ -10,7 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
+from core.jobs import completion_body
 from core.models import Job
+
+__all__ = ["CompletionRequest", "completion_body", "job_body"]
 
 PromptPiece = str | int
 Prompt = str | list[PromptPiece | list[PromptPiece]]
@@ -134,18 +137,6 @@ class CompletionRequest(BaseModel):
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
-
-
-def completion_body(job: Job) -> dict[str, Any]:
-    """A finished job as OpenAI's `text_completion` object."""
-    return {
-        "id": job.id,
-        "object": "text_completion",
-        "created": int(job.created_at.timestamp()),
-        "model": job.model,
-        "choices": (job.result or {}).get("choices", []),
-        "usage": job.usage,
-    }
 
 
 def _ts(d: Any) -> int | None:

@@ -45,15 +45,29 @@ def create_tenant(session: Session, name: str) -> Tenant:
 
 
 def create_key(
-    session: Session, tenant: Tenant, name: str | None = None, *, scope: str = "user",
-    expires_at: datetime | None = None, rpm: int | None = None, tpm: int | None = None,
+    session: Session,
+    tenant: Tenant,
+    name: str | None = None,
+    *,
+    scope: str = "user",
+    expires_at: datetime | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
 ) -> tuple[str, ApiKey]:
     """Store a new key for `tenant` and return it: the only time the plain key exists."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {sorted(SCOPES)}")
     key = new_key()
-    row = ApiKey(tenant_id=tenant.id, key_hash=hash_key(key), prefix=key[:16], name=name, scope=scope,
-                 expires_at=expires_at, rpm=rpm, tpm=tpm)
+    row = ApiKey(
+        tenant_id=tenant.id,
+        key_hash=hash_key(key),
+        prefix=key[:16],
+        name=name,
+        scope=scope,
+        expires_at=expires_at,
+        rpm=rpm,
+        tpm=tpm,
+    )
     session.add(row)
     session.flush()
     return key, row

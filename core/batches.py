@@ -17,6 +17,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from core import files
+from core.jobs import completion_body
 from core.models import Batch, File, Job, JobState
 
 log = logging.getLogger(__name__)
@@ -88,14 +89,7 @@ def _line(job: Job) -> tuple[bool, dict[str, Any]]:
     """One output or error line in OpenAI's batch format; True when it belongs to the output file."""
     rid = "batch_req_" + job.id.removeprefix("cmpl-")
     if job.state == JobState.succeeded.value:
-        body = {
-            "id": job.id,
-            "object": "text_completion",
-            "created": int(job.created_at.timestamp()),
-            "model": job.model,
-            "choices": (job.result or {}).get("choices", []),
-            "usage": job.usage,
-        }
+        body = completion_body(job)
         return True, {
             "id": rid,
             "custom_id": job.custom_id,

@@ -388,7 +388,8 @@ def _check(resp) -> dict:
 @batch_app.command("submit")
 def batch_submit(
     file: Path = typer.Argument(..., exists=True, readable=True, help="JSONL: one request per line."),
-    url: str = UrlOpt, api_key: str = KeyOpt,
+    url: str = UrlOpt,
+    api_key: str = KeyOpt,
     window: str = typer.Option("24h", help="completion_window"),
     wait: bool = typer.Option(False, "--wait", help="Follow the batch with a progress bar until it ends."),
     output: Path | None = typer.Option(None, "-o", help="With --wait: write the results here."),
@@ -396,8 +397,12 @@ def batch_submit(
     """Upload FILE and start a batch on it; print the batch id (and follow it with --wait)."""
     with _client(url, api_key) as http, file.open("rb") as fh:
         f = _check(http.post("/v1/files", files={"file": (file.name, fh)}, data={"purpose": "batch"}))
-        b = _check(http.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
-                                                  "completion_window": window}))
+        b = _check(
+            http.post(
+                "/v1/batches",
+                json={"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": window},
+            )
+        )
         typer.echo(b["id"])
         if wait:
             b = _follow(http, b["id"])
@@ -408,9 +413,14 @@ def batch_submit(
 def _follow(http, batch_id: str) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[failed]} failed"), TextColumn("{task.fields[rate]:.1f}/s"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        TextColumn("{task.fields[rate]:.1f}/s"),
+        TimeRemainingColumn(),
+    )
     started = time.monotonic()
     with Progress(*columns) as bar:
         task = bar.add_task("validating", total=None, failed=0, rate=0.0)
@@ -418,8 +428,14 @@ def _follow(http, batch_id: str) -> dict:
             b = _check(http.get(f"/v1/batches/{batch_id}"))
             c = b["request_counts"]
             done = c["completed"] + c["failed"]
-            bar.update(task, description=b["status"], total=c["total"] or None, completed=done, failed=c["failed"],
-                       rate=done / max(time.monotonic() - started, 1e-6))
+            bar.update(
+                task,
+                description=b["status"],
+                total=c["total"] or None,
+                completed=done,
+                failed=c["failed"],
+                rate=done / max(time.monotonic() - started, 1e-6),
+            )
             if b["status"] in ("completed", "failed", "expired", "cancelled"):
                 break
             time.sleep(1)
@@ -441,16 +457,21 @@ def _download(http, b: dict, output: Path) -> None:
 
 
 @batch_app.command("results")
-def batch_results(batch_id: str, output: Path = typer.Option(..., "-o", help="Where to write the JSONL."),
-                  url: str = UrlOpt, api_key: str = KeyOpt) -> None:
+def batch_results(
+    batch_id: str,
+    output: Path = typer.Option(..., "-o", help="Where to write the JSONL."),
+    url: str = UrlOpt,
+    api_key: str = KeyOpt,
+) -> None:
     """Download a finished batch's output and error lines into one JSONL file."""
     with _client(url, api_key) as http:
         _download(http, _check(http.get(f"/v1/batches/{batch_id}")), output)
 
 
 @batch_app.command("status")
-def batch_status(batch_id: str, url: str = UrlOpt, api_key: str = KeyOpt,
-                 wait: bool = typer.Option(False, "--wait")) -> None:
+def batch_status(
+    batch_id: str, url: str = UrlOpt, api_key: str = KeyOpt, wait: bool = typer.Option(False, "--wait")
+) -> None:
     """Show a batch (and follow it with --wait)."""
     import json
 

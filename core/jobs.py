@@ -231,3 +231,15 @@ def get_for_tenant(job_id: str, tenant_id: int):
 
 def is_terminal(state: str) -> bool:
     return JobState(state) in TERMINAL_STATES
+
+
+def completion_body(job: Job) -> dict[str, Any]:
+    """A finished job as OpenAI's `text_completion` object (API responses and batch output lines)."""
+    return {
+        "id": job.id,
+        "object": "text_completion",
+        "created": int(job.created_at.timestamp()),
+        "model": job.model,
+        "choices": (job.result or {}).get("choices", []),
+        "usage": job.usage,
+    }

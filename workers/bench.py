@@ -24,7 +24,10 @@ from workers.runtime import build_engine
 def _client(loop: EngineLoop, cfg: BenchConfig, todo: queue.SimpleQueue, out: list[RequestResult]) -> None:
     # The same lane choice the API makes for these requests (no seed is sent over HTTP either).
     params = GenerationParams(
-        max_tokens=cfg.max_tokens, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos, seed=cfg.seed,
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        ignore_eos=cfg.ignore_eos,
+        seed=cfg.seed,
         reproducible=cfg.temperature == 0,
     )
     while True:

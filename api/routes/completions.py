@@ -12,10 +12,10 @@ from fastapi.sse import EventSourceResponse
 
 from api.deps import PrincipalDep, RedisDep, SessionDep, SettingsDep
 from api.errors import APIError, error_body
-from api.jobs_access import cancel_job, terminal_row_check
+from api.jobs_access import cancel_job, sse_chunks, terminal_row_check
 from api.limits import admit
 from api.schemas import CompletionRequest, completion_body, job_body
-from api.streaming import HEARTBEAT, ChunkWriter, follow, sse_comment
+from api.streaming import HEARTBEAT, follow
 from api.translate import reservation, to_generation
 from core import jobs, ratelimit
 from core.db import async_sessions
@@ -87,16 +87,10 @@ async def create_completion(
 
 
 async def _stream(job, include_usage: bool, tenant_id: int, redis, settings):
-    writer = ChunkWriter(job, include_usage)
     finished = False
     try:
-        async for item in follow(redis, job.id, terminal_row_check(job.id, tenant_id)):
-            if item is HEARTBEAT:
-                yield sse_comment("keep-alive")
-                continue
-            entry_id, ev = item
-            for chunk in writer.render(entry_id, ev):
-                yield chunk
+        async for chunk in sse_chunks(job, tenant_id, redis, include_usage=include_usage):
+            yield chunk
         finished = True
     finally:
         if not finished and settings.cancel_on_disconnect:

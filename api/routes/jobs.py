@@ -7,9 +7,8 @@ from fastapi.sse import EventSourceResponse
 
 from api.deps import RedisDep, SessionDep, TenantDep
 from api.errors import APIError
-from api.jobs_access import cancel_job, terminal_row_check
+from api.jobs_access import cancel_job, sse_chunks
 from api.schemas import job_body
-from api.streaming import HEARTBEAT, ChunkWriter, follow, sse_comment
 from core import jobs
 
 router = APIRouter(prefix="/v1/jobs")
@@ -56,18 +55,7 @@ async def job_events(
     start = request.headers.get("last-event-id") or last_event_id or "0-0"
     if not _valid_stream_id(start):
         raise APIError(400, f"Invalid Last-Event-ID '{start}'.", param="Last-Event-ID", code="invalid_value")
-    return EventSourceResponse(_replay(row, start, tenant.id, redis))
-
-
-async def _replay(row, start: str, tenant_id: int, redis):
-    writer = ChunkWriter(row, include_usage=True)
-    async for item in follow(redis, row.id, terminal_row_check(row.id, tenant_id), last_id=start):
-        if item is HEARTBEAT:
-            yield sse_comment("keep-alive")
-            continue
-        entry_id, ev = item
-        for chunk in writer.render(entry_id, ev):
-            yield chunk
+    return EventSourceResponse(sse_chunks(row, tenant.id, redis, include_usage=True, last_id=start))
 
 
 def _valid_stream_id(value: str) -> bool:

@@ -72,3 +72,13 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
 
     def step(self) -> list[TokenEvent | PromptEvent]: ...
+
+
+def check_spec(spec: SeqSpec, n_ctx: int, n_vocab: int) -> None:
+    """What every engine refuses before queueing a sequence (the runner turns it into a job error)."""
+    if not spec.prompt_ids:
+        raise ValueError("empty prompt")
+    if len(spec.prompt_ids) + spec.max_new_tokens > n_ctx:
+        raise ValueError(f"prompt + max_new_tokens exceeds the context ({n_ctx})")
+    if any(t < 0 or t >= n_vocab for t in spec.prompt_ids):
+        raise ValueError(f"token id out of range 0..{n_vocab - 1}")

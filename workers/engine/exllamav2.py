@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
 from workers.engine.exl2_mapping import (
     CACHE_CLASSES,
     SeqState,
@@ -250,12 +250,7 @@ class ExLlamaV2Engine:
 
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
-        if not spec.prompt_ids:
-            raise ValueError("empty prompt")
-        if len(spec.prompt_ids) + spec.max_new_tokens > self.n_ctx:
-            raise ValueError(f"prompt + max_new_tokens exceeds the context ({self.n_ctx})")
-        if any(t < 0 or t >= self.n_vocab for t in spec.prompt_ids):
-            raise ValueError(f"token id out of range 0..{self.n_vocab - 1}")
+        check_spec(spec, self.n_ctx, self.n_vocab)
         bad = unsupported(spec.params)
         if bad:
             raise ValueError(f"not supported by the exllamav2 engine: {', '.join(bad)}")

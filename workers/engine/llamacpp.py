@@ -33,7 +33,7 @@ import numpy as np
 from core.llamalog import quiet_llama_logs
 from core.params import GenerationParams
 from core.tokenizer import LlamaVocab
-from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
 from workers.engine.logits import GrammarMask, log_softmax, top_logprobs
 
 log = logging.getLogger(__name__)
@@ -236,12 +236,7 @@ class LlamaCppEngine:
 
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
-        if not spec.prompt_ids:
-            raise ValueError("empty prompt")
-        if len(spec.prompt_ids) + spec.max_new_tokens > self.n_ctx:
-            raise ValueError(f"prompt + max_new_tokens exceeds the context ({self.n_ctx})")
-        if any(t < 0 or t >= self.n_vocab for t in spec.prompt_ids):
-            raise ValueError(f"token id out of range 0..{self.n_vocab - 1}")
+        check_spec(spec, self.n_ctx, self.n_vocab)
         (self._exact if spec.params.reproducible else self._fast).waiting.append(spec)
 
     def cancel(self, key: Hashable) -> None:
