@@ -206,15 +206,16 @@ def to_json(summaries: list[Summary]) -> list[dict]:
 
 
 def ratios(summaries: list[Summary]) -> list[dict]:
-    """http / engine throughput and TTFT at each concurrency, where both were measured."""
+    """Each HTTP server's throughput and TTFT against the engine alone, at each concurrency."""
+    engine = {s.concurrency: s for s in summaries if s.mode == "engine"}
     out = []
-    by = {(s.mode, s.concurrency): s for s in summaries}
-    for (mode, conc), s in by.items():
-        eng = by.get(("engine", conc))
-        if mode == "http" and eng and eng.output_tok_s:
+    for s in summaries:
+        eng = engine.get(s.concurrency)
+        if s.mode == "http" and eng and eng.output_tok_s:
             out.append(
                 {
-                    "concurrency": conc,
+                    "label": s.label,
+                    "concurrency": s.concurrency,
                     "throughput_ratio": s.output_tok_s / eng.output_tok_s,
                     "ttft_p50_added_ms": s.ttft_ms.get("p50", 0) - eng.ttft_ms.get("p50", 0),
                 }
@@ -262,7 +263,7 @@ def print_table(summaries: list[Summary]) -> None:
     console.print(t)
     for r in ratios(summaries):
         console.print(
-            f"concurrency {r['concurrency']}: through Spool = {r['throughput_ratio']:.2f} x the engine alone; "
+            f"concurrency {r['concurrency']}: {r['label']} = {r['throughput_ratio']:.2f} x the engine alone; "
             f"TTFT p50 +{r['ttft_p50_added_ms']:.0f} ms"
         )
 

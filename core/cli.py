@@ -165,6 +165,8 @@ def bench(
     prompt: str | None = typer.Option(None, help="One fixed prompt (default: sampled from built-in prompts)."),
     prompts_file: str | None = typer.Option(None, help="Prompts, one per line (text or JSON with 'prompt')."),
     label: str = typer.Option("spool", help="Name of the server in the report."),
+    compare_url: str | None = typer.Option(None, help="A second server measured in the same run (e.g. llama-server)."),
+    compare_label: str = typer.Option("other", help="Its name in the report."),
     json_out: str | None = typer.Option(None, "--json", help="Write the summaries as JSON here."),
     plot_out: str | None = typer.Option(None, "--plot", help="Write a PNG plot here."),
 ) -> None:
@@ -203,6 +205,8 @@ def bench(
             summaries += [b.Summary(**d) for d in json.loads(out.stdout.strip().splitlines()[-1])]
         else:
             raise typer.BadParameter(f"unknown mode {m!r}")
+    if compare_url:
+        summaries += b.bench_http(cfg.model_copy(update={"url": compare_url, "label": compare_label}))
     b.print_table(summaries)
     if json_out:
         Path(json_out).write_text(
