@@ -1,0 +1,31 @@
+"""spool bench's statistics and reports (pure)."""
+
+from __future__ import annotations
+
+from core.bench import BenchConfig, RequestResult, percentiles, plot, ratios, summarize
+
+
+def test_percentiles_in_milliseconds():
+    p = percentiles([0.1 * i for i in range(1, 101)])
+    assert p["p50"] == 5000 or abs(p["p50"] - 5050) <= 60
+    assert p["p99"] >= p["p90"] >= p["p50"]
+    assert percentiles([]) == {}
+
+
+def test_summary_counts_only_successes_and_ratio_against_the_engine(tmp_path):
+    cfg = BenchConfig()
+    ok = [RequestResult(True, ttft=0.1, itl=0.01, e2e=1.0, output_tokens=100) for _ in range(4)]
+    http = summarize("spool", "http", cfg, 4, [*ok, RequestResult(False, error="HTTP 500")], 2.0)
+    assert (http.requests, http.failed, http.output_tokens, http.output_tok_s) == (5, 1, 400, 200.0)
+    engine = summarize("engine", "engine", cfg, 4, ok, 1.6)
+    other = summarize("llama-server", "http", cfg, 4, ok, 4.0)
+    got = {r["label"]: round(r["throughput_ratio"], 2) for r in ratios([http, engine, other])}
+    assert got == {"spool": 0.8, "llama-server": 0.4}
+    out = tmp_path / "plot.png"
+    plot([http, engine, other], str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompts_are_sampled_reproducibly():
+    cfg = BenchConfig(requests=10, seed=3)
+    assert cfg.prompts() == cfg.prompts() and len(cfg.prompts()) == 10
