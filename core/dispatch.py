@@ -95,18 +95,19 @@ class Dispatcher:
                 rows = session.execute(jobs.dispatch_picked(picks)).all() if picks else []
                 session.commit()
                 sent += self._send(session, rows)
-                QUEUED.labels(model).set(
-                    session.scalar(
-                        select(func.count())
-                        .select_from(Job)
-                        .where(Job.state == JobState.queued.value, Job.model == model)
-                    )
-                    or 0
-                )
         if time.monotonic() >= self._next_batches:  # batch bookkeeping: once per interval is plenty
             self._next_batches = time.monotonic() + s.dispatcher_interval_s
             with self.sessions() as session:
                 counts["batches_ended"] = batches.advance(session)
+                for model in s.model_ids:  # a count over the backlog: once per interval, not per tick
+                    QUEUED.labels(model).set(
+                        session.scalar(
+                            select(func.count())
+                            .select_from(Job)
+                            .where(Job.state == JobState.queued.value, Job.model == model)
+                        )
+                        or 0
+                    )
             with self.sessions() as session:
                 counts["webhooks"] = webhooks.deliver_due(session, s.webhook_secret, s.webhook_retry_s)
         counts |= {"resent": len(stale), "sent": sent}

@@ -86,7 +86,7 @@ class Job(Base):
         Index("ix_jobs_state_created", "state", "created_at"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         # The fair dispatcher: each tenant's queued jobs of a model, best first.
-        Index("ix_jobs_queue", "model", "state", "tenant_id", "kind", "priority", "created_at"),
+        Index("ix_jobs_queue", "model", "state", "tenant_id", "kind", text("priority DESC"), "created_at"),
         CheckConstraint("kind IN ('interactive', 'batch')", name="ck_jobs_kind"),
         # A batch's lines: in input order, and each custom_id once.
         Index("ix_jobs_batch_line", "batch_id", "line_no", unique=True, postgresql_where=text("batch_id IS NOT NULL")),
