@@ -13,7 +13,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from core.jobs import completion_body
 from core.models import Job
 
-__all__ = ["CompletionRequest", "completion_body", "job_body"]
+__all__ = ["CompletionRequest", "completion_body", "job_body", "page"]
 
 PromptPiece = str | int
 Prompt = str | list[PromptPiece | list[PromptPiece]]
@@ -158,4 +158,15 @@ def job_body(job: Job) -> dict[str, Any]:
         "error": job.error,
         "result": completion_body(job) if job.state == "succeeded" else None,
         "events_url": f"/v1/jobs/{job.id}/events",
+    }
+
+
+def page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    """OpenAI's cursor-paginated list object."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
     }

@@ -117,23 +117,17 @@ def _line(job: Job) -> tuple[bool, dict[str, Any]]:
 
 def write_results(session: Session, b: Batch) -> None:
     """Stream the batch's lines, in input order, into an output and an error file."""
-    out = File(
-        id=files.new_file_id(),
-        tenant_id=b.tenant_id,
-        purpose="batch_output",
-        filename=f"{b.id}_output.jsonl",
-        bytes=0,
-        lines=0,
-        status="processed",
-    )
-    err = File(
-        id=files.new_file_id(),
-        tenant_id=b.tenant_id,
-        purpose="batch_output",
-        filename=f"{b.id}_error.jsonl",
-        bytes=0,
-        lines=0,
-        status="processed",
+    out, err = (
+        File(
+            id=files.new_file_id(),
+            tenant_id=b.tenant_id,
+            purpose="batch_output",
+            filename=f"{b.id}_{kind}.jsonl",
+            bytes=0,
+            lines=0,
+            status="processed",
+        )
+        for kind in ("output", "error")
     )
     session.add_all([out, err])
     session.flush()

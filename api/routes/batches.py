@@ -11,6 +11,7 @@ from sqlalchemy import select, update
 
 from api.deps import PrincipalDep, SessionDep, SettingsDep, TenantDep
 from api.errors import APIError
+from api.schemas import page
 from core import batches, files
 from core.models import Batch
 
@@ -106,13 +107,7 @@ async def list_batches(tenant: TenantDep, session: SessionDep, limit: int = 20, 
             stmt = stmt.where(Batch.created_at < cursor.created_at)
     rows = (await session.execute(stmt.order_by(Batch.created_at.desc()).limit(limit + 1))).scalars().all()
     data = [await _body(session, b) for b in rows[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(rows) > limit,
-    }
+    return page(data, len(rows) > limit)
 
 
 @router.get("/{batch_id}")

@@ -12,6 +12,7 @@ from sqlalchemy import select
 
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import APIError
+from api.schemas import page
 from core import files
 from core.db import async_sessions, sync_sessions
 from core.models import File
@@ -100,13 +101,7 @@ async def list_files(
     stmt = stmt.order_by(File.created_at.desc() if order == "desc" else File.created_at).limit(limit + 1)
     rows = (await session.execute(stmt)).scalars().all()
     data = [files.file_json(f) for f in rows[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(rows) > limit,
-    }
+    return page(data, len(rows) > limit)
 
 
 @router.get("/{file_id}")
