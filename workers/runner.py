@@ -123,7 +123,7 @@ class JobRunner:
             return "failed"
 
     # -- helpers ----------------------------------------------------------------------------
-    def _append(self, job_id: str, evs: list[dict[str, Any]]) -> None:
+    def append_events(self, job_id: str, evs: list[dict[str, Any]]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         events.queue_append(pipe, job_id, evs, self.settings.events_ttl_s, self.settings.events_maxlen)
         pipe.execute()
@@ -168,7 +168,7 @@ class JobRunner:
 
     def _fail(self, job: Job, error: dict[str, Any]) -> None:
         if self.settle(job, jobs.fail(job.id, job.attempt, error), "failed"):
-            self._append(job.id, [{"type": "error", "attempt": job.attempt, "error": error}])
+            self.append_events(job.id, [{"type": "error", "attempt": job.attempt, "error": error}])
 
 
 class _Attempt:
@@ -323,7 +323,7 @@ class _Attempt:
         )
         if not won:
             return "lost"
-        self.runner._append(job.id, [{"type": "done", "attempt": job.attempt, "usage": usage_body}])
+        self.runner.append_events(job.id, [{"type": "done", "attempt": job.attempt, "usage": usage_body}])
         return "succeeded"
 
     def _accept(self, ch: _Choice, ev: TokenEvent | PromptEvent, live: set) -> _Choice:
@@ -420,7 +420,7 @@ class _Attempt:
             ch.closed = ch.done
             out.append(ev)
         if out:
-            self.runner._append(self.job.id, out)
+            self.runner.append_events(self.job.id, out)
 
     def _select(self) -> dict[int, _Choice]:
         """The returned choices by OpenAI index: all, or best_of's top n per prompt by mean logprob."""
