@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, StatementError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,25 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL. Please check the URL for typos."
         return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(StatementError)
+    async def _database(_: Request, exc: StatementError) -> JSONResponse:
+        # Values Postgres cannot store (NUL characters, unpaired surrogates, numbers past a column's
+        # range) are the client's input, found only when stored: a 400, and nothing was written.
+        if isinstance(exc, DataError) or isinstance(getattr(exc, "orig", None), ValueError):
+            detail = str(getattr(exc, "orig", exc)).splitlines()[0][:200]
+            return error_response(
+                APIError(400, f"A value in the request cannot be stored: {detail}", code="invalid_value")
+            )
+        log.exception("database error")
+        return error_response(
+            APIError(
+                500,
+                "The server had an error while processing your request.",
+                type_="server_error",
+                code="internal_error",
+            )
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

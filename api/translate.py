@@ -137,7 +137,10 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
     except constraints.ConstraintError as exc:
         raise bad(exc.param, str(exc), code="invalid_constraint") from exc
 
-    prompts = prompts_of(req, tok)
+    try:
+        prompts = prompts_of(req, tok)
+    except UnicodeEncodeError as exc:
+        raise bad("prompt", f"The prompt is not valid Unicode text: {exc.reason} at position {exc.start}.") from exc
     if req.suffix is not None:
         _fim(req, tok, prompts)
     sequences = len(prompts) * best_of

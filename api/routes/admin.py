@@ -18,7 +18,8 @@ from core.models import ApiKey, Tenant
 
 router = APIRouter(prefix="/admin")
 
-PosInt = Annotated[int, Field(ge=1)] | None
+PosInt = Annotated[int, Field(ge=1, le=2**31 - 1)] | None  # Postgres integer columns
+BigPosInt = Annotated[int, Field(ge=1, le=2**63 - 1)] | None
 
 
 class TenantLimits(BaseModel):
@@ -26,7 +27,7 @@ class TenantLimits(BaseModel):
     weight: Annotated[int, Field(ge=1, le=1000)] | None = None
     rpm: PosInt = None
     tpm: PosInt = None
-    tpd: PosInt = None
+    tpd: BigPosInt = None
     max_concurrent: PosInt = None
     max_queued: PosInt = None
 
@@ -73,6 +74,8 @@ async def create_tenant(body: TenantCreate, _: AdminDep, session: SessionDep) ->
 async def update_tenant(name: str, body: TenantLimits, _: AdminDep, session: SessionDep) -> dict:
     await _tenant(session, name)
     values = body.model_dump(exclude_unset=True)  # an explicit null clears a limit
+    if "weight" in values and values["weight"] is None:
+        raise APIError(400, "weight cannot be null (it is a share, at least 1).", param="weight", code="invalid_value")
     t = (await session.execute(tenants.set_limits(name, values))).scalar() if values else await _tenant(session, name)
     await session.commit()
     return tenants.tenant_json(t)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import MODEL, count_jobs
@@ -93,3 +95,14 @@ def test_unknown_route_and_model(stack):
         _assert_error(http.get("/v1/models/nope"), 404, "model", "model_not_found")
         _assert_error(http.get("/v1/jobs/cmpl-doesnotexist"), 404, code="job_not_found")
         _assert_error(http.get("/v1/jobs/x/events", headers={"Last-Event-ID": "garbage"}), 404)
+
+
+@pytest.mark.parametrize("field", [{"user": "a\u0000b"}, {"prompt": "a\u0000b"}, {"prompt": "\ud800x"}])
+def test_values_postgres_cannot_store_are_400_and_store_nothing(stack, db, field):
+    before = count_jobs(db)
+    with stack.http(stack.keys["alpha"]) as http:
+        body = json.dumps({**GOOD, **field}).encode()  # raw: httpx would refuse the lone surrogate
+        r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_value"
+    assert count_jobs(db) == before

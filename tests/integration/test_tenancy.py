@@ -140,6 +140,9 @@ def test_admin_needs_an_admin_key_and_usage_is_per_tenant(stack):
         assert len({r["tenant_id"] for r in all_rows}) > 1
         t = admin.patch("/admin/tenants/metered", json={"rpm": 100, "weight": 2}).json()
         assert (t["rpm"], t["weight"]) == (100, 2)
+        assert admin.patch("/admin/tenants/metered", json={"rpm": None}).json()["rpm"] is None
+        bad = admin.patch("/admin/tenants/metered", json={"weight": None})  # found by schemathesis: was a 500
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight"
     metrics = httpx.get(stack.base_url + "/metrics").text
     assert "spool_requests_admitted_total" in metrics
 
