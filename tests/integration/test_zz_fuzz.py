@@ -1,5 +1,8 @@
 """Property-based fuzzing of every operation in Spool's OpenAPI schema: whatever schemathesis sends,
-valid or not, the answer is never a 5xx."""
+valid or not, the answer is never a 5xx.
+
+It runs with an admin key and really changes things (it revokes keys, edits tenants), so it runs
+last in the session: the file name sorts after every other integration test."""
 
 from __future__ import annotations
 
