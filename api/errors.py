@@ -80,6 +80,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {msg}", param=param, code="invalid_value")
 
 
+def _internal() -> JSONResponse:
+    """A bug on our side: still OpenAI's shape, with nothing about the cause (it is logged)."""
+    return error_response(
+        APIError(
+            500, "The server had an error while processing your request.", type_="server_error", code="internal_error"
+        )
+    )
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -106,24 +115,10 @@ def install(app: FastAPI) -> None:
                 APIError(400, f"A value in the request cannot be stored: {detail}", code="invalid_value")
             )
         log.exception("database error")
-        return error_response(
-            APIError(
-                500,
-                "The server had an error while processing your request.",
-                type_="server_error",
-                code="internal_error",
-            )
-        )
+        return _internal()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A bug: still answer in OpenAI's shape, and log it for the operator.
         log.exception("unhandled error")
-        return error_response(
-            APIError(
-                500,
-                "The server had an error while processing your request.",
-                type_="server_error",
-                code="internal_error",
-            )
-        )
+        return _internal()
