@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from contextlib import asynccontextmanager
 
 import anyio
+import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,9 +14,10 @@ from sqlalchemy import text
 
 from api import errors
 from api.routes import admin, batches, completions, files, jobs, models, tokens, usage
-from core.db import async_engine
-from core.settings import get_settings
-from core.tokenizer import tokenizer_for
+from core.config import get_settings
+from core.infra.db import async_engine, sync_sessions
+from core.infra.tokenizers import tokenizer_for
+from core.jobs.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -26,32 +26,13 @@ log = logging.getLogger(__name__)
 async def lifespan(app: FastAPI):
     settings = get_settings()
     app.state.redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
+    app.state.lifecycle = Lifecycle(sync_sessions(), redis.Redis.from_url(settings.redis_url), settings)
     for model in settings.model_ids:  # load tokenizers now, not on the first request
         await anyio.to_thread.run_sync(tokenizer_for, model)
-    app.state.validate_now = asyncio.Event()
-    validator = asyncio.create_task(_validate_batches(app.state.validate_now))
     yield
-    validator.cancel()
     await app.state.redis.aclose()
     await async_engine().dispose()
-
-
-async def _validate_batches(wake: asyncio.Event) -> None:
-    """Each API process validates batches (translation lives here, at the edge), one at a time,
-    in a thread; a batch whose validator died is taken over when its lease lapses."""
-    from api.batch_validation import claim_next, validate
-
-    while True:
-        try:
-            batch_id = await anyio.to_thread.run_sync(claim_next)
-            if batch_id:
-                await anyio.to_thread.run_sync(validate, batch_id)
-                continue
-        except Exception:
-            log.exception("batch validation failed; will retry")
-        wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), timeout=2.0)
 
 
 def create_app() -> FastAPI:

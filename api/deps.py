@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Annotated
 
 import redis.asyncio as aioredis
@@ -11,10 +10,11 @@ from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.errors import APIError
-from core.auth import lookup_stmt
-from core.db import async_sessions
-from core.models import ApiKey, Tenant
-from core.settings import Settings, get_settings
+from core.config import Settings, get_settings
+from core.infra.db import async_sessions
+from core.infra.orm import Tenant
+from core.jobs.lifecycle import Lifecycle
+from core.tenancy.keys import Principal, lookup_stmt
 
 
 async def db_session() -> AsyncIterator[AsyncSession]:
@@ -26,10 +26,8 @@ def redis_client(request: Request) -> aioredis.Redis:
     return request.app.state.redis
 
 
-@dataclass(frozen=True)
-class Principal:
-    tenant: Tenant
-    key: ApiKey
+def lifecycle(request: Request) -> Lifecycle:
+    return request.app.state.lifecycle
 
 
 async def current_principal(request: Request, session: Annotated[AsyncSession, Depends(db_session)]) -> Principal:
@@ -63,6 +61,7 @@ async def admin_principal(principal: Annotated[Principal, Depends(current_princi
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[AsyncSession, Depends(db_session)]
 RedisDep = Annotated[aioredis.Redis, Depends(redis_client)]
+LifecycleDep = Annotated[Lifecycle, Depends(lifecycle)]
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
 AdminDep = Annotated[Principal, Depends(admin_principal)]

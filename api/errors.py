@@ -11,6 +11,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, StatementError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core.errors import DomainError, ErrorKind
+from core.protocol.errors import from_validation
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -25,59 +28,43 @@ _TYPES = {
 }
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.headers = headers
+_STATUS = {
+    ErrorKind.invalid: 400,
+    ErrorKind.unauthenticated: 401,
+    ErrorKind.not_found: 404,
+    ErrorKind.conflict: 409,
+    ErrorKind.too_large: 413,
+    ErrorKind.rate_limited: 429,
+    ErrorKind.unavailable: 503,
+}
+
+
+class APIError(DomainError):
+    """A DomainError with an explicit HTTP status: for what only the edge knows (credentials, URLs,
+    body size) and for statuses no domain kind names (500)."""
+
+    def __init__(self, status: int, message: str, **kw: Any) -> None:
+        kind = next((k for k, v in _STATUS.items() if v == status), ErrorKind.invalid)
+        super().__init__(kind, message, **kw)
+        self.status = status
+
+
+def status_of(exc: DomainError) -> int:
+    return exc.status if isinstance(exc, APIError) else _STATUS[exc.kind]
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, headers=exc.headers)
+def error_response(exc: DomainError) -> JSONResponse:
+    status = status_of(exc)
+    type_ = exc.type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse(error_body(exc.message, type_, exc.param, exc.code), status, headers=exc.headers)
 
 
-def _param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    # Drop pydantic's union-branch labels ("str", "list[int]", ...) from the path.
-    parts = [p for p in parts if not (p.startswith(("list[", "dict[")) or p in {"str", "int", "float", "bool"})]
-    return ".".join(parts) or None
-
-
-def validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    first = errors[0] if errors else {"type": "value_error", "loc": (), "msg": "Invalid request."}
-    param = _param(tuple(first.get("loc", ())))
-    kind = first.get("type")
-    if kind == "json_invalid":
-        return APIError(
-            400,
-            "We could not parse the JSON body of your request. (HINT: This likely means "
-            "you aren't using your HTTP library correctly. The OpenAI API expects a JSON "
-            "payload.)",
-            code="invalid_json",
-        )
-    if kind == "missing":
-        return APIError(400, f"You must provide a '{param}' parameter.", param=param, code="missing_parameter")
-    if kind == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
-    if not param and (kind or "").endswith("_type"):  # the body itself is not an object
-        return APIError(400, "The request body must be a JSON object.", code="invalid_type")
-    msg = first.get("msg", "Invalid value.")
-    return APIError(400, f"Invalid value for '{param}': {msg}", param=param, code="invalid_value")
+def validation_error(exc: RequestValidationError) -> DomainError:
+    return from_validation(exc.errors())
 
 
 def _internal() -> JSONResponse:
@@ -90,8 +77,8 @@ def _internal() -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    @app.exception_handler(DomainError)
+    async def _domain(_: Request, exc: DomainError) -> JSONResponse:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

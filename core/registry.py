@@ -10,7 +10,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.settings import Settings
+from core.config import Settings
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from core.models import Base
-from core.settings import get_settings
+from core.config import get_settings
+from core.infra.orm import Base
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):

@@ -1,7 +1,7 @@
 """Fairness scenario: does one tenant's huge backlog slow another tenant's interactive requests,
 and do saturating tenants share the workers by weight?
 
-Used by tests/integration/test_fairness.py and runnable against any Spool stack:
+Used by tests/e2e/test_fairness.py and runnable against any Spool stack:
 
     python -m ops.fairness --url http://127.0.0.1:8000 --admin-key sk-spool-... \\
         --database-url postgresql+psycopg://postgres@127.0.0.1:5432/spool --backlogs 200,2000
@@ -20,9 +20,9 @@ import uuid
 import httpx
 from sqlalchemy import Engine, create_engine, func, select, update
 
-from core import jobs
-from core.models import Job, JobState, Tenant
-from core.params import GenerationParams
+from core.generation.params import GenerationParams
+from core.infra.orm import Job, JobState, Tenant
+from core.jobs import transitions as jobs
 
 MODEL = "smollm2-135m-instruct"
 PROMPT_IDS = [19556, 30]  # two tokens: the work is scheduling, not generation

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,16 +119,17 @@ def db_url() -> str:
     return TEST_DB
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory) -> Iterator[Stack]:
-    from core.dbadmin import drop_database
+@contextmanager
+def running_stack(logdir: Path, db_url: str, redis_url: str) -> Iterator[Stack]:
+    """A whole Spool (api + dispatcher + one worker) on its own database and Redis db, with tenants
+    alpha, beta and ops and an admin key, all made fresh."""
+    from core.infra.dbadmin import drop_database
 
-    logdir = tmp_path_factory.mktemp("logs")
     port = free_port()
     env = {
         **os.environ,
-        "SPOOL_DATABASE_URL": TEST_DB,
-        "SPOOL_REDIS_URL": TEST_REDIS,
+        "SPOOL_DATABASE_URL": db_url,
+        "SPOOL_REDIS_URL": redis_url,
         "SPOOL_API_PORT": str(port),
         # Short timings so recovery paths run in seconds.
         "SPOOL_LEASE_S": "3",
@@ -139,8 +141,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         "SPOOL_WEBHOOK_RETRY_S": "0.5",
         "PYTHONUNBUFFERED": "1",
     }
-    drop_database(TEST_DB)
-    redis_lib.Redis.from_url(TEST_REDIS).flushdb()
+    drop_database(db_url)
+    redis_lib.Redis.from_url(redis_url).flushdb()
     st = Stack(env=env, logdir=logdir, port=port)
     st.cli("migrate")
     for tenant in ("alpha", "beta", "ops"):
@@ -163,6 +165,12 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     finally:
         st.stop_all()
         print(f"\nprocess logs in {logdir}")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("logs"), TEST_DB, TEST_REDIS) as st:
+        yield st
 
 
 @pytest.fixture(scope="session")

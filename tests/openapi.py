@@ -1,4 +1,4 @@
-"""Validate responses against the schemas of the reference OpenAI spec (shared/reference).
+"""Validate responses against the schemas of the reference OpenAI spec (tests/reference, in the repo).
 
 The spec is OpenAPI 3.0 (`nullable: true`); it is rewritten to JSON Schema here. Two places where
 OpenAI's live API itself sends null where the schema does not allow it are relaxed, explicitly:
@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonschema
 
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "reference" / "openai-openapi-subset.json"
+SPEC = Path(__file__).resolve().parent / "reference" / "openai-openapi-subset.json"
 
 
 def _nullable(node: Any) -> Any:
@@ -33,10 +33,6 @@ def _nullable(node: Any) -> Any:
 @lru_cache
 def _spec() -> dict[str, Any]:
     return _nullable(json.loads(SPEC.read_text()))
-
-
-def available() -> bool:
-    return SPEC.exists()
 
 
 def schema(name: str, *, chunk: bool = False, echo: bool = False) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from core.queue import queues_for
-from core.settings import get_settings
+from core.config import get_settings
+from core.infra.broker import queues_for
 
 
 def main(argv: list[str] | None = None) -> None:

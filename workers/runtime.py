@@ -9,9 +9,9 @@ from functools import lru_cache
 
 import redis
 
-from core.db import sync_sessions
+from core.config import get_settings
+from core.infra.db import sync_sessions
 from core.registry import model_path
-from core.settings import get_settings
 from workers.engine.base import Engine
 from workers.engine.loop import EngineLoop
 from workers.runner import JobRunner

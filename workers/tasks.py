@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.queue import RUN_JOB, celery_app
+from core.infra.broker import RUN_JOB, celery_app
 from workers.runtime import runner
 
 app = celery_app()

@@ -3,8 +3,6 @@ Postgres in 1 MiB chunks from a worker thread: never whole in memory."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import anyio
 from fastapi import APIRouter, Form, UploadFile
 from fastapi.responses import StreamingResponse
@@ -12,11 +10,12 @@ from sqlalchemy import select
 
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import APIError
-from api.schemas import page
-from core import files
-from core.db import async_sessions, sync_sessions
-from core.models import File
-from core.settings import Settings
+from core.files import storage as files
+from core.files.service import store
+from core.infra.db import async_sessions
+from core.infra.orm import File
+from core.protocol.render import page
+from core.protocol.schemas import FileDeleted, FileList, FileObject
 
 router = APIRouter(prefix="/v1/files")
 PURPOSES = {"batch"}
@@ -26,48 +25,7 @@ def _not_found(file_id: str) -> APIError:
     return APIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
 
 
-def _store(upload: UploadFile, tenant_id: int, purpose: str, settings: Settings) -> dict:
-    """Copy the spooled upload into Postgres, counting bytes and lines, within the limits."""
-    with sync_sessions()() as session:
-        f = File(
-            id=files.new_file_id(),
-            tenant_id=tenant_id,
-            purpose=purpose,
-            filename=(upload.filename or "upload.jsonl")[:512],
-            bytes=0,
-            lines=0,
-            status="processed",
-            expires_at=datetime.now(UTC) + timedelta(days=30),
-        )
-        session.add(f)
-        session.flush()
-        writer = files.ChunkWriter(session, f)
-        last = b""
-        while data := upload.file.read(files.CHUNK):
-            writer.write(data)
-            f.lines += data.count(b"\n")
-            last = data[-1:]
-            if f.bytes > settings.max_file_bytes:
-                raise APIError(
-                    413,
-                    f"File too large: the limit is {settings.max_file_bytes} bytes.",
-                    param="file",
-                    code="file_too_large",
-                )
-            if f.lines > settings.max_file_lines:
-                raise APIError(
-                    400, f"Too many lines: the limit is {settings.max_file_lines}.", param="file", code="too_many_lines"
-                )
-        if f.bytes == 0:
-            raise APIError(400, "The file is empty.", param="file", code="empty_file")
-        if last != b"\n":
-            f.lines += 1  # a last line without a newline
-        writer.close()
-        session.commit()
-        return files.file_json(f)
-
-
-@router.post("")
+@router.post("", response_model=FileObject)
 async def upload(tenant: TenantDep, settings: SettingsDep, file: UploadFile, purpose: str = Form(...)) -> dict:
     if purpose not in PURPOSES:
         raise APIError(
@@ -76,10 +34,12 @@ async def upload(tenant: TenantDep, settings: SettingsDep, file: UploadFile, pur
             param="purpose",
             code="invalid_value",
         )
-    return await anyio.to_thread.run_sync(_store, file, tenant.id, purpose, settings)
+    return files.file_json(
+        await anyio.to_thread.run_sync(store, file.file, file.filename, tenant.id, purpose, settings)
+    )
 
 
-@router.get("")
+@router.get("", response_model=FileList)
 async def list_files(
     tenant: TenantDep,
     session: SessionDep,
@@ -104,7 +64,7 @@ async def list_files(
     return page(data, len(rows) > limit)
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", response_model=FileObject)
 async def get_file(file_id: str, tenant: TenantDep, session: SessionDep) -> dict:
     f = (await session.execute(files.get_for_tenant(file_id, tenant.id))).scalar()
     if f is None:
@@ -130,7 +90,7 @@ async def file_content(file_id: str, tenant: TenantDep, session: SessionDep) -> 
     )
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", response_model=FileDeleted)
 async def delete_file(file_id: str, tenant: TenantDep, session: SessionDep) -> dict:
     f = (await session.execute(files.get_for_tenant(file_id, tenant.id))).scalar()
     if f is None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.sse import EventSourceResponse
 
-from api.deps import RedisDep, SessionDep, TenantDep
+from api.deps import LifecycleDep, RedisDep, TenantDep
 from api.errors import APIError
-from api.jobs_access import cancel_job, sse_chunks
-from api.schemas import job_body
-from core import jobs
+from api.streaming import sse_chunks
+from core.jobs import service
+from core.protocol import render
+from core.protocol.schemas import JobObject
 
 router = APIRouter(prefix="/v1/jobs")
 
@@ -18,20 +20,20 @@ def _not_found(job_id: str) -> APIError:
     return APIError(404, f"No job with id '{job_id}'.", param="job_id", code="job_not_found")
 
 
-@router.get("/{job_id}")
-async def get_job(job_id: str, tenant: TenantDep, session: SessionDep) -> dict:
-    row = (await session.execute(jobs.get_for_tenant(job_id, tenant.id))).scalar()
+@router.get("/{job_id}", response_model=JobObject)
+async def get_job(job_id: str, tenant: TenantDep) -> dict:
+    row = await service.get(job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    return job_body(row)
+    return render.job(row)
 
 
-@router.post("/{job_id}/cancel")
-async def cancel(job_id: str, tenant: TenantDep, session: SessionDep, redis: RedisDep) -> dict:
-    row = await cancel_job(session, redis, job_id, tenant.id)
+@router.post("/{job_id}/cancel", response_model=JobObject)
+async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep) -> dict:
+    row = await anyio.to_thread.run_sync(lifecycle.cancel, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    return job_body(row)
+    return render.job(row)
 
 
 @router.get(
@@ -40,16 +42,11 @@ async def cancel(job_id: str, tenant: TenantDep, session: SessionDep, redis: Red
     responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}},
 )
 async def job_events(
-    job_id: str,
-    request: Request,
-    tenant: TenantDep,
-    session: SessionDep,
-    redis: RedisDep,
-    last_event_id: str | None = None,
+    job_id: str, request: Request, tenant: TenantDep, redis: RedisDep, last_event_id: str | None = None
 ) -> EventSourceResponse:
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
     header, or the `last_event_id` query parameter for clients that cannot set headers)."""
-    row = (await session.execute(jobs.get_for_tenant(job_id, tenant.id))).scalar()
+    row = await service.get(job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
     start = request.headers.get("last-event-id") or last_event_id or "0-0"

@@ -7,9 +7,10 @@ from fastapi import APIRouter
 
 from api.deps import SettingsDep, TenantDep
 from api.errors import APIError
+from core.config import Settings
+from core.infra.tokenizers import context_length, tokenizer_for
+from core.protocol.schemas import ModelList, ModelObject
 from core.registry import ModelSpec, served_models
-from core.settings import Settings
-from core.tokenizer import context_length, tokenizer_for
 
 router = APIRouter(prefix="/v1/models")
 _CREATED = 1735689600  # fixed: the model list is configuration, not a dated object
@@ -26,12 +27,12 @@ async def _model(spec: ModelSpec, settings: Settings) -> dict:
     }
 
 
-@router.get("")
+@router.get("", response_model=ModelList)
 async def list_models(_: TenantDep, settings: SettingsDep) -> dict:
     return {"object": "list", "data": [await _model(m, settings) for m in served_models(settings).values()]}
 
 
-@router.get("/{model_id:path}")
+@router.get("/{model_id:path}", response_model=ModelObject)
 async def get_model(model_id: str, _: TenantDep, settings: SettingsDep) -> dict:
     spec = served_models(settings).get(model_id)
     if spec is None:

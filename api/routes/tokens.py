@@ -10,9 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import SettingsDep, TenantDep
 from api.errors import APIError
+from core.config import Settings
+from core.infra.tokenizers import Tokenizer, tokenizer_for
+from core.protocol.schemas import DetokenizeResponse, TokenizeResponse
 from core.registry import served_models
-from core.settings import Settings
-from core.tokenizer import Tokenizer, tokenizer_for
 
 router = APIRouter()
 
@@ -39,7 +40,7 @@ async def _tokenizer(model: str | None, settings: Settings) -> Tokenizer:
     return await anyio.to_thread.run_sync(tokenizer_for, model)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, _: TenantDep, settings: SettingsDep) -> dict:
     tok = await _tokenizer(body.model, settings)
     ids = tok.encode(body.content, add_special=body.add_special)
@@ -48,7 +49,7 @@ async def tokenize(body: TokenizeRequest, _: TenantDep, settings: SettingsDep) -
     return {"tokens": ids}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, _: TenantDep, settings: SettingsDep) -> dict:
     tok = await _tokenizer(body.model, settings)
     bad = [t for t in body.tokens if t >= tok.n_vocab]

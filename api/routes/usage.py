@@ -7,12 +7,13 @@ from datetime import date
 from fastapi import APIRouter, Query
 
 from api.deps import SessionDep, TenantDep
-from core import tenants
+from core.protocol.schemas import UsageList
+from core.tenancy import service as tenancy
 
 router = APIRouter()
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", response_model=UsageList)
 async def usage(
     tenant: TenantDep,
     session: SessionDep,
@@ -20,5 +21,5 @@ async def usage(
     end: date | None = None,
     by_key: bool = Query(False),
 ) -> dict:
-    rows = (await session.execute(tenants.usage_rows(tenant.id, start, end, by_key))).all()
-    return {"object": "list", "data": [tenants.usage_json(r) for r in rows]}
+    rows = (await session.execute(tenancy.usage_rows(tenant.id, start, end, by_key))).all()
+    return {"object": "list", "data": [tenancy.usage_json(r) for r in rows]}

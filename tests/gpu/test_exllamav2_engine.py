@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core.params import GenerationParams
+from core.generation.params import GenerationParams
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.exl2_mapping import SETTINGS_FIELDS, sampler_settings
 
@@ -218,4 +218,4 @@ def test_a_sequence_that_cannot_start_fails_alone(engine):
     bad = spec(engine, "bad", 2, prompt=too_long, prompt_logprobs=1)
     good = spec(engine, "good", 3, ignore_eos=True)
     out = run(engine, [bad, good])
-    assert finish(out["bad"]).startswith("error:") and len(tokens(out["good"])) == 3
+    assert out["bad"][-1].error and len(tokens(out["good"])) == 3

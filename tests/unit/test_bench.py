@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.bench import BenchConfig, RequestResult, percentiles, plot, ratios, summarize
+from ops.bench.client import BenchConfig, RequestResult, percentiles, plot, ratios, summarize
 
 
 def test_percentiles_in_milliseconds():

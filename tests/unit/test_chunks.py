@@ -1,48 +1,110 @@
-"""Events -> OpenAI stream chunks, validated against the reference schema (pure)."""
+"""Neutral events -> OpenAI stream chunks and completion objects, validated against the reference
+schema (pure: no database, no Redis)."""
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
-import pytest
-
-from api.streaming import ChunkWriter
-from core.models import Job
+from core.generation.params import GenerationParams
+from core.jobs.events import ChoiceResult, Delta, Done, Failed, JobResult, TokenScore, TopToken, Usage
+from core.protocol import render
 from tests import openapi
 
-pytestmark = pytest.mark.skipif(not openapi.available(), reason="shared/reference not beside the checkout")
 
-
-def _job():
-    return Job(id="cmpl-x", model="m", created_at=datetime(2026, 1, 1, tzinfo=UTC))
-
-
-def _data(raw: bytes) -> str:
-    return "\n".join(line[6:] for line in raw.decode().splitlines() if line.startswith("data: "))
-
-
-def test_delta_chunk_matches_schema_and_carries_id():
-    out = ChunkWriter(_job(), include_usage=True).render(
-        "1-0", {"type": "delta", "choice": 0, "text": "Hi", "finish_reason": None}
+def _job(**params):
+    return SimpleNamespace(
+        id="cmpl-x",
+        model="m",
+        state="succeeded",
+        attempt=1,
+        params=GenerationParams(**params).to_json(),
+        result=None,
+        usage=None,
+        error=None,
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        started_at=None,
+        finished_at=None,
     )
-    assert out[0].decode().count("id: 1-0") == 1
-    body = json.loads(_data(out[0]))
+
+
+def test_delta_chunk_matches_schema():
+    out = render.CompletionChunks(_job(), include_usage=True).render(Delta(choice=0, text="Hi"))
+    body = out[0]
     assert body["choices"][0] == {"text": "Hi", "index": 0, "logprobs": None, "finish_reason": None}
     assert "usage" not in body  # only the final chunk carries usage
     openapi.validate(body, "CreateCompletionResponse", chunk=True)
 
 
 def test_empty_delta_without_finish_is_not_sent():
-    ev = {"type": "delta", "choice": 0, "text": "", "finish_reason": None}
-    assert ChunkWriter(_job(), False).render("1-0", ev) == []
+    assert render.CompletionChunks(_job(), False).render(Delta(choice=0, text="")) == []
 
 
 def test_done_sends_usage_then_done_marker():
-    usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
-    out = ChunkWriter(_job(), include_usage=True).render("2-0", {"type": "done", "usage": usage})
-    body = json.loads(_data(out[0]))
-    assert body["choices"] == [] and body["usage"] == usage
-    openapi.validate(body, "CreateCompletionResponse", chunk=True)
-    assert _data(out[1]) == "[DONE]"
-    assert [_data(b) for b in ChunkWriter(_job(), False).render("2-0", {"type": "done"})] == ["[DONE]"]
+    u = Usage(prompt_tokens=1, completion_tokens=2)
+    out = render.CompletionChunks(_job(), include_usage=True).render(Done(usage=u))
+    assert out[0]["choices"] == [] and out[0]["usage"]["total_tokens"] == 3
+    openapi.validate(out[0], "CreateCompletionResponse", chunk=True)
+    assert out[1] == render.DONE
+    assert render.CompletionChunks(_job(), False).render(Done(usage=u)) == [render.DONE]
+
+
+def test_failed_event_is_an_error_object_then_done():
+    out = render.CompletionChunks(_job(), False).render(Failed(error={"message": "no", "code": "x"}))
+    assert out == [{"error": {"message": "no", "type": "server_error", "param": None, "code": "x"}}, render.DONE]
+
+
+def _scores():
+    prompt = [
+        TokenScore(id=1, text="A", logprob=None, offset=0),
+        TokenScore(id=2, text="B", logprob=-0.5, rank=3, offset=1, top=[TopToken(id=9, text="Z", logprob=-0.1)]),
+    ]
+    gen = [TokenScore(id=3, text="C", logprob=-1.0, offset=2, top=[TopToken(id=4, text="D", logprob=-0.2)])]
+    return prompt, gen
+
+
+def test_echo_logprobs_join_prompt_and_generated_tokens_in_openai_shape():
+    prompt, gen = _scores()
+    job = _job(echo=True, logprobs=1, prompt_logprobs=1)
+    job.result = JobResult(
+        choices=[
+            ChoiceResult(index=0, text="ABC", finish_reason="length", prefix_len=2, scores=gen, prompt_scores=prompt)
+        ]
+    ).model_dump()
+    job.usage = Usage(prompt_tokens=2, completion_tokens=1).model_dump()
+    body = render.completion(job)
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["A", "B", "C"] and lp["token_logprobs"] == [None, -0.5, -1.0]
+    assert lp["top_logprobs"] == [None, {"Z": -0.1, "B": -0.5}, {"D": -0.2, "C": -1.0}]
+    assert lp["text_offset"] == [0, 1, 2]
+    # vLLM's prompt_logprobs: ranked alternatives, the token itself with its own rank
+    assert body["choices"][0]["prompt_logprobs"] == [
+        None,
+        {
+            "9": {"logprob": -0.1, "rank": 1, "decoded_token": "Z"},
+            "2": {"logprob": -0.5, "rank": 3, "decoded_token": "B"},
+        },
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 1,
+        "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    openapi.validate(body, "CreateCompletionResponse", echo=True)
+
+
+def test_job_object_renders_a_failed_job_error():
+    job = _job()
+    job.state, job.error = "failed", {"message": "boom", "type": "server_error", "code": "engine_error"}
+    body = render.job(job)
+    assert body["result"] is None and body["error"]["code"] == "engine_error"
+
+
+def test_events_survive_the_stream_encoding_with_null_logprobs():
+    """The first prompt token has no logprob: encoded without nulls, it must still decode."""
+    from core.jobs.events import decode, encode
+
+    prompt, gen = _scores()
+    ev = Delta(choice=0, text="AB", prefix_len=2, prompt_scores=prompt, scores=gen)
+    assert decode(encode(ev)) == ev

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.settings import Settings
+from core.config import Settings
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from core.params import GenerationParams
+from core.generation.params import GenerationParams
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.exl2_mapping import (
     SETTINGS_FIELDS,
@@ -249,7 +249,7 @@ def test_end_filter_is_stop_and_grammar_error_is_an_error():
     st[KEY].grammar = SimpleNamespace(error="byte 'H' fails parse")
     r = streaming([], eos=True, eos_reason="stop_token")
     r["held"] = {"token_ids": np.array([[2]])}
-    assert events_from_result(r, st, n_vocab=V)[-1].finish_reason == "error:grammar: byte 'H' fails parse"
+    assert events_from_result(r, st, n_vocab=V)[-1].error == "grammar: byte 'H' fails parse"
 
 
 def test_logprobs_come_from_the_returned_logits_without_head_padding():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.params import GenerationParams
+from core.generation.params import GenerationParams
 from workers.engine.llamacpp import sampler_plan
 
 V, CTX = 1000, 512

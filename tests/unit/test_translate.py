@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from api.errors import APIError
-from api.schemas import CompletionRequest
-from api.translate import to_generation
-from core.settings import Settings
-from core.tokenizer import tokenizer_for
+from core.config import Settings
+from core.errors import DomainError
+from core.infra.tokenizers import tokenizer_for
+from core.protocol.schemas import CompletionRequest
+from core.protocol.translate import to_generation
 
 MODEL = "smollm2-135m-instruct"
 SETTINGS = Settings(n_ctx=1024)
@@ -81,9 +81,9 @@ def test_mixed_prompt_concatenates_pieces(tok):
     ],
 )
 def test_refused_with_the_parameter_named(tok, kw, param):
-    with pytest.raises(APIError) as err:
+    with pytest.raises(DomainError) as err:
         translate(tok, **kw)
-    assert err.value.status == 400 and err.value.param == param, err.value.message
+    assert err.value.kind == "invalid" and err.value.param == param, err.value.message
 
 
 def test_context_overflow_choices(tok):
@@ -142,7 +142,7 @@ def test_suffix_builds_a_fill_in_the_middle_prompt():
 
 def test_a_parameter_the_engine_cannot_honour_is_refused_by_name(tok):
     req = CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "mirostat": 1})
-    with pytest.raises(APIError) as err:
+    with pytest.raises(DomainError) as err:
         to_generation(req, Settings(n_ctx=1024, engine="exllamav2"), tok)
     assert err.value.param == "mirostat" and err.value.code == "unsupported_parameter"
     to_generation(req, SETTINGS, tok)  # llama.cpp has Mirostat 1
@@ -151,6 +151,6 @@ def test_a_parameter_the_engine_cannot_honour_is_refused_by_name(tok):
 def test_gpu_cache_size_bounds_admission(tok):
     small = Settings(n_ctx=1024, engine="exllamav2", exl2_cache_tokens=256)
     req = CompletionRequest.model_validate({"model": MODEL, "prompt": "word " * 200, "max_tokens": 100})
-    with pytest.raises(APIError) as err:
+    with pytest.raises(DomainError) as err:
         to_generation(req, small, tok)
     assert err.value.code == "context_length_exceeded" and "256" in err.value.message

@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from core.params import GenerationParams
+from core.generation.params import GenerationParams
 
 TopList = list[tuple[int, float]]  # (token id, logprob), best first
 
@@ -35,10 +35,19 @@ class TokenEvent:
     key: Hashable
     token_id: int | None  # None when the sequence ended without a new token (EOS, grammar end)
     logprob: float | None
-    finish_reason: str | None  # "stop" | "length" | "error:<message>" | None while running
+    finish_reason: str | None  # "stop" | "length" | None while running (or when `error` is set)
     top: TopList | None = None
     t: float = 0.0  # monotonic time the step finished (concurrency evidence, latency stats)
     engine_s: float = 0.0  # on the final event: this sequence's share of engine time (billing)
+    error: str | None = None  # the engine could not go on with this sequence: why (it has ended)
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @classmethod
+    def failed(cls, key: Hashable, error: str, t: float = 0.0) -> TokenEvent:
+        return cls(key, None, None, None, t=t, error=error)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from core import capabilities
-from core.params import GenerationParams
+from core.generation import capabilities
+from core.generation.params import GenerationParams
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, TopList
 from workers.engine.logits import log_softmax, top_logprobs
 
@@ -280,13 +280,15 @@ def cached_tokens(job: Any) -> int:
 FINISH = {"max_new_tokens": "length", "stop_token": "stop", "end_filter": "stop", "stop_string": "stop"}
 
 
-def finish_reason(result: Mapping[str, Any], state: SeqState) -> str | None:
+def finish_reason(result: Mapping[str, Any], state: SeqState) -> tuple[str | None, str | None]:
+    """(finish reason, error): the filter forces EOS after a token the grammar rejected, which is an
+    error of the sequence, not a stop."""
     if not result.get("eos"):
-        return None
+        return None, None
     error = getattr(state.grammar, "error", None)
-    if error:  # the filter forced EOS after a token the grammar rejected
-        return f"error:grammar: {error}"
-    return FINISH.get(result.get("eos_reason", ""), "stop")
+    if error:
+        return None, f"grammar: {error}"
+    return FINISH.get(result.get("eos_reason", ""), "stop"), None
 
 
 def _tokens_and_logits(result: Mapping[str, Any]) -> tuple[list[int], np.ndarray | None]:
@@ -327,16 +329,17 @@ def events_from_result(
         state.prompt_sent = True
         out.append(PromptEvent(key, cached_tokens(result.get("job")), state.prompt_entries))
     ids, logits = _tokens_and_logits(result)
-    finish = finish_reason(result, state)
+    finish, error = finish_reason(result, state)
     for i, tok in enumerate(ids):
         lp, top = None, None
         if state.want_logprobs and logits is not None and i < len(logits):
             logp = log_softmax(logits[i, :n_vocab])  # the padded head's extra columns are not tokens
             lp = float(logp[tok])
             top = top_logprobs(logp, state.top_k) if state.top_k else None
-        out.append(TokenEvent(key, tok, lp, finish if i == len(ids) - 1 else None, top, now))
-    if finish and not ids:
-        out.append(TokenEvent(key, None, None, finish, t=now))
+        last = i == len(ids) - 1
+        out.append(TokenEvent(key, tok, lp, finish if last else None, top, now, error=error if last else None))
+    if (finish or error) and not ids:
+        out.append(TokenEvent(key, None, None, finish, t=now, error=error))
     return out
 
 

@@ -307,7 +307,7 @@ class ExLlamaV2Engine:
                 out.extend(self._start(spec))
             except Exception as exc:  # a sequence that cannot start fails alone
                 log.exception("could not start sequence %s", spec.key)
-                out.append(TokenEvent(spec.key, None, None, f"error:{exc}", t=time.monotonic()))
+                out.append(TokenEvent.failed(spec.key, str(exc), time.monotonic()))
         return out
 
     def _start(self, spec: SeqSpec) -> list[TokenEvent | PromptEvent]:

@@ -30,9 +30,9 @@ from typing import Any
 import llama_cpp as llc
 import numpy as np
 
-from core.llamalog import quiet_llama_logs
-from core.params import GenerationParams
-from core.tokenizer import LlamaVocab
+from core.generation.params import GenerationParams
+from core.infra.llamalog import quiet_llama_logs
+from core.infra.tokenizers import LlamaVocab
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
 from workers.engine.logits import GrammarMask, log_softmax, top_logprobs
 
@@ -260,7 +260,7 @@ class LlamaCppEngine:
                 self._start(lane, spec)
             except Exception as exc:
                 log.exception("could not start sequence %s", spec.key)
-                failed.append(TokenEvent(spec.key, None, None, f"error:{exc}", t=time.monotonic()))
+                failed.append(TokenEvent.failed(spec.key, str(exc), time.monotonic()))
         return failed
 
     def _start(self, lane: _Lane, spec: SeqSpec) -> None:
@@ -379,8 +379,9 @@ class LlamaCppEngine:
         if s.grammar is not None:
             s.grammar.consume(tok)
             if s.grammar.error:
-                finish = f"error:grammar: {s.grammar.error}"
-            elif s.grammar.done:
+                self._finish(s)
+                return TokenEvent(s.spec.key, tok, lp, None, top, now, error=f"grammar: {s.grammar.error}")
+            if s.grammar.done:
                 finish = "stop"
         if finish is None and s.generated >= s.spec.max_new_tokens:
             finish = "length"

@@ -49,7 +49,7 @@ class EngineLoop:
             except Exception as exc:  # a bad sequence must not take the loop down
                 log.exception("engine refused sequence %s", arg.key)
                 self._sinks.pop(arg.key, None)
-                sink(TokenEvent(arg.key, None, None, f"error:{exc}"))
+                sink(TokenEvent.failed(arg.key, str(exc)))
         elif cmd == "cancel":
             if self._sinks.pop(arg, None) is not None:
                 self.engine.cancel(arg)
@@ -75,7 +75,7 @@ class EngineLoop:
                 log.exception("engine step failed; failing its live sequences")
                 for key, sink in list(self._sinks.items()):
                     self.engine.cancel(key)
-                    sink(TokenEvent(key, None, None, "error:engine step failed"))
+                    sink(TokenEvent.failed(key, "engine step failed"))
                 self._sinks.clear()
                 continue
             self.steps += 1
@@ -83,10 +83,10 @@ class EngineLoop:
             for key in self._sinks:
                 self._busy[key] = self._busy.get(key, 0.0) + share
             for ev in events:
-                sink = self._sinks.get(ev.key)
-                if sink is None:
+                target = self._sinks.get(ev.key)
+                if target is None:
                     continue
-                if isinstance(ev, TokenEvent) and ev.finish_reason is not None:
+                if isinstance(ev, TokenEvent) and ev.ended:
                     del self._sinks[ev.key]
                     ev = dataclasses.replace(ev, engine_s=self._busy.pop(ev.key, 0.0))
-                sink(ev)
+                target(ev)

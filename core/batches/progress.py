@@ -1,0 +1,188 @@
+"""Batches after validation: live counts, expiry, cancellation and the output/error files.
+
+Driven by the dispatcher's tick. Every status change is a compare-and-set on the batch row, and
+lines are jobs, so killing any process during a batch loses no line and runs none twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from core.batches.status import LIVE, BatchStatus, end, ending
+from core.files import storage as files
+from core.infra.orm import Batch, File, Job, JobState
+from core.protocol import render
+
+log = logging.getLogger(__name__)
+
+ACTIVE = (JobState.queued.value, JobState.dispatched.value, JobState.running.value)
+_WINDOW = re.compile(r"^(\d+)([smhd])$")
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(12)
+
+
+def window_seconds(window: str) -> int | None:
+    """OpenAI accepts "24h"; Spool also takes any "<n>s|m|h|d" (tests, short jobs)."""
+    m = _WINDOW.match(window)
+    if not m:
+        return None
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def _ts(d: datetime | None) -> int | None:
+    return int(d.timestamp()) if d else None
+
+
+def batch_json(b: Batch, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    return {
+        "id": b.id,
+        "object": "batch",
+        "endpoint": b.endpoint,
+        "errors": b.errors,
+        "input_file_id": b.input_file_id,
+        "completion_window": b.completion_window,
+        "status": b.status,
+        "output_file_id": b.output_file_id,
+        "error_file_id": b.error_file_id,
+        "created_at": _ts(b.created_at),
+        "in_progress_at": _ts(b.in_progress_at),
+        "expires_at": _ts(b.expires_at),
+        "finalizing_at": _ts(b.finalizing_at),
+        "completed_at": _ts(b.completed_at),
+        "failed_at": _ts(b.failed_at),
+        "expired_at": _ts(b.expired_at),
+        "cancelling_at": _ts(b.cancelling_at),
+        "cancelled_at": _ts(b.cancelled_at),
+        "request_counts": counts or b.request_counts,
+        "metadata": b.meta,
+    }
+
+
+def state_counts(session: Any, batch_id: str):
+    return select(Job.state, func.count()).where(Job.batch_id == batch_id).group_by(Job.state)
+
+
+def summarize(rows: Iterable[Any]) -> tuple[dict[str, int], int]:
+    """OpenAI's request_counts, and how many lines are still live."""
+    by = dict(rows)
+    total = sum(by.values())
+    return (
+        {
+            "total": total,
+            "completed": by.get("succeeded", 0),
+            "failed": by.get("failed", 0) + by.get("cancelled", 0) + by.get("expired", 0),
+        },
+        sum(by.get(s, 0) for s in ACTIVE),
+    )
+
+
+def _line(job: Job) -> tuple[bool, dict[str, Any]]:
+    """One output or error line in OpenAI's batch format; True when it belongs to the output file."""
+    rid = "batch_req_" + job.id.removeprefix("cmpl-")
+    if job.state == JobState.succeeded.value:
+        body = render.completion(job)
+        return True, {
+            "id": rid,
+            "custom_id": job.custom_id,
+            "response": {"status_code": 200, "request_id": job.id, "body": body},
+            "error": None,
+        }
+    if job.state == JobState.expired.value:
+        err = {"code": "batch_expired", "message": "This line was not run before the batch's completion window ended."}
+        return False, {"id": rid, "custom_id": job.custom_id, "response": None, "error": err}
+    if job.state == JobState.cancelled.value:
+        err = {"code": "batch_cancelled", "message": "This line was not run: the batch was cancelled."}
+        return False, {"id": rid, "custom_id": job.custom_id, "response": None, "error": err}
+    e = job.error or {"message": "The request failed.", "type": "server_error"}
+    status = 400 if e.get("type") == "invalid_request_error" else 500
+    body = {
+        "error": {"message": e.get("message"), "type": e.get("type"), "param": e.get("param"), "code": e.get("code")}
+    }
+    return False, {
+        "id": rid,
+        "custom_id": job.custom_id,
+        "response": {"status_code": status, "request_id": job.id, "body": body},
+        "error": None,
+    }
+
+
+def write_results(session: Session, b: Batch) -> None:
+    """Stream the batch's lines, in input order, into an output and an error file."""
+    out, err = (
+        File(
+            id=files.new_file_id(),
+            tenant_id=b.tenant_id,
+            purpose="batch_output",
+            filename=f"{b.id}_{kind}.jsonl",
+            bytes=0,
+            lines=0,
+            status="processed",
+        )
+        for kind in ("output", "error")
+    )
+    session.add_all([out, err])
+    session.flush()
+    writers = {True: files.ChunkWriter(session, out), False: files.ChunkWriter(session, err)}
+    stmt = select(Job).where(Job.batch_id == b.id).order_by(Job.line_no).execution_options(yield_per=1000)
+    for job in session.scalars(stmt):
+        ok, line = _line(job)
+        writers[ok].write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+        (out if ok else err).lines += 1
+        session.expunge(job)
+    for w in writers.values():
+        w.close()
+    b.output_file_id = out.id if out.lines else None
+    b.error_file_id = err.id if err.lines else None
+
+
+def advance(session: Session, limit: int = 20) -> int:
+    """Move live batches along: counts, expiry, cancellation, finalization. Returns how many ended."""
+    ended = 0
+    rows = session.scalars(
+        select(Batch)
+        .where(Batch.status.in_([s.value for s in LIVE]))
+        .order_by(Batch.created_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+    now = datetime.now(UTC)
+    for b in rows:
+        if b.status == BatchStatus.in_progress and b.expires_at <= now and b.expired_at is None:
+            b.expired_at = now  # lines not started are done for; running ones may finish
+            session.execute(
+                update(Job)
+                .where(Job.batch_id == b.id, Job.state == JobState.queued.value)
+                .values(state=JobState.expired.value, finished_at=func.now())
+            )
+        if b.status == BatchStatus.cancelling:
+            session.execute(
+                update(Job)
+                .where(Job.batch_id == b.id, Job.state == JobState.queued.value)
+                .values(state=JobState.cancelled.value, finished_at=func.now())
+            )
+        counts, live = summarize(session.execute(state_counts(session, b.id)).all())
+        b.request_counts = counts
+        if live:
+            continue
+        final = ending(b)
+        write_results(session, b)
+        end(b, final, now)
+        ended += 1
+        log.info("batch %s %s: %s", b.id, final, counts)
+    session.commit()
+    return ended
+
+
+def expires_at(created: datetime, window: str) -> datetime:
+    return created + timedelta(seconds=window_seconds(window) or 86400)

@@ -1,0 +1,114 @@
+"""The Batches API's use cases: create, read, list, cancel. Validation itself is ingest.py's, run
+by the dispatcher process (never the API: a million-line file must not share the API's CPU)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import redis.asyncio as aioredis
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from core.batches import progress
+from core.batches.ingest import WAKE_KEY
+from core.batches.status import CANCELLABLE, EMPTY_COUNTS, LIVE, BatchStatus, cancel_requested
+from core.config import Settings
+from core.errors import DomainError, ErrorKind, invalid, not_found
+from core.files import storage as files
+from core.infra.orm import Batch
+from core.tenancy.keys import Principal
+
+ENDPOINTS = {"/v1/completions"}
+
+
+def _not_found(batch_id: str) -> DomainError:
+    return not_found(f"No batch found with id '{batch_id}'.", param="batch_id", code="batch_not_found")
+
+
+async def get(session: AsyncSession, batch_id: str, tenant_id: int) -> Batch:
+    b = (await session.execute(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id))).scalar()
+    if b is None:
+        raise _not_found(batch_id)
+    return b
+
+
+async def view(session: AsyncSession, b: Batch) -> dict[str, Any]:
+    """The batch object, with live counts straight from its jobs while lines may run."""
+    counts = None
+    if b.status in LIVE:
+        counts, _ = progress.summarize((await session.execute(progress.state_counts(session, b.id))).all())
+    return progress.batch_json(b, counts)
+
+
+async def create(
+    session: AsyncSession,
+    rds: aioredis.Redis,
+    principal: Principal,
+    settings: Settings,
+    *,
+    input_file_id: str,
+    endpoint: str,
+    completion_window: str,
+    metadata: dict[str, str] | None,
+    webhook_url: str | None,
+) -> Batch:
+    if endpoint not in ENDPOINTS:
+        raise invalid("endpoint", f"Unsupported endpoint '{endpoint}': Spool batches {sorted(ENDPOINTS)}.")
+    if progress.window_seconds(completion_window) is None:
+        raise invalid("completion_window", "completion_window must be '24h' (or a duration like '30m', '2h').")
+    if webhook_url and not settings.webhook_secret:
+        raise invalid(
+            "webhook_url",
+            "This deployment signs no webhooks (SPOOL_WEBHOOK_SECRET is unset), so 'webhook_url' cannot be used.",
+            "webhooks_disabled",
+        )
+    f = (await session.execute(files.get_for_tenant(input_file_id, principal.tenant.id))).scalar()
+    if f is None:
+        raise not_found(f"No such File object: {input_file_id}", param="input_file_id", code="file_not_found")
+    if f.purpose != "batch":
+        raise invalid("input_file_id", "The input file's purpose must be 'batch'.")
+    now = datetime.now(UTC)
+    b = Batch(
+        id=progress.new_batch_id(),
+        tenant_id=principal.tenant.id,
+        key_id=principal.key.id,
+        endpoint=endpoint,
+        input_file_id=f.id,
+        completion_window=completion_window,
+        status=BatchStatus.validating.value,
+        meta=metadata,
+        webhook_url=webhook_url,
+        created_at=now,
+        expires_at=progress.expires_at(now, completion_window),
+        request_counts=dict(EMPTY_COUNTS),
+    )
+    session.add(b)
+    await session.commit()
+    await rds.lpush(WAKE_KEY, b.id)  # wake a validator now rather than at its next poll
+    return b
+
+
+async def list_page(
+    session: AsyncSession, tenant_id: int, limit: int, after: str | None
+) -> tuple[list[dict[str, Any]], bool]:
+    stmt = select(Batch).where(Batch.tenant_id == tenant_id)
+    if after:
+        cursor = (await session.execute(select(Batch).where(Batch.id == after, Batch.tenant_id == tenant_id))).scalar()
+        if cursor is not None:
+            stmt = stmt.where(Batch.created_at < cursor.created_at)
+    rows = (await session.execute(stmt.order_by(Batch.created_at.desc()).limit(limit + 1))).scalars().all()
+    return [await view(session, b) for b in rows[:limit]], len(rows) > limit
+
+
+async def cancel(session: AsyncSession, batch_id: str, tenant_id: int) -> Batch:
+    b = await get(session, batch_id, tenant_id)
+    if b.status in CANCELLABLE:
+        await session.execute(cancel_requested(batch_id, datetime.now(UTC)))
+        await session.commit()
+        await session.refresh(b)
+    elif b.status not in (BatchStatus.cancelling, BatchStatus.cancelled):
+        raise DomainError(
+            ErrorKind.conflict, f"Cannot cancel a batch that is {b.status}.", param="batch_id", code="invalid_state"
+        )
+    return b

@@ -1,0 +1,87 @@
+"""A batch's status (OpenAI's words) and its transitions, each one compare-and-set UPDATE.
+
+validating -> in_progress -> finalizing -> completed | expired | cancelled; validating -> failed;
+validating | in_progress -> cancelling -> cancelled. The only writer of `batches.status`.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Update, update
+
+from core.infra.orm import Batch
+
+
+class BatchStatus(enum.StrEnum):
+    validating = "validating"
+    failed = "failed"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    expired = "expired"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+FINAL = frozenset({BatchStatus.completed, BatchStatus.failed, BatchStatus.expired, BatchStatus.cancelled})
+LIVE = (BatchStatus.in_progress, BatchStatus.cancelling, BatchStatus.finalizing)  # lines may still run
+CANCELLABLE = (BatchStatus.validating, BatchStatus.in_progress)
+EMPTY_COUNTS = {"total": 0, "completed": 0, "failed": 0}
+
+
+def _move(batch_id: str, frm: tuple[BatchStatus, ...], to: BatchStatus, **values: Any) -> Update:
+    return (
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_([s.value for s in frm]))
+        .values(status=to.value, **values)
+    )
+
+
+def validated(batch_id: str, now: datetime, total: int) -> Update:
+    return _move(
+        batch_id,
+        (BatchStatus.validating,),
+        BatchStatus.in_progress,
+        in_progress_at=now,
+        lease_until=None,
+        request_counts={**EMPTY_COUNTS, "total": total},
+    )
+
+
+def rejected(batch_id: str, now: datetime, total: int, errors: list[dict[str, Any]]) -> Update:
+    return _move(
+        batch_id,
+        (BatchStatus.validating,),
+        BatchStatus.failed,
+        failed_at=now,
+        errors={"object": "list", "data": errors},
+        request_counts={**EMPTY_COUNTS, "total": total},
+        lease_until=None,
+    )
+
+
+def cancel_requested(batch_id: str, now: datetime) -> Update:
+    return _move(batch_id, CANCELLABLE, BatchStatus.cancelling, cancelling_at=now)
+
+
+def cancelled(batch_id: str, now: datetime) -> Update:
+    """cancelling -> cancelled, for a batch whose validation was cancelled (no line ever ran)."""
+    return _move(batch_id, (BatchStatus.cancelling,), BatchStatus.cancelled, cancelled_at=now)
+
+
+def ending(b: Batch) -> BatchStatus:
+    """What a live batch with no live lines becomes."""
+    if b.status == BatchStatus.cancelling:
+        return BatchStatus.cancelled
+    return BatchStatus.expired if b.expired_at else BatchStatus.completed
+
+
+def end(b: Batch, final: BatchStatus, now: datetime) -> None:
+    """A live batch locked FOR UPDATE by the caller -> its final status, stamped."""
+    assert final in FINAL and b.status in LIVE
+    b.finalizing_at = b.finalizing_at or now
+    b.status = final.value
+    setattr(b, f"{final.value}_at", now)

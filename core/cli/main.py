@@ -1,0 +1,486 @@
+"""The `spool` command line.
+
+Process commands exec the real entrypoints by module path (uvicorn for `api`, `python -m workers`),
+so this module, in the shared package, imports neither api/ nor workers/.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from core.config import get_settings
+
+app = typer.Typer(
+    help="Spool: a queue-backed, OpenAI-compatible completion service.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
+key_app = typer.Typer(help="API keys.", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
+batch_app = typer.Typer(help="Batches (OpenAI's Batch API) from the command line.", no_args_is_help=True)
+app.add_typer(batch_app, name="batch")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def alembic_config():
+    from alembic.config import Config
+
+    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    return cfg
+
+
+@app.command()
+def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
+    """Create the database if missing, then upgrade the schema (alembic upgrade)."""
+    from alembic import command
+
+    from core.infra.dbadmin import ensure_database
+
+    ensure_database(get_settings().database_url)
+    command.upgrade(alembic_config(), revision)
+    typer.echo(f"database at {revision}")
+
+
+@app.command()
+def api(host: str | None = None, port: int | None = None, workers: int = 1) -> None:
+    """Run the HTTP API (uvicorn)."""
+    s = get_settings()
+    os.execvp(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "api.app:create_app",
+            "--factory",
+            "--host",
+            host or s.api_host,
+            "--port",
+            str(port or s.api_port),
+            "--workers",
+            str(workers),
+            "--no-access-log",
+            "--timeout-graceful-shutdown",
+            "5",
+        ],
+    )
+
+
+@app.command()
+def worker() -> None:
+    """Run a Celery worker: loads the model once, then serves its queue with the threads pool."""
+    os.execvp(sys.executable, [sys.executable, "-m", "workers"])
+
+
+@app.command()
+def dispatcher() -> None:
+    """Run the dispatcher: sends queued jobs, re-sends lost messages, re-queues lapsed leases."""
+    import redis
+
+    from core.dispatcher import Dispatcher
+    from core.infra.db import sync_sessions
+
+    _logging()
+    s = get_settings()
+    if s.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(s.metrics_port)
+    import threading
+
+    from core.batches.ingest import run_validator
+
+    # Batch validation (tokenizing every line) runs here, beside the loop, never in the API.
+    threading.Thread(target=run_validator, args=(redis.Redis.from_url(s.redis_url),), daemon=True).start()
+    Dispatcher(
+        sync_sessions(), redis.Redis.from_url(s.redis_url), redis.Redis.from_url(s.celery_broker_url), s
+    ).run_forever()
+
+
+@app.command()
+def up(tenant: str = typer.Option("default", help="Tenant to create a first key for, if it has none.")) -> None:
+    """Migrate, then run api + worker + dispatcher together until Ctrl-C (a one-host deployment)."""
+    migrate("head")
+    key = _ensure_first_key(tenant)
+    if key:
+        typer.echo(f"API key for tenant '{tenant}' (shown once): {key}")
+    procs = [subprocess.Popen([sys.executable, "-m", "core.cli", cmd]) for cmd in ("worker", "dispatcher", "api")]
+    s = get_settings()
+    typer.echo(f"Spool is starting on http://{s.api_host}:{s.api_port}  (Ctrl-C stops it)")
+
+    def stop(*_: object) -> None:
+        for p in procs:
+            p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
+        for p in procs:
+            p.wait(timeout=20)
+
+
+def _ensure_first_key(tenant_name: str) -> str | None:
+    from core.tenancy import service as tenancy
+
+    return tenancy.run(tenancy.ensure_first_key, tenant_name)
+
+
+@app.command()
+def bench(
+    url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of any OpenAI-compatible server."),
+    api_key: str | None = typer.Option(None, envvar="SPOOL_BENCH_KEY", help="Bearer key (or SPOOL_BENCH_KEY)."),
+    model: str = typer.Option("smollm2-135m-instruct"),
+    mode: str = typer.Option("http", help="http, engine (in-process, no queue), or http,engine for the ratio."),
+    concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels."),
+    rate: float | None = typer.Option(None, help="Poisson request rate (req/s) instead of fixed concurrency."),
+    requests: int = typer.Option(32, help="Requests per level."),
+    max_tokens: int = typer.Option(128),
+    ignore_eos: bool = typer.Option(True, help="Generate exactly max_tokens (fair across servers)."),
+    temperature: float = typer.Option(0.0),
+    prompt: str | None = typer.Option(None, help="One fixed prompt (default: sampled from built-in prompts)."),
+    prompts_file: str | None = typer.Option(None, help="Prompts, one per line (text or JSON with 'prompt')."),
+    label: str = typer.Option("spool", help="Name of the server in the report."),
+    compare_url: str | None = typer.Option(None, help="A second server measured in the same run (e.g. llama-server)."),
+    compare_label: str = typer.Option("other", help="Its name in the report."),
+    json_out: str | None = typer.Option(None, "--json", help="Write the summaries as JSON here."),
+    plot_out: str | None = typer.Option(None, "--plot", help="Write a PNG plot here."),
+) -> None:
+    """Benchmark a server (and/or the engine alone): TTFT, ITL, E2E p50/p90/p99, tokens/s, requests/s."""
+    import json
+
+    from ops.bench import client as b
+
+    cfg = b.BenchConfig(
+        url=url,
+        api_key=api_key,
+        model=model,
+        requests=requests,
+        rate=rate,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+        prompt=prompt,
+        prompts_file=prompts_file,
+        label=label,
+        concurrency=[int(c) for c in concurrency.split(",") if c.strip()],
+    )
+    summaries: list[b.Summary] = []
+    for m in [x.strip() for x in mode.split(",")]:
+        if m == "http":
+            summaries += b.bench_http(cfg)
+        elif m == "engine":
+            # The engine lives in workers/, which this package must not import: run it as a process.
+            out = subprocess.run(
+                [sys.executable, "-m", "ops.bench.engine", cfg.model_dump_json()],
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            )
+            summaries += [b.Summary(**d) for d in json.loads(out.stdout.strip().splitlines()[-1])]
+        else:
+            raise typer.BadParameter(f"unknown mode {m!r}")
+    if compare_url:
+        summaries += b.bench_http(cfg.model_copy(update={"url": compare_url, "label": compare_label}))
+    b.print_table(summaries)
+    if json_out:
+        Path(json_out).write_text(
+            json.dumps(
+                {
+                    "config": cfg.model_dump(exclude={"api_key"}),
+                    "summaries": b.to_json(summaries),
+                    "ratios": b.ratios(summaries),
+                },
+                indent=2,
+            )
+        )
+    if plot_out:
+        b.plot(summaries, plot_out)
+
+
+@app.command("settings")
+def settings_table() -> None:
+    """Print every SPOOL_* setting with its default and meaning, as a Markdown table."""
+    from core.config import Settings
+
+    typer.echo("| variable | default | meaning |\n| --- | --- | --- |")
+    for name, f in Settings.model_fields.items():
+        default = "(unset)" if f.default is None else f"`{f.default}`"
+        typer.echo(f"| `SPOOL_{name.upper()}` | {default} | {f.description or ''} |")
+
+
+LimitOpt = typer.Option(None, help="Limit: a positive number, or 'none' for unlimited (omit: leave as is).")
+
+
+def _limits(**kw: str | int | None) -> dict[str, int | None]:
+    """Options given on the command line, 'none' as None (unlimited): the same values /admin takes."""
+    out: dict[str, int | None] = {}
+    for k, v in kw.items():
+        if v is None:
+            continue
+        text = str(v).strip().lower()
+        if text in ("none", "null", "unlimited"):
+            out[k] = None
+        elif text.lstrip("-").isdigit():
+            out[k] = int(text)
+        else:
+            raise typer.BadParameter(f"--{k.replace('_', '-')}: a positive number or 'none', not {v!r}")
+    return out
+
+
+def _service(fn, *args):
+    """Run one tenancy service call; its errors are the same words /admin answers with."""
+    from core.errors import DomainError
+    from core.tenancy import service as tenancy
+
+    try:
+        return tenancy.run(fn, *args)
+    except DomainError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def _print(rows: list[dict], as_json: bool, columns: list[str]) -> None:
+    import json
+
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*columns)
+    for r in rows:
+        table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in columns))
+    Console().print(table)
+
+
+JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
+TENANT_COLUMNS = ["id", "name", "weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued"]
+KEY_COLUMNS = ["id", "prefix", "name", "scope", "revoked", "rpm", "tpm", "expires_at"]
+
+
+@tenant_app.command("create")
+def tenant_create(
+    name: str,
+    weight: int = typer.Option(1, help="Share of the workers when tenants compete."),
+    rpm: str | None = LimitOpt,
+    tpm: str | None = LimitOpt,
+    tpd: str | None = LimitOpt,
+    max_concurrent: str | None = LimitOpt,
+    max_queued: str | None = LimitOpt,
+) -> None:
+    """Create a tenant, optionally with limits (requests/tokens per minute, tokens per day, ...)."""
+    from core.tenancy import service as tenancy
+
+    values = _limits(weight=weight, rpm=rpm, tpm=tpm, tpd=tpd, max_concurrent=max_concurrent, max_queued=max_queued)
+    body = _service(lambda _s: tenancy.parse(tenancy.TenantCreate, {"name": name, **values}))
+    t = _service(tenancy.create_tenant, body)
+    typer.echo(f"tenant '{t.name}' created (id {t.id})")
+
+
+@tenant_app.command("update")
+def tenant_update(
+    name: str,
+    weight: int | None = typer.Option(None),
+    rpm: str | None = LimitOpt,
+    tpm: str | None = LimitOpt,
+    tpd: str | None = LimitOpt,
+    max_concurrent: str | None = LimitOpt,
+    max_queued: str | None = LimitOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Change a tenant's weight or limits ('none' clears a limit)."""
+    from core.tenancy import service as tenancy
+
+    values = _limits(weight=weight, rpm=rpm, tpm=tpm, tpd=tpd, max_concurrent=max_concurrent, max_queued=max_queued)
+    body = _service(lambda _s: tenancy.parse(tenancy.TenantLimits, values))
+    _print([tenancy.tenant_json(_service(tenancy.update_tenant, name, body))], as_json, TENANT_COLUMNS)
+
+
+@tenant_app.command("list")
+def tenant_list(as_json: bool = JsonOpt) -> None:
+    """List tenants and their limits."""
+    from core.tenancy import service as tenancy
+
+    _print([tenancy.tenant_json(t) for t in _service(tenancy.list_tenants)], as_json, TENANT_COLUMNS)
+
+
+@key_app.command("create")
+def key_create(
+    tenant: str = typer.Option(..., "--tenant", help="Tenant name."),
+    name: str | None = typer.Option(None, help="A label for the key."),
+    scope: str = typer.Option("user", help="user, or admin (may call /admin)."),
+    expires_days: float | None = typer.Option(None, help="Expire after this many days."),
+    rpm: int | None = typer.Option(None, help="Per-key requests/minute, on top of the tenant's."),
+    tpm: int | None = typer.Option(None, help="Per-key tokens/minute, on top of the tenant's."),
+) -> None:
+    """Create an API key and print it. It is stored hashed: this is the only time it is shown."""
+    from core.tenancy import service as tenancy
+
+    raw = {"name": name, "scope": scope, "expires_in_days": expires_days, "rpm": rpm, "tpm": tpm}
+    body = _service(lambda _s: tenancy.parse(tenancy.KeyCreate, raw))
+    key, _ = _service(tenancy.create_key, tenant, body)
+    typer.echo(key)
+
+
+@key_app.command("list")
+def key_list(tenant: str = typer.Option(..., "--tenant"), as_json: bool = JsonOpt) -> None:
+    """List a tenant's keys (prefix, scope, expiry, revoked; never the key)."""
+    from core.tenancy import service as tenancy
+
+    _print([tenancy.key_json(k) for k in _service(tenancy.list_keys, tenant)], as_json, KEY_COLUMNS)
+
+
+@key_app.command("revoke")
+def key_revoke(key_id: int) -> None:
+    """Revoke a key by id; the next request with it gets 401."""
+    from core.tenancy import service as tenancy
+
+    _service(tenancy.revoke_key, key_id)
+    typer.echo(f"key {key_id} revoked")
+
+
+UrlOpt = typer.Option("http://127.0.0.1:8000", envvar="SPOOL_URL", help="Spool's base URL (or SPOOL_URL).")
+KeyOpt = typer.Option(..., envvar="SPOOL_API_KEY", help="API key (or SPOOL_API_KEY).")
+
+
+def _client(url: str, key: str):
+    import httpx
+
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
+
+
+def _check(resp) -> dict:
+    if resp.status_code >= 400:
+        typer.echo(resp.text, err=True)
+        raise typer.Exit(1)
+    return resp.json()
+
+
+@batch_app.command("submit")
+def batch_submit(
+    file: Path = typer.Argument(..., exists=True, readable=True, help="JSONL: one request per line."),
+    url: str = UrlOpt,
+    api_key: str = KeyOpt,
+    window: str = typer.Option("24h", help="completion_window"),
+    wait: bool = typer.Option(False, "--wait", help="Follow the batch with a progress bar until it ends."),
+    output: Path | None = typer.Option(None, "-o", help="With --wait: write the results here."),
+) -> None:
+    """Upload FILE and start a batch on it; print the batch id (and follow it with --wait)."""
+    with _client(url, api_key) as http, file.open("rb") as fh:
+        f = _check(http.post("/v1/files", files={"file": (file.name, fh)}, data={"purpose": "batch"}))
+        b = _check(
+            http.post(
+                "/v1/batches",
+                json={"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": window},
+            )
+        )
+        typer.echo(b["id"])
+        if wait:
+            b = _follow(http, b["id"])
+            if output:
+                _download(http, b, output)
+
+
+def _follow(http, batch_id: str) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from core.batches.status import FINAL, BatchStatus
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        TextColumn("{task.fields[rate]:.1f}/s"),
+        TimeRemainingColumn(),
+    )
+    started = time.monotonic()
+    with Progress(*columns) as bar:
+        task = bar.add_task(BatchStatus.validating.value, total=None, failed=0, rate=0.0)
+        while True:
+            b = _check(http.get(f"/v1/batches/{batch_id}"))
+            c = b["request_counts"]
+            done = c["completed"] + c["failed"]
+            bar.update(
+                task,
+                description=b["status"],
+                total=c["total"] or None,
+                completed=done,
+                failed=c["failed"],
+                rate=done / max(time.monotonic() - started, 1e-6),
+            )
+            if b["status"] in FINAL:
+                break
+            time.sleep(1)
+    if b["status"] == BatchStatus.failed:
+        for e in (b.get("errors") or {}).get("data", [])[:20]:
+            typer.echo(f"line {e.get('line')}: {e.get('code')}: {e.get('message')}", err=True)
+    typer.echo(f"{batch_id}: {b['status']} {b['request_counts']}")
+    return b
+
+
+def _download(http, b: dict, output: Path) -> None:
+    with output.open("wb") as out:
+        for fid in (b.get("output_file_id"), b.get("error_file_id")):
+            if fid:
+                with http.stream("GET", f"/v1/files/{fid}/content") as resp:
+                    for chunk in resp.iter_bytes():
+                        out.write(chunk)
+    typer.echo(f"results written to {output}")
+
+
+@batch_app.command("results")
+def batch_results(
+    batch_id: str,
+    output: Path = typer.Option(..., "-o", help="Where to write the JSONL."),
+    url: str = UrlOpt,
+    api_key: str = KeyOpt,
+) -> None:
+    """Download a finished batch's output and error lines into one JSONL file."""
+    with _client(url, api_key) as http:
+        _download(http, _check(http.get(f"/v1/batches/{batch_id}")), output)
+
+
+@batch_app.command("status")
+def batch_status(
+    batch_id: str, url: str = UrlOpt, api_key: str = KeyOpt, wait: bool = typer.Option(False, "--wait")
+) -> None:
+    """Show a batch (and follow it with --wait)."""
+    import json
+
+    with _client(url, api_key) as http:
+        if wait:
+            _follow(http, batch_id)
+        else:
+            typer.echo(json.dumps(_check(http.get(f"/v1/batches/{batch_id}")), indent=2))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

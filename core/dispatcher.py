@@ -1,0 +1,103 @@
+"""The dispatcher loop: everything the happy path (core/jobs/lifecycle.submit) missed.
+
+- The dispatcher (`spool dispatcher`; running two is safe: every move is a compare-and-set) feeds
+  each model's queues in weighted fair order (core/jobs/scheduler.py), never more than the workers can
+  start soon; re-sends `dispatched` jobs nobody claimed (lost messages); and returns jobs whose
+  worker stopped renewing its lease to `queued` with the next attempt number, or fails them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.batches import progress as batches
+from core.batches import webhooks
+from core.config import Settings
+from core.infra.broker import queues_for, send_run_job
+from core.infra.metrics import QUEUED
+from core.infra.orm import Job, JobState
+from core.jobs import transitions as jobs
+from core.jobs.lifecycle import Lifecycle
+from core.jobs.scheduler import FairScheduler
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(self, sessions: sessionmaker, rds: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
+        self.sessions, self.rds, self.broker, self.settings = sessions, rds, broker, settings
+        self.scheduler = FairScheduler()
+        self.lifecycle = Lifecycle(sessions, rds, settings)
+        self._next_batches = 0.0
+
+    def tick(self) -> dict[str, int]:
+        """One pass. Returns counts for logs and tests."""
+        s = self.settings
+        counts = self.lifecycle.reap()
+        with self.sessions() as session:
+            # Re-send only where the model's queues are empty: a message still waiting in a busy
+            # queue is slow, not lost, and re-sending would pile duplicates onto the backlog.
+            idle = [m for m in s.model_ids if self._depth(m) == 0]
+            stale = session.execute(jobs.touch_stale_dispatched(s.dispatch_timeout_s, s.dispatcher_batch, idle)).all()
+            session.commit()
+            sent = self._send(session, stale)
+
+            for model in s.model_ids:
+                room = min(s.queue_depth - self._depth(model), s.dispatcher_batch)
+                picks = self.scheduler.pick(session, model, room)
+                rows = session.execute(jobs.dispatch_picked(picks)).all() if picks else []
+                session.commit()
+                sent += self._send(session, rows)
+        if time.monotonic() >= self._next_batches:  # batch bookkeeping: once per interval is plenty
+            self._next_batches = time.monotonic() + s.dispatcher_interval_s
+            with self.sessions() as session:
+                counts["batches_ended"] = batches.advance(session)
+                for model in s.model_ids:  # a count over the backlog: once per interval, not per tick
+                    QUEUED.labels(model).set(
+                        session.scalar(
+                            select(func.count())
+                            .select_from(Job)
+                            .where(Job.state == JobState.queued.value, Job.model == model)
+                        )
+                        or 0
+                    )
+            with self.sessions() as session:
+                counts["webhooks"] = webhooks.deliver_due(session, s.webhook_secret, s.webhook_retry_s)
+        counts |= {"resent": len(stale), "sent": sent}
+        if any(v for k, v in counts.items() if k != "sent"):
+            log.info("dispatcher: %s", counts)
+        return counts
+
+    def _depth(self, model: str) -> int:
+        return sum(self.broker.llen(q) for q in queues_for(model))
+
+    def _send(self, session: Session, rows: list) -> int:
+        sent = 0
+        for job_id, attempt, model, kind in rows:
+            try:
+                send_run_job(job_id, attempt, model, kind)
+                sent += 1
+            except Exception:
+                log.warning("send failed for %s; back to queued", job_id, exc_info=True)
+                session.execute(jobs.undispatch(job_id, attempt))
+                session.commit()
+        return sent
+
+    def run_forever(self) -> None:
+        log.info("dispatcher started (every %.1fs)", self.settings.dispatcher_interval_s)
+        while True:
+            started = time.monotonic()
+            sent = 0
+            try:
+                sent = self.tick().get("sent", 0)
+            except Exception:
+                log.exception("dispatcher tick failed; retrying")
+            # While it has work to hand out, refill the queues as soon as workers drain them: a
+            # fixed period would cap short batch lines at queue_depth per period.
+            pause = 0.02 if sent else self.settings.dispatcher_interval_s - (time.monotonic() - started)
+            time.sleep(max(0.0, pause))

@@ -1,0 +1,14 @@
+"""What each engine cannot honour, known to the API so it can refuse with a 400 naming the
+parameter instead of silently ignoring it. The engines' adapters ask the same table."""
+
+from __future__ import annotations
+
+from core.generation.params import GenerationParams
+
+
+def unsupported(engine: str, p: GenerationParams) -> list[str]:
+    """GenerationParams field names this engine cannot honour for these values."""
+    bad: list[str] = []
+    if engine == "exllamav2" and p.mirostat == 1:
+        bad.append("mirostat")  # exllamav2 has only Mirostat 2.0
+    return bad

@@ -1,0 +1,54 @@
+"""The Celery app both sides share. The API and the dispatcher only *send* tasks by name; the
+worker process (workers/) registers the task body on this same app."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from celery import Celery
+
+from core.config import get_settings
+
+RUN_JOB = "spool.run_job"
+
+
+KINDS = ("interactive", "batch")
+
+
+def queue_for(model: str, kind: str = "interactive") -> str:
+    """Two Celery queues per model (a worker consumes only what it has loaded): interactive first."""
+    return f"spool.model.{model}.{kind}"
+
+
+def queues_for(model: str) -> list[str]:
+    return [queue_for(model, k) for k in KINDS]
+
+
+@lru_cache
+def celery_app() -> Celery:
+    s = get_settings()
+    app = Celery("spool", broker=s.celery_broker_url)
+    app.conf.update(
+        # Early acks (Celery's default) plus no prefetch: Redis emulates acks with a visibility
+        # timeout from delivery, so a late-acked generation longer than it would be redelivered and
+        # run again. Postgres is the ledger; a lost message only costs the dispatcher's re-send.
+        task_acks_late=False,
+        worker_disable_prefetch=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        task_default_queue="spool.default",
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        # "priority": a worker always takes from its first queue (interactive) before the next (batch);
+        # kombu's default round-robin would alternate between them.
+        broker_transport_options={"visibility_timeout": 3600, "queue_order_strategy": "priority"},
+        worker_send_task_events=False,
+    )
+    return app
+
+
+def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
+    """Publish one `run_job(job_id, attempt)` message to the model's queue (blocking I/O)."""
+    celery_app().send_task(RUN_JOB, args=[job_id, attempt], queue=queue_for(model, kind))

@@ -1,0 +1,128 @@
+"""Tokenizers, shared by the API (counting, validation, /tokenize) and the CPU engine.
+
+`LlamaVocab` wraps a llama.cpp vocabulary. The API loads a GGUF with `vocab_only` (a few MB, no
+weights), so it can count prompt tokens and refuse what cannot fit before anything is stored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from typing import Any
+
+from core.config import get_settings
+from core.generation.tokenizer import Tokenizer, context_length
+
+__all__ = ["LlamaVocab", "Tokenizer", "context_length", "tokenizer_for"]
+from core.registry import model_path
+
+
+class LlamaVocab:
+    """A llama.cpp vocabulary (from a full model in the worker, or vocab-only in the API)."""
+
+    _model: Any = None  # the model that owns the vocabulary, kept alive with it
+
+    def __init__(self, vocab: Any, train_context: int) -> None:
+        import llama_cpp as llc
+
+        self._llc = llc
+        self.vocab = vocab
+        self.n_vocab = llc.llama_vocab_n_tokens(vocab)
+        self.train_context = train_context
+        self.add_bos = bool(llc.llama_vocab_get_add_bos(vocab))
+        self.eos = llc.llama_vocab_eos(vocab)
+        self._pieces: dict[int, bytes] = {}
+        self._eog = {t for t in range(self.n_vocab) if llc.llama_vocab_is_eog(vocab, t)}
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        llc = self._llc
+        raw = text.encode()
+        cap = len(raw) + 8
+        buf = (llc.llama_token * cap)()
+        n = llc.llama_tokenize(self.vocab, raw, len(raw), buf, cap, add_special and self.add_bos, True)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            buf = (llc.llama_token * cap)()
+            n = llc.llama_tokenize(self.vocab, raw, len(raw), buf, cap, add_special and self.add_bos, True)
+        return list(buf[:n])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token contributes to generated text (special tokens contribute nothing)."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self._llc.llama_token_to_piece(self.vocab, token_id, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._llc.llama_token_to_piece(self.vocab, token_id, buf, -n, 0, False)
+            piece = buf.raw[:n]
+            self._pieces[token_id] = piece
+        return piece
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text for logprobs and /tokenize: special tokens by their name."""
+        piece = self.token_bytes(token_id)
+        if not piece and token_id in self._eog | self.specials():
+            return self._llc.llama_vocab_get_text(self.vocab, token_id).decode(errors="replace")
+        return piece.decode(errors="replace")
+
+    @lru_cache(maxsize=1)  # noqa: B019 - one vocab object per model for the process lifetime
+    def specials(self) -> frozenset[int]:
+        control = self._llc.LLAMA_TOKEN_ATTR_CONTROL
+        return frozenset(t for t in range(self.n_vocab) if self._llc.llama_vocab_get_attr(self.vocab, t) & control)
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in ids).decode(errors="replace")
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self._eog
+
+    @property
+    def eog_tokens(self) -> frozenset[int]:
+        return frozenset(self._eog)
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        llc = self._llc
+        ids = (
+            llc.llama_vocab_fim_pre(self.vocab),
+            llc.llama_vocab_fim_suf(self.vocab),
+            llc.llama_vocab_fim_mid(self.vocab),
+        )
+        return None if min(ids) < 0 else ids
+
+
+def _load_vocab_only(path: str) -> Any:
+    import llama_cpp as llc
+
+    from core.infra.llamalog import quiet_llama_logs
+
+    quiet_llama_logs()
+    params = llc.llama_model_default_params()
+    params.vocab_only = True
+    model = llc.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise RuntimeError(f"could not read the vocabulary of {path}")
+    return model
+
+
+def _meta_int(model: Any, key: str) -> int:
+    import llama_cpp as llc
+
+    buf = ctypes.create_string_buffer(32)
+    n = llc.llama_model_meta_val_str(model, key.encode(), buf, 32)
+    return int(buf.value) if n > 0 and buf.value.isdigit() else 0
+
+
+@lru_cache
+def tokenizer_for(model_id: str) -> Tokenizer:
+    """The tokenizer of a served model (cached for the process)."""
+    import llama_cpp as llc
+
+    model = _load_vocab_only(str(model_path(get_settings(), model_id)))
+    # A vocab-only load skips the hyper-parameters; read the context length from the metadata.
+    buf = ctypes.create_string_buffer(64)
+    llc.llama_model_meta_val_str(model, b"general.architecture", buf, 64)
+    train_ctx = _meta_int(model, f"{buf.value.decode()}.context_length")
+    vocab = LlamaVocab(llc.llama_model_get_vocab(model), train_ctx)
+    vocab._model = model  # keep the model (owner of the vocab) alive
+    return vocab

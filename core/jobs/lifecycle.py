@@ -1,0 +1,144 @@
+"""A job's life, each step written once: submit, succeed, fail, cancel, reap.
+
+"A job ends" is always the same four things, in this order: the compare-and-set transition and
+the tenant's usage row in one transaction; then the rate-limit reservation settled (the real
+usage, or nothing for a job that produced nothing billable); then the terminal event that wakes
+every reader of the job's stream. Whoever wins the transition does them; whoever loses (a late
+worker, a second cancel, the reaper racing a finishing worker) does nothing.
+
+The worker, the dispatcher and the API all end jobs through `Lifecycle` (the API from a thread:
+one implementation beats a sync and an async copy that drift apart).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import redis
+from sqlalchemy import Update
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.config import Settings
+from core.infra import streams
+from core.infra.broker import send_run_job
+from core.infra.orm import Job
+from core.jobs import transitions
+from core.jobs.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, encode
+from core.tenancy import ratelimit, usage
+
+log = logging.getLogger(__name__)
+
+# The one wording of each ending that is not the engine's own verdict.
+CANCELLED = ErrorInfo(message="The job was cancelled.", type="cancelled", code="cancelled")
+
+
+def worker_lost(max_attempts: int) -> ErrorInfo:
+    return ErrorInfo(
+        message=f"The worker running this job was lost {max_attempts} times; giving up.",
+        type="server_error",
+        code="worker_lost",
+    )
+
+
+async def submit(session: AsyncSession, job: Job, cap: int | None = None) -> None:
+    """Persist, then enqueue: commit the job, then hand it to Celery if its tenant has room. The row
+    exists before any message can name it; if the send fails the dispatcher sends it later."""
+    session.add(job)
+    await session.commit()
+    if job.kind != "interactive":
+        return  # batch lines always go through the fair dispatcher
+    moved = (await session.execute(transitions.dispatch_now(job.id, job.attempt, job.tenant_id, cap))).first()
+    await session.commit()
+    if moved is None:  # over the cap (or cancelled already): the dispatcher will send it
+        return
+    try:
+        await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model, job.kind)
+    except Exception:
+        log.warning("could not send job %s; leaving it to the dispatcher", job.id, exc_info=True)
+        await session.execute(transitions.undispatch(job.id, job.attempt))
+        await session.commit()
+
+
+class Lifecycle:
+    def __init__(self, sessions: sessionmaker[Session], rds: redis.Redis, settings: Settings) -> None:
+        self.sessions, self.redis, self.settings = sessions, rds, settings
+
+    # -- events ------------------------------------------------------------------------------
+    def publish(
+        self, job_id: str, evs: Sequence[Delta | Done | Failed | Cancelled], *, cancel_flag: bool = False
+    ) -> None:
+        """Append events to the job's stream in one round trip."""
+        s = self.settings
+        pipe = self.redis.pipeline(transaction=False)
+        if cancel_flag:
+            pipe.set(streams.cancel_key(job_id), 1, ex=3600)
+        streams.queue_append(pipe, job_id, [encode(e) for e in evs], s.events_ttl_s, s.events_maxlen)
+        pipe.execute()
+
+    # -- the one way a job ends --------------------------------------------------------------
+    @staticmethod
+    def _record(session: Session, job: Any, outcome: str, u: Usage | None, engine_s: float) -> None:
+        u = u or Usage()
+        session.execute(
+            usage.record(
+                tenant_id=job.tenant_id,
+                key_id=job.key_id,
+                model=job.model,
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                gpu_seconds=engine_s,
+                outcome=outcome,
+            )
+        )
+
+    def _announce(self, job_id: str, billable: int, ev: Done | Failed | Cancelled) -> None:
+        ratelimit.settle(self.redis, job_id, billable)
+        self.publish(job_id, [ev], cancel_flag=isinstance(ev, Cancelled))
+
+    def _end(
+        self, stmt: Update, outcome: str, ev: Done | Failed | Cancelled, u: Usage | None = None, engine_s: float = 0.0
+    ) -> Job | None:
+        with self.sessions() as s:
+            row = s.execute(stmt).scalar()
+            if row is not None:
+                self._record(s, row, outcome, u, engine_s)
+            s.commit()
+        if row is not None:
+            self._announce(row.id, u.total_tokens if u and outcome == "succeeded" else 0, ev)
+        return row
+
+    def succeed(self, job: Job, result: JobResult, u: Usage, engine_s: float) -> bool:
+        stmt = transitions.succeed(job.id, job.attempt, result.model_dump(mode="json"), u.model_dump(mode="json"))
+        return self._end(stmt, "succeeded", Done(attempt=job.attempt, usage=u), u, engine_s) is not None
+
+    def fail(self, job: Job, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
+        stmt = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
+        return self._end(stmt, "failed", Failed(attempt=job.attempt, error=error), u, engine_s) is not None
+
+    def cancel(self, job_id: str, tenant_id: int) -> Job | None:
+        """Cancel a live job of this tenant; returns its row either way (None: not this tenant's)."""
+        stmt = transitions.cancel(job_id, tenant_id, CANCELLED.model_dump(mode="json"))
+        row = self._end(stmt, "cancelled", Cancelled())
+        if row is not None:
+            return row
+        with self.sessions() as s:
+            return s.execute(transitions.get_for_tenant(job_id, tenant_id)).scalar()
+
+    def reap(self) -> dict[str, int]:
+        """Jobs whose worker stopped renewing its lease: back to `queued` with the next attempt (the
+        next attempt resumes from the streamed tokens), or failed once attempts run out."""
+        n = self.settings.max_attempts
+        err = worker_lost(n)
+        with self.sessions() as s:
+            requeued = len(s.execute(transitions.requeue_lapsed(n)).all())
+            failed = s.execute(transitions.fail_lapsed(n, err.model_dump(mode="json"))).scalars().all()
+            for row in failed:
+                self._record(s, row, "failed", None, 0.0)
+            s.commit()
+        for row in failed:
+            self._announce(row.id, 0, Failed(attempt=row.attempt, error=err))
+        return {"requeued": requeued, "failed": len(failed)}

@@ -1,0 +1,103 @@
+"""Creating and awaiting completion jobs: the use case behind POST /v1/completions.
+
+One function takes a validated wire request to a stored, admitted, dispatched job; another waits
+for a job's end. The route only chooses how to answer (stream, wait, or 202).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from core.config import Settings
+from core.errors import invalid, not_found
+from core.infra.db import async_sessions
+from core.infra.metrics import ADMITTED
+from core.infra.orm import Job
+from core.infra.tokenizers import context_length, tokenizer_for
+from core.jobs import transitions
+from core.jobs.events import is_terminal
+from core.jobs.lifecycle import submit
+from core.jobs.stream import HEARTBEAT, follow
+from core.protocol.schemas import CompletionRequest
+from core.protocol.translate import reservation, to_generation
+from core.registry import served_models
+from core.tenancy import ratelimit
+from core.tenancy.admission import admit
+from core.tenancy.keys import Principal
+
+
+@dataclass
+class Created:
+    job: Job
+    headers: dict[str, str] = field(default_factory=dict)  # rate-limit and ignored-parameter headers
+
+
+def check_model(model: str, settings: Settings) -> None:
+    if model not in served_models(settings):
+        raise not_found(
+            f"The model '{model}' does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def create_completion(
+    session: AsyncSession, rds: aioredis.Redis, principal: Principal, body: CompletionRequest, settings: Settings
+) -> Created:
+    headers: dict[str, str] = {}
+    unknown = body.unknown_fields()
+    if unknown:
+        if settings.unknown_params != "ignore":
+            raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
+        headers["x-spool-ignored-params"] = ",".join(unknown)
+    check_model(body.model, settings)
+    tok = await anyio.to_thread.run_sync(tokenizer_for, body.model)
+    params, prompts = await anyio.to_thread.run_sync(to_generation, body, settings, tok)
+    tenant = principal.tenant
+    job = transitions.new_job(
+        tenant_id=tenant.id,
+        key_id=principal.key.id,
+        model=body.model,
+        params=params.to_json(),
+        prompts=prompts,
+        stream=bool(body.stream),
+        user=body.user,
+        priority=body.priority or 0,
+        reserved_tokens=reservation(params, prompts, context_length(tok, settings)),
+    )
+    headers |= await admit(rds, principal, job.id, job.reserved_tokens)
+    try:
+        await submit(session, job, cap=tenant.max_concurrent)
+    except BaseException:
+        await ratelimit.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
+        raise
+    ADMITTED.labels(str(tenant.id), body.model).inc()
+    return Created(job, headers)
+
+
+async def get(job_id: str, tenant_id: int) -> Job | None:
+    async with async_sessions()() as session:
+        return (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
+
+
+async def wait(rds: aioredis.Redis, job_id: str, tenant_id: int, timeout_s: float) -> Job | None:
+    """The job's row once it has ended; None if it is still running after `timeout_s`."""
+
+    async def ended() -> Any:
+        row = await get(job_id, tenant_id)
+        return row if row is not None and transitions.is_terminal(row.state) else None
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for item in follow(rds, job_id, ended):
+                if item is not HEARTBEAT and is_terminal(item[1]):  # type: ignore[index]
+                    break
+    except TimeoutError:
+        return None
+    return await get(job_id, tenant_id)

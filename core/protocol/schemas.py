@@ -1,0 +1,304 @@
+"""Wire schemas: OpenAI's request and response shapes, with the seed documents' extensions.
+
+Validation of types and ranges lives here; turning a request into engine-neutral parameters lives
+in core/protocol/translate.py (the one place that does it), and responses are rendered by
+core/protocol/render.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["CompletionRequest"]
+
+PromptPiece = str | int
+Prompt = str | list[PromptPiece | list[PromptPiece]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = None
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class GrammarSpec(BaseModel):
+    """mistral.rs's grammar object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["regex", "lark", "json_schema", "gbnf"]
+    value: Any
+
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class CompletionRequest(BaseModel):
+    # Strict: "max_tokens": "5" is a 400, as with OpenAI. Fields nobody declared are collected
+    # (extra="allow") and refused by the route, naming them, unless the deployment relaxes that.
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    model: str
+    prompt: Prompt
+    suffix: str | None = None
+    # Length
+    max_tokens: Annotated[int, Field(ge=-1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    # Sampling
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    typical_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    # Penalties
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0, le=10)] | None = Field(
+        None, validation_alias=AliasChoices("repetition_penalty", "repeat_penalty")
+    )
+    dry_multiplier: Annotated[Float, Field(ge=0)] | None = None
+    dry_base: Annotated[Float, Field(ge=1)] | None = None
+    dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
+    dry_sequence_breakers: list[str] | None = None
+    mirostat: Literal[0, 1, 2] | None = None
+    mirostat_tau: Annotated[Float, Field(ge=0)] | None = Field(
+        None, validation_alias=AliasChoices("mirostat_tau", "mirostat_target")
+    )
+    mirostat_eta: Annotated[Float, Field(ge=0)] | None = Field(
+        None, validation_alias=AliasChoices("mirostat_eta", "mirostat_lr")
+    )
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    # Stopping and choices
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    best_of: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Log-probabilities (Llama Stack sends a boolean)
+    logprobs: bool | Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Constrained output
+    grammar: str | GrammarSpec | None = None
+    json_schema: dict[str, Any] | str | None = None
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    guided_choice: list[str] | None = None
+    # Context overflow
+    context_length_exceeded_behavior: Literal["truncate", "error"] | None = None
+    truncate_sequence: bool | None = None
+    # Serving
+    cache_prompt: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: Annotated[int, Field(ge=-100, le=100)] | None = None  # within the tenant: higher runs first
+    # Accepted for compatibility; no effect on a text-completion model
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    images: list[str] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v: Prompt) -> Prompt:
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError("the prompt array must not be empty")
+        for item in v:
+            pieces = item if isinstance(item, list) else [item]
+            if isinstance(item, list) and not item:
+                raise ValueError("a prompt inside the array must not be empty")
+            if any(isinstance(t, int) and t < 0 for t in pieces):
+                raise ValueError("token ids must be non-negative")
+        return v
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+# -- responses -----------------------------------------------------------------------------------
+# What each route answers, so /openapi.json describes every response. Open to extra fields: these
+# document the contract without dropping what a newer renderer adds.
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class UsageObject(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageObject | None = None
+
+
+class ErrorObject(_Response):
+    message: str
+    type: str | None = None
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorObject
+
+
+class JobObject(_Response):
+    id: str
+    object: Literal["job"]
+    model: str
+    state: str
+    attempt: int
+    created_at: int | None
+    started_at: int | None
+    finished_at: int | None
+    usage: UsageObject | None
+    error: ErrorObject | None
+    result: Completion | None
+    events_url: str
+
+
+class ModelObject(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    context_length: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class FileObject(_Response):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+
+class FileDeleted(_Response):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class _Page(_Response):
+    object: Literal["list"]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileList(_Page):
+    data: list[FileObject]
+
+
+class BatchObject(_Response):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    created_at: int
+    request_counts: dict[str, int] | None = None
+
+
+class BatchList(_Page):
+    data: list[BatchObject]
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int] | list[dict[str, Any]]
+
+
+class DetokenizeResponse(_Response):
+    content: str
+
+
+class UsageRow(_Response):
+    day: str
+    tenant_id: int
+    model: str
+    requests: int
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    gpu_seconds: float
+
+
+class UsageList(_Response):
+    object: Literal["list"]
+    data: list[UsageRow]
+
+
+class TenantObject(_Response):
+    object: Literal["tenant"]
+    id: int
+    name: str
+    weight: int | None = None
+    created_at: int | None = None
+
+
+class TenantList(_Response):
+    object: Literal["list"]
+    data: list[TenantObject]
+
+
+class KeyObject(_Response):
+    object: Literal["api_key"]
+    id: int
+    tenant_id: int
+    prefix: str
+    scope: str
+    revoked: bool
+
+
+class CreatedKey(KeyObject):
+    key: str  # the only time the key is shown
+
+
+class KeyList(_Response):
+    object: Literal["list"]
+    data: list[KeyObject]

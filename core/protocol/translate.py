@@ -1,0 +1,212 @@
+"""The one place OpenAI JSON becomes engine-neutral `GenerationParams` and token-id prompts.
+
+Everything a request could get wrong that we can know before storing it is refused here with a
+400 naming the parameter: prompt shapes and token ids, the context window, parameter combinations,
+constraints that do not compile. Nothing is stored for a refused request.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from core.config import Settings
+from core.errors import DomainError, ErrorKind, invalid
+from core.generation import capabilities, constraints
+from core.generation.params import DEFAULT_DRY_BREAKERS, GenerationParams
+from core.generation.tokenizer import Tokenizer, context_length
+from core.protocol.schemas import CompletionRequest, GrammarSpec
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> DomainError:
+    return invalid(param, message, code)
+
+
+def prompts_of(req: CompletionRequest, tok: Tokenizer) -> list[dict[str, Any]]:
+    """Each prompt as {"ids": [...], "text": the text to echo, or None to detokenize}."""
+    p = req.prompt
+    if isinstance(p, str):
+        groups: list[Any] = [p]
+    elif any(isinstance(x, int) for x in p):
+        groups = [p]  # llama.cpp: a flat array with ids (and maybe strings) is one prompt
+    else:
+        groups = list(p)  # strings and arrays: one prompt each
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        if isinstance(g, str):
+            out.append({"ids": tok.encode(g) or _empty_prompt(tok), "text": g})
+            continue
+        ids: list[int] = []
+        for i, piece in enumerate(g):
+            ids.extend(tok.encode(piece, add_special=i == 0) if isinstance(piece, str) else [piece])
+        bad_ids = [t for t in ids if t >= tok.n_vocab]
+        if bad_ids:
+            raise bad("prompt", f"Token id {bad_ids[0]} is out of range: the vocabulary has {tok.n_vocab} tokens.")
+        out.append({"ids": ids, "text": None})  # echoed as the detokenized ids
+    return out
+
+
+def _empty_prompt(tok: Tokenizer) -> list[int]:
+    # OpenAI: an empty prompt generates "as if from the beginning of a new document".
+    return [getattr(tok, "eos", 0)]
+
+
+def _fim(req: CompletionRequest, tok: Tokenizer, prompts: list[dict[str, Any]]) -> None:
+    fim = tok.fim_tokens()
+    if fim is None:
+        raise bad("suffix", f"The model '{req.model}' has no fill-in-the-middle tokens, so 'suffix' is not supported.")
+    if req.echo:
+        raise bad("echo", "'echo' cannot be combined with 'suffix'.")
+    pre, suf, mid = fim
+    tail = tok.encode(req.suffix or "", add_special=False)
+    for p in prompts:
+        p["ids"] = [pre, *p["ids"], suf, *tail, mid]
+        p["text"] = None
+
+
+def _fit_context(
+    req: CompletionRequest, settings: Settings, tok: Tokenizer, prompts: list[dict], want: int | None
+) -> None:
+    ctx = context_length(tok, settings)
+    truncate_prompt = bool(req.truncate_sequence)
+    behavior = req.context_length_exceeded_behavior or settings.context_overflow
+    for i, p in enumerate(prompts):
+        n = len(p["ids"])
+        need = n + (want if want is not None else 0)
+        if n < ctx and (want is None or need <= ctx):
+            continue
+        if n < ctx and behavior == "truncate":
+            continue  # the worker lowers max_tokens to what fits (Fireworks' default behaviour)
+        if truncate_prompt:
+            keep = ctx - max(1, min(want if want else 1, ctx - 1))
+            p["ids"] = p["ids"][-keep:]  # from the left: the end of the prompt is what the completion follows
+            p["text"] = None
+            continue
+        what = f"{n} in your prompt" + (f", {want} for the completion" if want else "")
+        raise DomainError(
+            ErrorKind.invalid,
+            f"This model's maximum context length is {ctx} tokens. However, you requested {need} tokens "
+            f"({what}){'' if len(prompts) == 1 else f' for prompt {i}'}. Please reduce the prompt or the "
+            "completion length, or set truncate_sequence / context_length_exceeded_behavior.",
+            param="prompt" if n >= ctx else "max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) -> tuple[GenerationParams, list[dict]]:
+    if req.images:
+        raise bad("images", f"The model '{req.model}' is a text model; 'images' are not supported.")
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+
+    n = req.n or 1
+    best_of = req.best_of or n
+    if best_of < n:
+        raise bad("best_of", f"best_of ({best_of}) must be greater than or equal to n ({n}).")
+    if best_of > n and req.stream:
+        raise bad("best_of", "best_of cannot be used with stream: the best choices are known only at the end.")
+
+    if "max_tokens" not in req.model_fields_set:
+        want: int | None = settings.default_max_tokens
+    elif req.max_tokens is None or req.max_tokens == -1:
+        want = None  # null or -1: up to the end of the context
+    else:
+        want = req.max_tokens
+    if req.min_tokens and want is not None and req.min_tokens > want:
+        raise bad("min_tokens", f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({want}).")
+
+    logprobs = req.logprobs
+    if isinstance(logprobs, bool):
+        logprobs = 1 if logprobs else None
+
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < tok.n_vocab:
+            raise bad("logit_bias", f"logit_bias key '{key}' is not a token id (0..{tok.n_vocab - 1}).")
+        bias[int(key)] = value
+
+    try:
+        grammar = constraints.build(
+            grammar=req.grammar.model_dump() if isinstance(req.grammar, GrammarSpec) else req.grammar,
+            json_schema=req.json_schema,
+            response_format=req.response_format,
+            regex=req.regex,
+            guided_choice=req.guided_choice,
+        )
+    except constraints.ConstraintError as exc:
+        raise bad(exc.param, str(exc), code="invalid_constraint") from exc
+
+    try:
+        prompts = prompts_of(req, tok)
+    except UnicodeEncodeError as exc:
+        raise bad("prompt", f"The prompt is not valid Unicode text: {exc.reason} at position {exc.start}.") from exc
+    if req.suffix is not None:
+        _fim(req, tok, prompts)
+    sequences = len(prompts) * best_of
+    if sequences > settings.max_sequences_per_job:
+        raise bad(
+            "n",
+            f"{len(prompts)} prompts x {best_of} choices = {sequences} sequences; the limit per request "
+            f"is {settings.max_sequences_per_job}.",
+        )
+    _fit_context(req, settings, tok, prompts, want)
+
+    top_k = req.top_k or 0
+    params = GenerationParams(
+        max_tokens=want,
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(top_k, 0),
+        min_p=req.min_p or 0.0,
+        typical_p=1.0 if req.typical_p is None else req.typical_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        dry_multiplier=req.dry_multiplier or 0.0,
+        dry_base=1.75 if req.dry_base is None else req.dry_base,
+        dry_allowed_length=2 if req.dry_allowed_length is None else req.dry_allowed_length,
+        dry_sequence_breakers=tuple(req.dry_sequence_breakers)
+        if req.dry_sequence_breakers is not None
+        else DEFAULT_DRY_BREAKERS,
+        mirostat=req.mirostat or 0,
+        mirostat_tau=5.0 if req.mirostat_tau is None else req.mirostat_tau,
+        mirostat_eta=0.1 if req.mirostat_eta is None else req.mirostat_eta,
+        logit_bias=bias,
+        # Picked here when the client gave none: on record, and a resumed attempt stays seeded.
+        seed=(req.seed if req.seed is not None else secrets.randbits(63)) % 2**63,
+        stop=tuple(s for s in ((req.stop,) if isinstance(req.stop, str) else (req.stop or ())) if s),
+        n=n,
+        best_of=best_of,
+        logprobs=logprobs,
+        echo=bool(req.echo),
+        prompt_logprobs=req.prompt_logprobs,
+        grammar=grammar,
+        cache_prompt=True if req.cache_prompt is None else req.cache_prompt,
+        reproducible=req.seed is not None
+        or req.temperature == 0
+        or logprobs is not None
+        or bool(req.echo)
+        or req.prompt_logprobs is not None
+        or best_of > n,
+    )
+    for name in capabilities.unsupported(settings.engine, params):
+        raise bad(
+            name,
+            f"The '{settings.engine}' engine serving '{req.model}' cannot honour '{name}' with this value.",
+            code="unsupported_parameter",
+        )
+    return params, prompts
+
+
+def reservation(params: GenerationParams, prompts: list[dict], ctx: int) -> int:
+    """Tokens to reserve against the tenant's limits: every prompt plus the most every candidate
+    may generate. Settled to the real usage when the job ends."""
+    total = 0
+    for p in prompts:
+        n = len(p["ids"])
+        room = max(ctx - n, 0)
+        gen = room if params.max_tokens is None else min(params.max_tokens, room)
+        total += n + params.candidates * gen
+    return total

@@ -1,0 +1,65 @@
+"""Building blocks for tests: rows and values with sensible defaults, overridable per test.
+
+Rows are written through the ORM on a given sync session; nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from core.generation.params import GenerationParams
+from core.infra.orm import ApiKey, Job, JobState, Tenant
+from core.jobs import transitions
+from core.tenancy.keys import hash_key, new_key
+
+_n = itertools.count(1)
+
+
+def params(**kw: Any) -> GenerationParams:
+    return GenerationParams(**{"max_tokens": 4, "temperature": 0.0, **kw})
+
+
+def tenant(session: Session, name: str | None = None, **limits: Any) -> Tenant:
+    t = Tenant(name=name or f"tenant-{next(_n)}", **limits)
+    session.add(t)
+    session.commit()
+    return t
+
+
+def api_key(session: Session, t: Tenant, scope: str = "user") -> tuple[str, ApiKey]:
+    plain = new_key()
+    k = ApiKey(tenant_id=t.id, key_hash=hash_key(plain), prefix=plain[:16], scope=scope)
+    session.add(k)
+    session.commit()
+    return plain, k
+
+
+def job(
+    session: Session,
+    t: Tenant,
+    *,
+    state: JobState = JobState.queued,
+    attempt: int = 1,
+    lease_s: float | None = None,
+    **kw: Any,
+) -> Job:
+    """A job row in `state`; a running one holds a lease `lease_s` from now (negative: lapsed)."""
+    j = transitions.new_job(
+        tenant_id=t.id,
+        model=kw.pop("model", "smollm2-135m-instruct"),
+        params=kw.pop("params", params()).to_json(),
+        prompts=kw.pop("prompts", [{"ids": [1, 2, 3], "text": None}]),
+        stream=False,
+        **kw,
+    )
+    j.state, j.attempt = state.value, attempt
+    if state == JobState.running:
+        j.started_at = datetime.now(UTC)
+        j.lease_until = datetime.now(UTC) + timedelta(seconds=lease_s if lease_s is not None else 60)
+    session.add(j)
+    session.commit()
+    return j

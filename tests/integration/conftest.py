@@ -1,0 +1,51 @@
+"""In-process integration tests: core services against the real Postgres and Redis of this
+machine, on a database and a Redis db of their own, with no Spool process running."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import redis as redis_lib
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.config import Settings
+from tests.conftest import ROOT, TEST_DB, TEST_REDIS
+
+IT_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_it"
+IT_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/13"
+
+
+@pytest.fixture(scope="session")
+def it_settings() -> Settings:
+    return Settings(database_url=IT_DB, redis_url=IT_REDIS, max_attempts=2)
+
+
+@pytest.fixture(scope="session")
+def sessions(it_settings: Settings) -> Iterator[sessionmaker[Session]]:
+    from core.infra.dbadmin import drop_database
+
+    drop_database(IT_DB)
+    env = {**os.environ, "SPOOL_DATABASE_URL": IT_DB}
+    out = subprocess.run([sys.executable, "-m", "core.cli", "migrate"], env=env, cwd=ROOT, capture_output=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    engine = create_engine(IT_DB)
+    yield sessionmaker(engine, expire_on_commit=False)
+    engine.dispose()
+
+
+@pytest.fixture
+def session(sessions: sessionmaker[Session]) -> Iterator[Session]:
+    with sessions() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def rds() -> redis_lib.Redis:
+    r = redis_lib.Redis.from_url(IT_REDIS)
+    r.flushdb()
+    return r

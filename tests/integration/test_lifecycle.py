@@ -1,0 +1,96 @@
+"""A job ends once: the lifecycle against real Postgres and Redis, in-process (no worker, no API)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from core.infra import streams
+from core.infra.orm import Job, JobState, UsageDaily
+from core.jobs.events import Cancelled, ChoiceResult, Done, ErrorInfo, Failed, JobResult, Usage, decode
+from core.jobs.lifecycle import Lifecycle
+from core.tenancy import ratelimit
+from tests import factories
+
+
+def _events(rds, job_id: str) -> list:
+    return [decode(raw) for _, raw in streams.entries(rds, job_id)]
+
+
+def _usage(session, tenant_id: int) -> UsageDaily | None:
+    session.expire_all()
+    return session.scalar(select(UsageDaily).where(UsageDaily.tenant_id == tenant_id))
+
+
+def _result() -> JobResult:
+    return JobResult(choices=[ChoiceResult(index=0, text="hi", finish_reason="length")])
+
+
+def test_succeed_records_usage_and_publishes_done_once(session, sessions, rds, it_settings):
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.running)
+    life = Lifecycle(sessions, rds, it_settings)
+    u = Usage(prompt_tokens=3, completion_tokens=2)
+    assert life.succeed(job, _result(), u, 0.5) is True
+    assert life.succeed(job, _result(), u, 0.5) is False  # a duplicate delivery changes nothing
+    row = session.get(Job, job.id, populate_existing=True)
+    assert row.state == "succeeded" and row.usage["completion_tokens"] == 2
+    usage = _usage(session, t.id)
+    assert (usage.requests, usage.failed, usage.prompt_tokens, usage.completion_tokens) == (1, 0, 3, 2)
+    assert [type(e) for e in _events(rds, job.id)] == [Done]
+
+
+def test_cancel_wins_over_a_late_worker_and_is_idempotent(session, sessions, rds, it_settings):
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.running)
+    life = Lifecycle(sessions, rds, it_settings)
+    assert life.cancel(job.id, t.id).state == "cancelled"
+    assert life.cancel(job.id, t.id).state == "cancelled"  # second cancel: same row, nothing more
+    assert life.succeed(job, _result(), Usage(completion_tokens=5), 1.0) is False  # the late worker loses
+    assert rds.exists(streams.cancel_key(job.id))  # the worker polls this and drops the job
+    usage = _usage(session, t.id)
+    assert (usage.requests, usage.failed, usage.completion_tokens) == (1, 1, 0)
+    assert [type(e) for e in _events(rds, job.id)] == [Cancelled]
+
+
+def test_another_tenant_cannot_cancel(session, sessions, rds, it_settings):
+    owner, other = factories.tenant(session), factories.tenant(session)
+    job = factories.job(session, owner)
+    assert Lifecycle(sessions, rds, it_settings).cancel(job.id, other.id) is None
+    assert session.get(Job, job.id, populate_existing=True).state == "queued"
+
+
+def test_fail_releases_the_rate_limit_reservation(session, sessions, rds, it_settings):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.running)
+
+    async def reserve() -> None:
+        r = aioredis.Redis.from_url(it_settings.redis_url)
+        limits = ratelimit.Limits(rpm=0, tpm=1000, tpd=0, max_queued=0, key_rpm=0, key_tpm=0)
+        assert (await ratelimit.admit(r, t.id, 0, job.id, limits, 500)).allowed
+        await r.aclose()
+
+    asyncio.run(reserve())
+    assert rds.exists(ratelimit.reservation_key(job.id))
+    err = ErrorInfo(message="Generation failed: x", code="engine_error")
+    assert Lifecycle(sessions, rds, it_settings).fail(job, err) is True
+    assert not rds.exists(ratelimit.reservation_key(job.id))  # settled: the tokens are given back
+    (ev,) = _events(rds, job.id)
+    assert isinstance(ev, Failed) and ev.error.code == "engine_error"
+
+
+def test_reaper_requeues_then_fails_with_the_one_worker_lost_error(session, sessions, rds, it_settings):
+    t = factories.tenant(session)
+    retry = factories.job(session, t, state=JobState.running, attempt=1, lease_s=-5)
+    last = factories.job(session, t, state=JobState.running, attempt=it_settings.max_attempts, lease_s=-5)
+    counts = Lifecycle(sessions, rds, it_settings).reap()
+    assert counts["requeued"] >= 1 and counts["failed"] >= 1
+    r = session.get(Job, retry.id, populate_existing=True)
+    assert (r.state, r.attempt, r.lease_until) == ("queued", 2, None)
+    f = session.get(Job, last.id, populate_existing=True)
+    assert f.state == "failed" and f.error["code"] == "worker_lost"
+    (ev,) = _events(rds, last.id)
+    assert isinstance(ev, Failed) and ev.error.message == f.error["message"]
