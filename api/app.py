@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
-import redis
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from api import errors
+from api.guard import RequestGuard
 from api.routes import admin, batches, completions, files, jobs, models, tokens, usage
 from core.config import get_settings
+from core.infra import kv
 from core.infra.db import async_engine, sync_sessions
 from core.infra.tokenizers import tokenizer_for
 from core.jobs.lifecycle import Lifecycle
@@ -25,14 +28,30 @@ log = logging.getLogger(__name__)
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     settings = get_settings()
-    app.state.redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    app.state.redis = kv.async_client(settings.redis_url, decode_responses=True)
     # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
-    app.state.lifecycle = Lifecycle(sync_sessions(), redis.Redis.from_url(settings.redis_url), settings)
+    app.state.lifecycle = Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
+    _drain_on_sigterm(app)
     for model in settings.model_ids:  # load tokenizers now, not on the first request
         await anyio.to_thread.run_sync(tokenizer_for, model)
     yield
     await app.state.redis.aclose()
     await async_engine().dispose()
+
+
+def _drain_on_sigterm(app: FastAPI) -> None:
+    """On SIGTERM, mark the process as draining before uvicorn's own handler stops it: streams it
+    then closes end without cancelling their jobs (the jobs go on; clients re-attach elsewhere)."""
+    app.state.draining = False
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        app.state.draining = True
+        if callable(previous):
+            previous(signum, frame)
+
+    with contextlib.suppress(ValueError):  # not the main thread (e.g. a test client): nothing to chain
+        signal.signal(signal.SIGTERM, on_term)
 
 
 def create_app() -> FastAPI:
@@ -42,19 +61,7 @@ def create_app() -> FastAPI:
     )
     errors.install(app)
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        limit = settings.max_file_bytes + (1 << 20) if request.url.path == "/v1/files" else settings.max_body_bytes
-        if length and length.isdigit() and int(length) > limit:
-            return errors.error_response(
-                errors.APIError(
-                    413,
-                    f"Request body too large: {length} bytes (limit {limit}).",
-                    code="request_too_large",
-                )
-            )
-        return await call_next(request)
+    app.add_middleware(RequestGuard, settings=settings)
 
     app.include_router(completions.router)
     app.include_router(jobs.router)

@@ -33,6 +33,7 @@ _STATUS = {
     ErrorKind.unauthenticated: 401,
     ErrorKind.not_found: 404,
     ErrorKind.conflict: 409,
+    ErrorKind.unprocessable: 422,
     ErrorKind.too_large: 413,
     ErrorKind.rate_limited: 429,
     ErrorKind.unavailable: 503,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,16 +38,36 @@ def terminal_row_check(job_id: str, tenant_id: int):
     return check
 
 
+def readers_key(job_id: str) -> str:
+    return f"job:{job_id}:readers"
+
+
+async def readers(rds: aioredis.Redis, job_id: str) -> int:
+    """How many SSE streams follow this job right now (on any API replica)."""
+    return int(await rds.get(readers_key(job_id)) or 0)
+
+
 async def sse_chunks(
     job: JobRecord, tenant_id: int, rds: aioredis.Redis, *, include_usage: bool, last_id: str = "0-0"
 ) -> AsyncIterator[bytes]:
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
     stream is silent; ends after the terminal event."""
     chunks = CompletionChunks(job, include_usage)
-    async for item in follow(rds, job.id, terminal_row_check(job.id, tenant_id), last_id=last_id):
-        if item is HEARTBEAT:
-            yield sse_comment("keep-alive")
-            continue
-        entry_id, ev = item  # type: ignore[misc]
-        for chunk in chunks.render(ev):
-            yield sse(chunk, entry_id if isinstance(chunk, dict) else None)
+    key = readers_key(job.id)
+    try:
+        await rds.incr(key)
+        await rds.expire(key, 3600)
+    except Exception:  # counting readers is best effort: a Redis outage must not end the stream
+        key = ""
+    try:
+        async for item in follow(rds, job.id, terminal_row_check(job.id, tenant_id), last_id=last_id):
+            if item is HEARTBEAT:
+                yield sse_comment("keep-alive")
+                continue
+            entry_id, ev = item  # type: ignore[misc]
+            for chunk in chunks.render(ev):
+                yield sse(chunk, entry_id if isinstance(chunk, dict) else None)
+    finally:
+        if key:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(rds.decr(key))

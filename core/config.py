@@ -50,17 +50,48 @@ class Settings(BaseSettings):
         "context: `error` (OpenAI) or `truncate` (lower max_tokens to fit).",
     )
     max_sequences_per_job: int = Field(128, description="Most prompts x best_of sequences one request may ask for.")
-    cancel_on_disconnect: bool = Field(True, description="Cancel a streaming job when its client disconnects.")
+    max_logprob_entries: int = Field(
+        200_000,
+        description="Most log-probabilities one response may carry (sequences x tokens x (alternatives + 1), "
+        "prompt scores included); past it a 400 names the limit.",
+    )
+    cancel_on_disconnect: bool = Field(
+        True,
+        description="Cancel a streaming job when its client disconnects and no reader follows it again within "
+        "`disconnect_grace_s` (a server shutdown or an error on Spool's side never cancels).",
+    )
+    disconnect_grace_s: float = Field(
+        2.0, description="Seconds a disconnected streaming job waits for a reader to re-attach before it is cancelled."
+    )
     wait_timeout_s: float = Field(
-        600.0, description="How long a non-streaming request waits; past it the answer is 202 with the job to poll."
+        540.0,
+        description="How long a non-streaming request waits; past it the answer is 202 with the job to poll "
+        "(below the `openai` SDK's 600 s timeout, so the client sees the 202 instead of retrying).",
+    )
+    idempotency_ttl_h: float = Field(24.0, description="How long an `Idempotency-Key` keeps its outcome.")
+    retention_jobs_days: float = Field(
+        30.0, description="Finished jobs older than this are deleted by the retention sweeper (usage rows stay)."
     )
 
     worker_concurrency: int = Field(
-        20,
-        description="Celery threads per worker: jobs it holds at once (a few more than `max_batch`, so the "
-        "engine never idles; more would let a backlog queue inside the worker instead of in fair order).",
+        24,
+        description="Celery threads per worker: jobs it holds at once. The dispatcher sends batch lines only "
+        "for free batch slots (`max_batch` per live worker), so the threads beyond them are always there for "
+        "interactive requests.",
     )
-    max_batch: int = Field(16, description="Sequences an engine decodes together in one batch (both engines).")
+    max_batch: int = Field(
+        16, description="Sequences of batch work an engine decodes together (both engines); see `interactive_slots`."
+    )
+    batch_prefetch: int = Field(
+        2,
+        description="Batch lines a worker holds beyond its `max_batch` slots, waiting in its engine, so a slot "
+        "that frees is refilled without a round trip to the dispatcher.",
+    )
+    interactive_slots: int = Field(
+        4,
+        description="CPU engine: slots beyond `max_batch` only interactive sequences may take; with all of them "
+        "busy too, an interactive sequence displaces a batch one, which continues later with the same output.",
+    )
     n_ctx: int = Field(2048, description="Context length per sequence (both engines; capped by the model's).")
     fast_lane: bool = Field(
         True,
@@ -84,6 +115,11 @@ class Settings(BaseSettings):
         "of running streams behind a long prompt). Also the longest prompt it can score (`prompt_logprobs`).",
     )
 
+    infra_retry_s: float = Field(
+        120.0,
+        description="How long a worker keeps retrying Postgres/Redis (bounded backoff) before it lets an attempt "
+        "go; the job is never failed for an outage: its lease lapses and the next attempt resumes.",
+    )
     lease_s: float = Field(30.0, description="A running job's lease; its worker renews it every third.")
     max_attempts: int = Field(3, description="Attempts before a job whose worker keeps dying fails.")
     dispatch_timeout_s: float = Field(60.0, description="A job `dispatched` but unclaimed this long is sent again.")

@@ -15,13 +15,15 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from core import retention
 from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
-from core.infra.broker import queues_for, send_run_job
+from core.infra.broker import queued_jobs, queues_for, send_run_job
 from core.infra.metrics import QUEUED
 from core.infra.orm import Job, JobState
 from core.jobs import transitions as jobs
+from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
 
@@ -34,22 +36,29 @@ class Dispatcher:
         self.scheduler = FairScheduler()
         self.lifecycle = Lifecycle(sessions, rds, settings)
         self._next_batches = 0.0
+        self._next_sweep = 0.0
 
     def tick(self) -> dict[str, int]:
         """One pass. Returns counts for logs and tests."""
         s = self.settings
         counts = self.lifecycle.reap()
         with self.sessions() as session:
-            # Re-send only where the model's queues are empty: a message still waiting in a busy
-            # queue is slow, not lost, and re-sending would pile duplicates onto the backlog.
-            idle = [m for m in s.model_ids if self._depth(m) == 0]
-            stale = session.execute(jobs.touch_stale_dispatched(s.dispatch_timeout_s, s.dispatcher_batch, idle)).all()
+            # A job dispatched but unclaimed past the timeout: re-send it unless its message is still
+            # waiting in its queue (slow, not lost). Under any backlog a lost message is found.
+            stale = session.execute(
+                jobs.touch_stale_dispatched(s.dispatch_timeout_s, s.dispatcher_batch, s.model_ids)
+            ).all()
             session.commit()
-            sent = self._send(session, stale)
+            waiting = set().union(*(queued_jobs(self.broker, m) for m in {row.model for row in stale}))
+            lost = [row for row in stale if (row.id, row.attempt) not in waiting]
+            sent = self._send(session, lost)
 
             for model in s.model_ids:
                 room = min(s.queue_depth - self._depth(model), s.dispatcher_batch)
-                picks = self.scheduler.pick(session, model, room)
+                # Batch lines go out only for free batch slots of live workers: never parked in a
+                # worker thread or in Redis, where they would hold up interactive work.
+                batch_room = workers.batch_capacity(self.rds, model) - session.scalar(jobs.batch_in_flight(model))
+                picks = self.scheduler.pick(session, model, room, batch_room)
                 rows = session.execute(jobs.dispatch_picked(picks)).all() if picks else []
                 session.commit()
                 sent += self._send(session, rows)
@@ -68,7 +77,10 @@ class Dispatcher:
                     )
             with self.sessions() as session:
                 counts["webhooks"] = webhooks.deliver_due(session, s.webhook_secret, s.webhook_retry_s)
-        counts |= {"resent": len(stale), "sent": sent}
+            if time.monotonic() >= self._next_sweep:
+                self._next_sweep = time.monotonic() + 60
+                counts |= {f"swept_{k}": v for k, v in retention.sweep(self.sessions, s).items()}
+        counts |= {"resent": len(lost), "sent": sent}
         if any(v for k, v in counts.items() if k != "sent"):
             log.info("dispatcher: %s", counts)
         return counts
@@ -100,4 +112,12 @@ class Dispatcher:
             # While it has work to hand out, refill the queues as soon as workers drain them: a
             # fixed period would cap short batch lines at queue_depth per period.
             pause = 0.02 if sent else self.settings.dispatcher_interval_s - (time.monotonic() - started)
-            time.sleep(max(0.0, pause))
+            if pause > 0.05:
+                # A worker that frees a batch slot wakes us (workers.slot_freed): refill at once.
+                try:
+                    self.rds.blpop([workers.WAKE_KEY], timeout=pause)
+                    self.rds.delete(workers.WAKE_KEY)
+                except Exception:
+                    time.sleep(pause)
+            else:
+                time.sleep(max(0.0, pause))

@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> None:
     from workers.runtime import runner
     from workers.tasks import app
 
-    runner()  # load the model before taking any message
+    r = runner()  # load the model before taking any message
+    _heartbeat(r.worker_name, s)
+    from core.jobs import workers
+
+    r.batch_slot_wake = lambda: workers.slot_freed(r.redis)
     if s.metrics_port:
         from prometheus_client import start_http_server
 
@@ -38,6 +42,31 @@ def main(argv: list[str] | None = None) -> None:
             *(argv if argv is not None else sys.argv[1:]),
         ]
     )
+
+
+def _heartbeat(name: str, s) -> None:
+    """Tell the dispatcher (and /health) this worker is alive and how much batch work it takes."""
+    import atexit
+    import threading
+    import time
+
+    from core.infra import kv
+    from core.jobs import workers
+
+    rds = kv.client(s.redis_url)
+    model = s.worker_model_ids[0]
+
+    def loop() -> None:
+        while True:
+            try:
+                workers.beat(rds, model, name, s.max_batch + s.batch_prefetch, s.interactive_slots)
+            except Exception:
+                logging.getLogger(__name__).warning("heartbeat failed; retrying", exc_info=True)
+            time.sleep(workers.HEARTBEAT_S)
+
+    workers.beat(rds, model, name, s.max_batch + s.batch_prefetch, s.interactive_slots)
+    threading.Thread(target=loop, name="heartbeat", daemon=True).start()
+    atexit.register(lambda: workers.gone(rds, model, name))
 
 
 if __name__ == "__main__":

@@ -15,15 +15,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from core.config import Settings
 from core.generation.params import GenerationParams, choice_index
-from core.infra import streams
+from core.infra import kv, streams
 from core.infra.metrics import QUEUE_WAIT
 from core.infra.orm import Job
 from core.jobs import transitions
-from core.jobs.events import ChoiceResult, Delta, ErrorInfo, JobResult, TokenScore, TopToken, Usage, decode
+from core.jobs.events import (
+    ChoiceResult,
+    Delta,
+    ErrorInfo,
+    JobResult,
+    TokenScore,
+    TopToken,
+    Usage,
+    decode,
+    encode,
+)
 from core.jobs.lifecycle import Lifecycle
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.loop import EngineLoop
@@ -44,6 +55,35 @@ class JobError(Exception):
 
 class EngineError(Exception):
     """The engine gave up on one of the job's sequences (its own verdict, not an outage)."""
+
+
+# Postgres or Redis unreachable: a wait, never a failed job (only the engine's verdict fails one).
+TRANSIENT: tuple[type[BaseException], ...] = (*kv.TRANSIENT, OperationalError, InterfaceError, DisconnectionError)
+
+
+class Abandoned(Exception):
+    """The infrastructure stayed away longer than `infra_retry_s`: this attempt lets go without
+    failing the job; its lease lapses and the next attempt resumes from the streamed tokens."""
+
+
+LETTING_GO: tuple[type[BaseException], ...] = (Abandoned, *TRANSIENT)
+
+
+def retrying(settings: Settings, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """Call `fn` until Postgres/Redis answer, with a bounded backoff, up to `infra_retry_s`."""
+    deadline = time.monotonic() + settings.infra_retry_s
+    backoff = 0.2
+    while True:
+        try:
+            return fn(*args, **kw)
+        except TRANSIENT as exc:
+            if time.monotonic() + backoff > deadline:
+                raise Abandoned(f"{what}: {type(exc).__name__}") from exc
+            log.warning(
+                "%s: %s unreachable (%s); retrying in %.1fs", what, "infrastructure", type(exc).__name__, backoff
+            )
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 
 
 @dataclass(eq=False)  # identity-hashed: used as a dict key while coalescing
@@ -75,30 +115,49 @@ class JobRunner:
         self.sessions = sessions
         self.worker_name = worker_name
         self.lifecycle = Lifecycle(sessions, redis_client, settings)
+        self.batch_slot_wake: Any = None  # set by the worker process: called when an attempt ends
 
     # -- entrypoint -------------------------------------------------------------------------
     def run(self, job_id: str, attempt: int) -> str:
+        try:
+            return self._run(job_id, attempt)
+        finally:
+            if self.batch_slot_wake is not None:
+                self.batch_slot_wake()
+
+    def _claim(self, job_id: str, attempt: int) -> Job | None:
         with self.sessions() as s:
             job = s.execute(transitions.claim(job_id, attempt, self.worker_name, self.settings.lease_s)).scalar()
             s.commit()
+        return job
+
+    def _run(self, job_id: str, attempt: int) -> str:
+        try:
+            job = retrying(self.settings, f"claim {job_id}", self._claim, job_id, attempt)
+        except Abandoned:
+            log.warning("job %s attempt %s: could not claim; the dispatcher re-sends it", job_id, attempt)
+            return "abandoned"
         if job is None:
             log.info("job %s attempt %s: not claimable (duplicate or stale message); skipped", job_id, attempt)
             return "skipped"
         try:
             return _Attempt(self, job).run()
+        except LETTING_GO as exc:
+            log.warning("job %s attempt %s let go (%s): its lease lapses and it resumes", job_id, attempt, exc)
+            return "abandoned"
         except JobError as exc:
-            self.lifecycle.fail(job, exc.error)
-            return "failed"
+            error = exc.error
         except EngineError as exc:
             log.warning("job %s: the engine failed it: %s", job_id, exc)
-            self.lifecycle.fail(
-                job, ErrorInfo(message=f"Generation failed: {exc}", type="server_error", code="engine_error")
-            )
-            return "failed"
+            error = ErrorInfo(message=f"Generation failed: {exc}", type="server_error", code="engine_error")
         except Exception:
             log.exception("job %s failed", job_id)
-            self.lifecycle.fail(job, ErrorInfo(message="Generation failed.", type="server_error", code="engine_error"))
-            return "failed"
+            error = ErrorInfo(message="Generation failed.", type="server_error", code="engine_error")
+        try:
+            retrying(self.settings, f"fail {job_id}", self.lifecycle.fail, job, error)
+        except Abandoned:
+            return "abandoned"
+        return "failed"
 
     def renew(self, job: Job) -> bool:
         with self.sessions() as s:
@@ -121,6 +180,9 @@ class _Attempt:
         self.buffered = self.p.best_of > self.p.n  # best_of: publish only the winners, at the end
         self.choices: dict[int, _Choice] = {}
         self.engine_s = 0.0
+        # Every entry of the job's stream so far (earlier attempts' too): if Redis loses the stream
+        # (a restart), it is rebuilt with the same entry ids, so readers resume exactly where they were.
+        self.log: list[tuple[str, str]] = []
 
     # -- setup ------------------------------------------------------------------------------
     def _build(self) -> list[SeqSpec]:
@@ -170,6 +232,7 @@ class _Attempt:
                         else None,
                         prompt_logprobs_len=len(ids),
                         interactive=job.kind != "batch",
+                        cache_scope=job.tenant_id,  # one tenant's cached prefix is never another's
                     )
                 )
         return specs
@@ -221,12 +284,12 @@ class _Attempt:
                 now = time.monotonic()
                 if now >= next_control:
                     next_control = now + 0.5
-                    if self.runner.redis.exists(streams.cancel_key(job.id)):
+                    if self._cancelled():
                         log.info("job %s cancelled; dropping its sequences", job.id)
                         return "cancelled"
                 if now >= next_renew:
                     next_renew = now + self.settings.lease_s / 3
-                    if not self.runner.renew(job):
+                    if not retrying(self.settings, f"renew {job.id}", self.runner.renew, job):
                         log.info("job %s attempt %s lost its lease (cancelled or reassigned)", job.id, job.attempt)
                         return "lost"
         finally:
@@ -246,9 +309,25 @@ class _Attempt:
             completion_tokens=sum(len(ch.text.ids) for ch in self.choices.values()),
             cached_tokens=cached,
         )
-        if not self.runner.lifecycle.succeed(job, result, u, self.engine_s):
+        if not retrying(
+            self.settings, f"finish {job.id}", self.runner.lifecycle.succeed, job, result, u, self.engine_s
+        ):
             return "lost"
         return "succeeded"
+
+    def _emit(self, out: list[Delta]) -> None:
+        rds = self.runner.redis
+        if self.log and not rds.exists(streams.stream_key(self.job.id)):
+            log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", self.job.id)
+            streams.rebuild(rds, self.job.id, self.log, self.settings.events_ttl_s)
+        ids = self.runner.lifecycle.publish(self.job.id, out)
+        self.log += zip(ids, (encode(e) for e in out), strict=True)
+
+    def _cancelled(self) -> bool:
+        try:
+            return bool(self.runner.redis.exists(streams.cancel_key(self.job.id)))
+        except TRANSIENT:
+            return False  # unknown while Redis is away: keep going; a cancel also ends the lease
 
     def _accept(self, ch: _Choice, ev: TokenEvent | PromptEvent, live: set) -> _Choice:
         """Apply one engine event to its choice."""
@@ -327,7 +406,7 @@ class _Attempt:
             ch.sent_ids = len(ch.text.ids)
             ch.closed = ch.done
         if out:
-            self.runner.lifecycle.publish(self.job.id, out)
+            retrying(self.settings, f"publish {self.job.id}", self._emit, out)
 
     def _select(self) -> dict[int, _Choice]:
         """The returned choices by OpenAI index: all, or best_of's top n per prompt by mean logprob."""
@@ -359,7 +438,8 @@ class _Attempt:
         """What earlier attempts already streamed, per choice: token ids, completion text sent
         (without the echoed prompt), finish, and whether the prompt part went out."""
         out: dict[int, tuple[list[int], str, str | None, bool]] = {}
-        for _id, raw in streams.entries(self.runner.redis, self.job.id):
+        for entry_id, raw in streams.entries(self.runner.redis, self.job.id):
+            self.log.append((entry_id, raw))
             ev = decode(raw)
             if not isinstance(ev, Delta):
                 continue

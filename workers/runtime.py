@@ -7,9 +7,8 @@ import os
 import socket
 from functools import lru_cache
 
-import redis
-
 from core.config import get_settings
+from core.infra import kv
 from core.infra.db import sync_sessions
 from core.registry import model_path
 from workers.engine.base import Engine
@@ -31,6 +30,7 @@ def build_engine(model_id: str) -> Engine:
             max_batch=s.max_batch,
             n_threads=s.n_threads,
             fast_lane=s.fast_lane,
+            interactive_slots=s.interactive_slots,
         )
     if s.engine == "exllamav2":
         from workers.engine.exllamav2 import ExLlamaV2Engine  # imports torch and CUDA: only here
@@ -54,4 +54,4 @@ def runner() -> JobRunner:
     loop = EngineLoop(build_engine(model_id))
     name = f"{socket.gethostname()}:{os.getpid()}"
     log.info("worker %s serving %s", name, model_id)
-    return JobRunner(loop, s, redis.Redis.from_url(s.redis_url), sync_sessions(), name)
+    return JobRunner(loop, s, kv.client(s.redis_url), sync_sessions(), name)

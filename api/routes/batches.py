@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import PrincipalDep, RedisDep, SessionDep, SettingsDep, TenantDep
+from core import idempotency
 from core.batches import service
 from core.protocol import render
 from core.protocol.schemas import BatchList, BatchObject
@@ -26,9 +27,22 @@ class BatchCreate(BaseModel):
 
 @router.post("", response_model=BatchObject)
 async def create_batch(
-    body: BatchCreate, principal: PrincipalDep, session: SessionDep, redis: RedisDep, settings: SettingsDep
+    body: BatchCreate,
+    request: Request,
+    principal: PrincipalDep,
+    session: SessionDep,
+    redis: RedisDep,
+    settings: SettingsDep,
 ) -> dict:
-    b = await service.create(session, redis, principal, settings, **body.model_dump())
+    key = request.headers.get("idempotency-key")
+    claim = await idempotency.claim(principal.tenant.id, key, "/v1/batches", body.model_dump(mode="json"))
+    if claim is not None and claim.replay is not None:
+        return await service.view(session, await service.get(session, claim.replay, principal.tenant.id))
+    try:
+        b = await service.create(session, redis, principal, settings, **body.model_dump(), claim=claim)
+    except BaseException:
+        await idempotency.release(claim)
+        raise
     return await service.view(session, b)
 
 

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 
-from api.deps import LifecycleDep, PrincipalDep, RedisDep, SessionDep, SettingsDep
-from api.streaming import sse_chunks
+from api.deps import LifecycleDep, PrincipalDep, RedisDep, SettingsDep
+from api.streaming import readers, sse_chunks
 from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
 from core.protocol import render
@@ -20,7 +20,8 @@ from core.protocol.schemas import CompletionRequest
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-# Job errors that are the client's fault keep their 4xx; the rest are the service's.
+# A stored job that did not succeed. Its own request's fault keeps a 400; anything else is a 422,
+# never a 5xx: the SDK retries 5xx, and a retry without an Idempotency-Key would be a second job.
 _ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409}
 
 
@@ -30,49 +31,63 @@ async def create_completion(
     body: CompletionRequest,
     request: Request,
     principal: PrincipalDep,
-    session: SessionDep,
     redis: RedisDep,
     settings: SettingsDep,
     lifecycle: LifecycleDep,
 ):
-    created = await service.create_completion(session, redis, principal, body, settings)
+    created = await service.create_completion(redis, principal, body, settings, request.headers.get("idempotency-key"))
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
     if "respond-async" in request.headers.get("prefer", ""):
         return _accepted(job, headers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = sse_chunks(job, tenant_id, redis, include_usage=include_usage)
-        return EventSourceResponse(
-            _cancel_if_abandoned(stream, job.id, tenant_id, lifecycle, settings), headers=headers
-        )
+        guarded = _cancel_if_abandoned(stream, job.id, tenant_id, lifecycle, settings, request.app.state)
+        return EventSourceResponse(guarded, headers=headers)
     row = await service.wait(redis, job.id, tenant_id, settings.wait_timeout_s)
     if row is None:
         return _accepted(job, headers)
     if row.state == "succeeded":
         return JSONResponse(render.completion(row), headers=headers)
     err = render.failure(row)
-    return JSONResponse({"error": err}, status_code=_ERROR_STATUS.get(err["type"], 503))
+    return JSONResponse(
+        {"error": err}, status_code=_ERROR_STATUS.get(err["type"], 422), headers={"x-spool-job-id": row.id}
+    )
 
 
 def _accepted(job, headers: dict[str, str]) -> JSONResponse:
     return JSONResponse(render.job(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}", **headers})
 
 
-async def _cancel_if_abandoned(stream, job_id: str, tenant_id: int, lifecycle: Lifecycle, settings):
-    finished = False
+async def _cancel_if_abandoned(stream, job_id: str, tenant_id: int, lifecycle: Lifecycle, settings, state):
+    """Pass the stream through; if its client really went away, cancel the job after a grace period
+    unless another reader (a reconnect with Last-Event-ID) follows it by then. A stream that ended
+    because this server is shutting down, or because of an error on our side, cancels nothing: the
+    job goes on, and its client can re-attach to /v1/jobs/{id}/events."""
+    abandoned = False
     try:
         async for chunk in stream:
             yield chunk
-        finished = True
+    except (GeneratorExit, asyncio.CancelledError):
+        abandoned = True
+        raise
     finally:
-        if not finished and settings.cancel_on_disconnect:
-            # The client went away mid-stream: stop spending the engine on it. Shielded, because
-            # this generator is being cancelled.
-            await asyncio.shield(_cancel_quietly(lifecycle, job_id, tenant_id))
+        if abandoned and settings.cancel_on_disconnect and not getattr(state, "draining", False):
+            task = asyncio.get_running_loop().create_task(
+                _cancel_after_grace(lifecycle, state.redis, job_id, tenant_id, settings.disconnect_grace_s)
+            )
+            _PENDING.add(task)
+            task.add_done_callback(_PENDING.discard)
 
 
-async def _cancel_quietly(lifecycle: Lifecycle, job_id: str, tenant_id: int) -> None:
+_PENDING: set[asyncio.Task] = set()  # keeps grace-period tasks alive until they finish
+
+
+async def _cancel_after_grace(lifecycle: Lifecycle, redis, job_id: str, tenant_id: int, grace_s: float) -> None:
     try:
+        await asyncio.sleep(grace_s)
+        if await readers(redis, job_id):
+            return  # the client (or another) is following the job again
         await anyio.to_thread.run_sync(lifecycle.cancel, job_id, tenant_id)
     except Exception:
         log.warning("cancel after disconnect failed for %s", job_id, exc_info=True)

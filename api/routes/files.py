@@ -4,12 +4,13 @@ Postgres in 1 MiB chunks from a worker thread: never whole in memory."""
 from __future__ import annotations
 
 import anyio
-from fastapi import APIRouter, Form, UploadFile
+from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import APIError
+from core import idempotency
 from core.files import storage as files
 from core.files.service import store
 from core.infra.db import async_sessions
@@ -26,7 +27,14 @@ def _not_found(file_id: str) -> APIError:
 
 
 @router.post("", response_model=FileObject)
-async def upload(tenant: TenantDep, settings: SettingsDep, file: UploadFile, purpose: str = Form(...)) -> dict:
+async def upload(
+    request: Request,
+    tenant: TenantDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    file: UploadFile,
+    purpose: str = Form(...),
+) -> dict:
     if purpose not in PURPOSES:
         raise APIError(
             400,
@@ -34,9 +42,20 @@ async def upload(tenant: TenantDep, settings: SettingsDep, file: UploadFile, pur
             param="purpose",
             code="invalid_value",
         )
-    return files.file_json(
-        await anyio.to_thread.run_sync(store, file.file, file.filename, tenant.id, purpose, settings)
-    )
+    # A retried upload (same key, purpose, name and size) returns the file the first one stored.
+    payload = {"purpose": purpose, "filename": file.filename, "bytes": file.size}
+    claim = await idempotency.claim(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload)
+    if claim is not None and claim.replay is not None:
+        f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
+        if f is not None:
+            return files.file_json(f)
+    try:
+        f = await anyio.to_thread.run_sync(store, file.file, file.filename, tenant.id, purpose, settings)
+    except BaseException:
+        await idempotency.release(claim)
+        raise
+    await idempotency.record(claim, f.id)
+    return files.file_json(f)
 
 
 @router.get("", response_model=FileList)

@@ -43,10 +43,14 @@ async def _tokenizer(model: str | None, settings: Settings) -> Tokenizer:
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, _: TenantDep, settings: SettingsDep) -> dict:
     tok = await _tokenizer(body.model, settings)
-    ids = tok.encode(body.content, add_special=body.add_special)
-    if body.with_pieces:
-        return {"tokens": [{"id": t, "piece": tok.token_text(t)} for t in ids]}
-    return {"tokens": ids}
+
+    def work() -> dict:  # a long text takes a while: never on the event loop
+        ids = tok.encode(body.content, add_special=body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": t, "piece": tok.token_text(t)} for t in ids]}
+        return {"tokens": ids}
+
+    return await anyio.to_thread.run_sync(work)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
@@ -57,4 +61,4 @@ async def detokenize(body: DetokenizeRequest, _: TenantDep, settings: SettingsDe
         raise APIError(
             400, f"Token id {bad[0]} is out of range (0..{tok.n_vocab - 1}).", param="tokens", code="invalid_value"
         )
-    return {"content": tok.decode(body.tokens)}
+    return {"content": await anyio.to_thread.run_sync(tok.decode, body.tokens)}

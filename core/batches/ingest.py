@@ -19,12 +19,14 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import select, update
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from core.batches.status import BatchStatus, cancelled, rejected, validated
 from core.config import Settings, get_settings
 from core.errors import DomainError
 from core.files import storage as files
 from core.infra.db import sync_sessions
+from core.infra.kv import TRANSIENT as REDIS_DOWN
 from core.infra.orm import Batch, JobState
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import transitions as jobs
@@ -34,6 +36,7 @@ from core.protocol.translate import to_generation
 from core.registry import served_models
 
 log = logging.getLogger(__name__)
+TRANSIENT = (*REDIS_DOWN, OperationalError, InterfaceError)
 
 # The API pushes a batch id here after creating it, so a validator starts at once, not at its next poll.
 WAKE_KEY = "spool:batches:validate"
@@ -52,6 +55,11 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         raise _LineError("invalid_json_line", f"This line is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise _LineError("invalid_request", "Each line must be a JSON object.")
+    if not _storable(obj):
+        raise _LineError(
+            "invalid_request",
+            "The line contains a NUL character or an unpaired surrogate, which cannot be stored.",
+        )
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
         raise _LineError("missing_custom_id", "Each line needs a 'custom_id' string (1-512 characters).", "custom_id")
@@ -100,6 +108,31 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         "batch_id": b.id,
         "line_no": line_no,
         "custom_id": custom_id,
+    }
+
+
+def _storable(obj: Any) -> bool:
+    """Postgres text and JSONB hold neither NUL characters nor unpaired UTF-16 surrogates."""
+    if isinstance(obj, str):
+        if "\x00" in obj:
+            return False
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(obj, dict):
+        return all(_storable(k) and _storable(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return all(_storable(v) for v in obj)
+    return True
+
+
+def _too_long(size: int, limit: int) -> dict[str, Any]:
+    return {
+        "code": "line_too_long",
+        "message": f"This line is {size} bytes; a request may be at most {limit} bytes.",
+        "param": None,
     }
 
 
@@ -152,7 +185,12 @@ def validate(batch_id: str) -> str:
             cur.execute("CREATE TEMP TABLE batch_staging (LIKE jobs INCLUDING DEFAULTS) ON COMMIT DROP")
             with cur.copy(f"COPY batch_staging ({COLS_SQL}) FROM STDIN") as copy:
                 # The file is read on a second connection: this one is busy with the COPY.
-                for line_no, raw in enumerate(files.iter_lines(reader, b.input_file_id), start=1):
+                lines = files.iter_lines(reader, b.input_file_id, settings.max_body_bytes)
+                for line_no, raw in enumerate(lines, start=1):
+                    if isinstance(raw, files.LineTooLong):
+                        total += 1
+                        note(line_no, _too_long(raw.size, settings.max_body_bytes))
+                        continue
                     if not raw.strip():
                         continue
                     total += 1
@@ -242,12 +280,31 @@ def run_validator(rds: Any, poll_s: float = 2.0) -> None:
     """Validate batches one at a time, forever (a dispatcher thread). Safe with several running: a
     batch is claimed under a lease, and taken over when the lease of a dead validator lapses."""
     while True:
+        batch_id = None
         try:
             batch_id = claim_next()
             if batch_id:
                 validate(batch_id)
                 continue
             rds.blpop([WAKE_KEY], timeout=poll_s)
-        except Exception:
-            log.exception("batch validation failed; will retry")
+        except TRANSIENT:
+            log.warning("batch validation: Postgres/Redis unavailable; will retry", exc_info=True)
             time.sleep(poll_s)
+        except Exception:
+            # Not an outage: the file itself breaks validation. Retrying would loop forever (a
+            # poison batch); fail it, with a message that shows no internals.
+            log.exception("batch %s: validation failed; failing the batch", batch_id)
+            if batch_id:
+                give_up(batch_id)
+
+
+def give_up(batch_id: str) -> None:
+    error = {
+        "code": "validation_failed",
+        "message": "The input file could not be validated; check that every line is a JSON request.",
+        "param": None,
+        "line": None,
+    }
+    with sync_sessions()() as session:
+        session.execute(rejected(batch_id, datetime.now(UTC), 0, [error]))
+        session.commit()

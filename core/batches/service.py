@@ -10,12 +10,14 @@ import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from core import idempotency
 from core.batches import progress
 from core.batches.ingest import WAKE_KEY
 from core.batches.status import CANCELLABLE, EMPTY_COUNTS, LIVE, BatchStatus, cancel_requested
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import storage as files
+from core.idempotency import Claim
 from core.infra.orm import Batch
 from core.tenancy.keys import Principal
 
@@ -52,6 +54,7 @@ async def create(
     completion_window: str,
     metadata: dict[str, str] | None,
     webhook_url: str | None,
+    claim: Claim | None = None,
 ) -> Batch:
     if endpoint not in ENDPOINTS:
         raise invalid("endpoint", f"Unsupported endpoint '{endpoint}': Spool batches {sorted(ENDPOINTS)}.")
@@ -84,6 +87,7 @@ async def create(
         request_counts=dict(EMPTY_COUNTS),
     )
     session.add(b)
+    await idempotency.record(claim, b.id, session)
     await session.commit()
     await rds.lpush(WAKE_KEY, b.id)  # wake a validator now rather than at its next poll
     return b

@@ -91,9 +91,8 @@ def worker() -> None:
 @app.command()
 def dispatcher() -> None:
     """Run the dispatcher: sends queued jobs, re-sends lost messages, re-queues lapsed leases."""
-    import redis
-
     from core.dispatcher import Dispatcher
+    from core.infra import kv
     from core.infra.db import sync_sessions
 
     _logging()
@@ -107,10 +106,8 @@ def dispatcher() -> None:
     from core.batches.ingest import run_validator
 
     # Batch validation (tokenizing every line) runs here, beside the loop, never in the API.
-    threading.Thread(target=run_validator, args=(redis.Redis.from_url(s.redis_url),), daemon=True).start()
-    Dispatcher(
-        sync_sessions(), redis.Redis.from_url(s.redis_url), redis.Redis.from_url(s.celery_broker_url), s
-    ).run_forever()
+    threading.Thread(target=run_validator, args=(kv.client(s.redis_url),), daemon=True).start()
+    Dispatcher(sync_sessions(), kv.client(s.redis_url), kv.client(s.celery_broker_url), s).run_forever()
 
 
 @app.command()

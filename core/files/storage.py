@@ -49,19 +49,39 @@ async def read_chunks(session: AsyncSession, file_id: str) -> AsyncIterator[byte
         seq += 1
 
 
-def iter_lines(session: Session, file_id: str) -> Iterator[bytes]:
-    """The file's lines (without newlines), reading one chunk at a time."""
-    seq, rest = 0, b""
+class LineTooLong:
+    """Stands for a line longer than the limit: its bytes were skipped, never held."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def iter_lines(session: Session, file_id: str, max_line: int = 1 << 62) -> Iterator[bytes | LineTooLong]:
+    """The file's lines (without newlines), reading one chunk at a time. A line longer than
+    `max_line` bytes comes out as a LineTooLong, so a file without newlines is never held whole."""
+    seq, rest, skipping = 0, b"", 0
     while True:
         data = session.scalar(select(FileChunk.data).where(FileChunk.file_id == file_id, FileChunk.seq == seq))
         if data is None:
             break
         seq += 1
+        if skipping:
+            cut = data.find(b"\n")
+            if cut < 0:
+                skipping += len(data)
+                continue
+            yield LineTooLong(skipping + cut)
+            data, skipping = data[cut + 1 :], 0
         lines = (rest + data).split(b"\n")
         rest = lines.pop()
-        yield from lines
-    if rest:
-        yield rest
+        for line in lines:
+            yield line if len(line) <= max_line else LineTooLong(len(line))
+        if len(rest) > max_line:
+            skipping, rest = len(rest), b""
+    if skipping:
+        yield LineTooLong(skipping)
+    elif rest:
+        yield rest if len(rest) <= max_line else LineTooLong(len(rest))
 
 
 class ChunkWriter:

@@ -3,7 +3,10 @@ worker process (workers/) registers the task body on this same app."""
 
 from __future__ import annotations
 
+import base64
+import json
 from functools import lru_cache
+from typing import Any
 
 from celery import Celery
 
@@ -52,3 +55,18 @@ def celery_app() -> Celery:
 def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
     """Publish one `run_job(job_id, attempt)` message to the model's queue (blocking I/O)."""
     celery_app().send_task(RUN_JOB, args=[job_id, attempt], queue=queue_for(model, kind))
+
+
+def queued_jobs(broker: Any, model: str, limit: int = 10_000) -> set[tuple[str, int]]:
+    """(job id, attempt) of every run_job message still waiting in the model's queues. Kombu's Redis
+    transport keeps each message as JSON with a base64 body holding Celery's [args, kwargs, embed]."""
+    out: set[tuple[str, int]] = set()
+    for q in queues_for(model):
+        for raw in broker.lrange(q, 0, limit - 1):
+            try:
+                msg = json.loads(raw)
+                args = json.loads(base64.b64decode(msg["body"]))[0]
+                out.add((str(args[0]), int(args[1])))
+            except (ValueError, KeyError, IndexError, TypeError):
+                continue  # not one of ours
+    return out

@@ -13,10 +13,18 @@ from sqlalchemy.orm import sessionmaker
 
 from core.config import get_settings
 
+# An unreachable Postgres fails a connection attempt in seconds (then callers retry). The API's
+# statements are short: none may hold a connection for more than a minute (batch validation's long
+# COPY runs on the sync engine, in the dispatcher).
+_CONNECT = {"connect_timeout": 5}
+_API_CONNECT = {**_CONNECT, "options": "-c statement_timeout=60000"}
+
 
 @lru_cache
 def sync_engine() -> Engine:
-    return create_engine(get_settings().database_url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(
+        get_settings().database_url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=_CONNECT
+    )
 
 
 @lru_cache
@@ -26,7 +34,14 @@ def sync_sessions() -> sessionmaker:
 
 @lru_cache
 def async_engine() -> AsyncEngine:
-    return create_async_engine(get_settings().database_url, pool_pre_ping=True, pool_size=20, max_overflow=40)
+    return create_async_engine(
+        get_settings().database_url,
+        pool_pre_ping=True,
+        pool_size=20,
+        max_overflow=40,
+        pool_timeout=10,
+        connect_args=_API_CONNECT,
+    )
 
 
 @lru_cache

@@ -202,3 +202,18 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class IdempotencyKey(Base):
+    """A client's `Idempotency-Key` on a creating POST, per tenant: the request it came with (as a
+    hash) and the object it created, so a retry gets the original outcome instead of a second one."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (Index("ix_idempotency_created", "created_at"),)
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    object_id: Mapped[str | None] = mapped_column(String(40))  # None while the first request is in flight
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())

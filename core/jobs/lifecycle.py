@@ -13,7 +13,8 @@ one implementation beats a sync and an async copy that drift apart).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -22,12 +23,14 @@ from sqlalchemy import Update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, sessionmaker
 
+from core import idempotency
 from core.config import Settings
-from core.infra import streams
+from core.idempotency import Claim
+from core.infra import kv, streams
 from core.infra.broker import send_run_job
 from core.infra.orm import Job
 from core.jobs import transitions
-from core.jobs.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, encode
+from core.jobs.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode, encode
 from core.tenancy import ratelimit, usage
 
 log = logging.getLogger(__name__)
@@ -44,10 +47,12 @@ def worker_lost(max_attempts: int) -> ErrorInfo:
     )
 
 
-async def submit(session: AsyncSession, job: Job, cap: int | None = None) -> None:
-    """Persist, then enqueue: commit the job, then hand it to Celery if its tenant has room. The row
-    exists before any message can name it; if the send fails the dispatcher sends it later."""
+async def submit(session: AsyncSession, job: Job, cap: int | None = None, claim: Claim | None = None) -> None:
+    """Persist, then enqueue: commit the job (and the Idempotency-Key that names it, in the same
+    transaction), then hand it to Celery if its tenant has room. The row exists before any message
+    can name it; if the send fails the dispatcher sends it later."""
     session.add(job)
+    await idempotency.record(claim, job.id, session)
     await session.commit()
     if job.kind != "interactive":
         return  # batch lines always go through the fair dispatcher
@@ -70,14 +75,16 @@ class Lifecycle:
     # -- events ------------------------------------------------------------------------------
     def publish(
         self, job_id: str, evs: Sequence[Delta | Done | Failed | Cancelled], *, cancel_flag: bool = False
-    ) -> None:
-        """Append events to the job's stream in one round trip."""
+    ) -> list[str]:
+        """Append events to the job's stream in one round trip; returns their entry ids."""
         s = self.settings
         pipe = self.redis.pipeline(transaction=False)
         if cancel_flag:
             pipe.set(streams.cancel_key(job_id), 1, ex=3600)
         streams.queue_append(pipe, job_id, [encode(e) for e in evs], s.events_ttl_s, s.events_maxlen)
-        pipe.execute()
+        out = pipe.execute()
+        ids = out[1:-1] if cancel_flag else out[:-1]
+        return [i if isinstance(i, str) else i.decode() for i in ids]
 
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod
@@ -96,20 +103,58 @@ class Lifecycle:
         )
 
     def _announce(self, job_id: str, billable: int, ev: Done | Failed | Cancelled) -> None:
-        ratelimit.settle(self.redis, job_id, billable)
-        self.publish(job_id, [ev], cancel_flag=isinstance(ev, Cancelled))
+        """After the commit: settle the reservation and publish the end, retried while Redis is away
+        (the ledger already says how the job ended; readers fall back to it meanwhile)."""
+        deadline = time.monotonic() + self.settings.infra_retry_s
+        backoff = 0.2
+        while True:
+            try:
+                ratelimit.settle(self.redis, job_id, billable)
+                self.publish(job_id, [ev], cancel_flag=isinstance(ev, Cancelled))
+                return
+            except kv.TRANSIENT:
+                if time.monotonic() + backoff > deadline:
+                    log.warning("job %s ended but Redis stayed away: its end is in Postgres only", job_id)
+                    return
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     def _end(
-        self, stmt: Update, outcome: str, ev: Done | Failed | Cancelled, u: Usage | None = None, engine_s: float = 0.0
+        self,
+        stmt: Update,
+        outcome: str,
+        ev: Done | Failed | Cancelled,
+        u: Usage | Callable[[Job], Usage] | None = None,
+        engine_s: float = 0.0,
     ) -> Job | None:
+        """The transition and the usage row in one transaction, then settle and announce. `u` may be
+        computed from the row the transition returns (a cancel bills what was already produced)."""
         with self.sessions() as s:
             row = s.execute(stmt).scalar()
             if row is not None:
+                if callable(u):
+                    u = u(row)
                 self._record(s, row, outcome, u, engine_s)
             s.commit()
         if row is not None:
-            self._announce(row.id, u.total_tokens if u and outcome == "succeeded" else 0, ev)
+            billable = u.total_tokens if isinstance(u, Usage) and outcome in ("succeeded", "cancelled") else 0
+            self._announce(row.id, billable, ev)
         return row
+
+    def produced(self, job: Job) -> Usage:
+        """What a job that ends early has already cost: its prompt once processing started, and every
+        token its stream carried. A client that read tokens and then cancelled pays for them."""
+        generated = sum(len(e.token_ids) for e in self._deltas(job.id))
+        prompt = sum(len(p.get("ids", [])) for p in (job.prompts or [])) if job.started_at is not None else 0
+        return Usage(prompt_tokens=prompt, completion_tokens=generated)
+
+    def _deltas(self, job_id: str) -> list[Delta]:
+        try:
+            evs = [decode(raw) for _, raw in streams.entries(self.redis, job_id)]
+        except Exception:  # Redis away: bill what Postgres knows (nothing generated is recorded there)
+            log.warning("could not read %s's stream to bill a cancel", job_id, exc_info=True)
+            return []
+        return [e for e in evs if isinstance(e, Delta)]
 
     def succeed(self, job: Job, result: JobResult, u: Usage, engine_s: float) -> bool:
         stmt = transitions.succeed(job.id, job.attempt, result.model_dump(mode="json"), u.model_dump(mode="json"))
@@ -122,7 +167,7 @@ class Lifecycle:
     def cancel(self, job_id: str, tenant_id: int) -> Job | None:
         """Cancel a live job of this tenant; returns its row either way (None: not this tenant's)."""
         stmt = transitions.cancel(job_id, tenant_id, CANCELLED.model_dump(mode="json"))
-        row = self._end(stmt, "cancelled", Cancelled())
+        row = self._end(stmt, "cancelled", Cancelled(), self.produced)
         if row is not None:
             return row
         with self.sessions() as s:

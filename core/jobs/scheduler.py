@@ -34,9 +34,12 @@ class FairScheduler:
     def __init__(self) -> None:
         self.passes: dict[int, float] = {}
 
-    def pick(self, session: Session, model: str, room: int) -> list[str]:
+    def pick(self, session: Session, model: str, room: int, batch_room: int | None = None) -> list[str]:
+        """Up to `room` job ids to send now, of which at most `batch_room` batch lines (None: no limit
+        beyond `room`): bulk work goes out only as engine slots free for it."""
         if room <= 0:
             return []
+        batch_room = room if batch_room is None else max(0, batch_room)
         queued = Job.state == JobState.queued.value
         tenants = session.execute(
             select(Tenant.id, Tenant.weight, Tenant.max_concurrent).where(
@@ -77,10 +80,18 @@ class FairScheduler:
         for tid in heads:  # a tenant that was idle starts level with the others, not far behind
             self.passes[tid] = max(self.passes.get(tid, floor), floor)
         picks: list[str] = []
+        batch_picked = 0
         while len(picks) < room and any(heads.values()):
+            if batch_picked >= batch_room:  # no batch slot left: only interactive heads may go
+                for q in heads.values():
+                    q[:] = [h for h in q if h[1]]
+                if not any(heads.values()):
+                    break
             live = [t for t, q in heads.items() if q]
             urgent = [t for t in live if heads[t][0][1]]
             best = min(urgent or live, key=lambda x: (self.passes[x], x))
-            picks.append(heads[best].pop(0)[0])
+            job_id, interactive = heads[best].pop(0)
+            picks.append(job_id)
+            batch_picked += not interactive
             self.passes[best] += 1.0 / weight[best]
         return picks

@@ -12,10 +12,11 @@ from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
-from sqlalchemy.ext.asyncio import AsyncSession
 
+from core import idempotency
 from core.config import Settings
 from core.errors import invalid, not_found
+from core.idempotency import Claim
 from core.infra.db import async_sessions
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
@@ -36,6 +37,7 @@ from core.tenancy.keys import Principal
 class Created:
     job: Job
     headers: dict[str, str] = field(default_factory=dict)  # rate-limit and ignored-parameter headers
+    replayed: bool = False  # an Idempotency-Key retry: the job the first request created
 
 
 def check_model(model: str, settings: Settings) -> None:
@@ -48,7 +50,28 @@ def check_model(model: str, settings: Settings) -> None:
 
 
 async def create_completion(
-    session: AsyncSession, rds: aioredis.Redis, principal: Principal, body: CompletionRequest, settings: Settings
+    rds: aioredis.Redis,
+    principal: Principal,
+    body: CompletionRequest,
+    settings: Settings,
+    idempotency_key: str | None = None,
+    endpoint: str = "/v1/completions",
+) -> Created:
+    payload = body.model_dump(mode="json", exclude_unset=True, by_alias=False)
+    claim = await idempotency.claim(principal.tenant.id, idempotency_key, endpoint, payload)
+    if claim is not None and claim.replay is not None:
+        job = await get(claim.replay, principal.tenant.id)
+        if job is not None:
+            return Created(job, {"idempotent-replayed": "true"}, replayed=True)
+    try:
+        return await _create(rds, principal, body, settings, claim)
+    except BaseException:
+        await asyncio.shield(idempotency.release(claim))  # nothing stored: the key is free again
+        raise
+
+
+async def _create(
+    rds: aioredis.Redis, principal: Principal, body: CompletionRequest, settings: Settings, claim: Claim | None
 ) -> Created:
     headers: dict[str, str] = {}
     unknown = body.unknown_fields()
@@ -73,7 +96,8 @@ async def create_completion(
     )
     headers |= await admit(rds, principal, job.id, job.reserved_tokens)
     try:
-        await submit(session, job, cap=tenant.max_concurrent)
+        async with async_sessions()() as session:  # closed before any streaming starts
+            await submit(session, job, cap=tenant.max_concurrent, claim=claim)
     except BaseException:
         await ratelimit.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
         raise

@@ -138,6 +138,19 @@ def in_flight(tenant_id: int):
     )
 
 
+def batch_in_flight(model: str):
+    """Batch lines of a model dispatched or running: the batch slots they hold."""
+    return (
+        select(func.count())
+        .select_from(Job)
+        .where(
+            Job.model == model,
+            Job.kind == "batch",
+            Job.state.in_([JobState.dispatched.value, JobState.running.value]),
+        )
+    )
+
+
 def dispatch_now(job_id: str, attempt: int, tenant_id: int, cap: int | None) -> Update:
     """queued -> dispatched right after admission, if the tenant is under its concurrency cap (else
     the job waits in Postgres for the fair dispatcher). Replicas racing may overshoot the cap by a

@@ -80,7 +80,8 @@ class CompletionRequest(BaseModel):
     dry_multiplier: Annotated[Float, Field(ge=0)] | None = None
     dry_base: Annotated[Float, Field(ge=1)] | None = None
     dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
-    dry_sequence_breakers: list[str] | None = None
+    # Each breaker costs a vocabulary scan per sequence in the engine: bounded.
+    dry_sequence_breakers: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=16)] | None = None
     mirostat: Literal[0, 1, 2] | None = None
     mirostat_tau: Annotated[Float, Field(ge=0)] | None = Field(
         None, validation_alias=AliasChoices("mirostat_tau", "mirostat_target")

@@ -7,6 +7,7 @@ constraints that do not compile. Nothing is stored for a refused request.
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -16,6 +17,8 @@ from core.generation import capabilities, constraints
 from core.generation.params import DEFAULT_DRY_BREAKERS, GenerationParams
 from core.generation.tokenizer import Tokenizer, context_length
 from core.protocol.schemas import CompletionRequest, GrammarSpec
+
+_TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> DomainError:
@@ -93,6 +96,35 @@ def _fit_context(
         )
 
 
+def _bound_logprobs(
+    req: CompletionRequest,
+    settings: Settings,
+    prompts: list[dict],
+    want: int | None,
+    best_of: int,
+    logprobs: int | None,
+    ctx: int,
+) -> None:
+    """Log-probabilities grow as sequences x tokens x alternatives: bound what one response carries."""
+    entries = 0
+    for p in prompts:
+        n = len(p["ids"])
+        gen = max(ctx - n, 0) if want is None else want
+        if logprobs is not None:
+            entries += best_of * gen * (logprobs + 1)
+            if req.echo:
+                entries += best_of * n * (logprobs + 1)
+        if req.prompt_logprobs is not None:
+            entries += best_of * n * (req.prompt_logprobs + 1)
+    if entries > settings.max_logprob_entries:
+        raise bad(
+            "logprobs" if logprobs is not None else "prompt_logprobs",
+            f"This request would return about {entries} log-probabilities (sequences x tokens x alternatives); "
+            f"the limit per request is {settings.max_logprob_entries}. Ask for fewer tokens, choices or alternatives.",
+            "response_too_large",
+        )
+
+
 def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) -> tuple[GenerationParams, list[dict]]:
     if req.images:
         raise bad("images", f"The model '{req.model}' is a text model; 'images' are not supported.")
@@ -121,7 +153,8 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
 
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < tok.n_vocab:
+        # ASCII digits only: str.isdigit() also accepts "²", which int() then refuses.
+        if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < tok.n_vocab:
             raise bad("logit_bias", f"logit_bias key '{key}' is not a token id (0..{tok.n_vocab - 1}).")
         bias[int(key)] = value
 
@@ -150,6 +183,7 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
             f"is {settings.max_sequences_per_job}.",
         )
     _fit_context(req, settings, tok, prompts, want)
+    _bound_logprobs(req, settings, prompts, want, best_of, logprobs, context_length(tok, settings))
 
     top_k = req.top_k or 0
     params = GenerationParams(

@@ -78,7 +78,7 @@ def test_events_stream_attaches_while_running(stack):
         assert job["usage"]["completion_tokens"] == 48
 
 
-def test_cancel(stack, db):
+def test_cancel(stack, db, rds):
     with stack.http(stack.keys["alpha"]) as http:
         job_id = _submit(http, max_tokens=600, ignore_eos=True)
         wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["state"] == "running", 30, "running")
@@ -89,10 +89,15 @@ def test_cancel(stack, db):
         with http.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
             evs, done = collect(resp)
         assert done and evs[-1].json["error"]["code"] == "cancelled"
-        # The worker let go: its lease is not renewed and the row stays cancelled.
+        # The worker let go: within its cancel poll (0.5 s) it stops publishing tokens.
         import time
 
+        from core.infra import streams
+
+        time.sleep(1.5)
+        before = len(streams.entries(rds, job_id))
         time.sleep(2)
+        assert len(streams.entries(rds, job_id)) == before, "the worker kept generating a cancelled job"
         assert http.get(f"/v1/jobs/{job_id}").json()["state"] == "cancelled"
 
 

@@ -146,9 +146,23 @@ def test_killing_worker_and_dispatcher_loses_and_duplicates_nothing(stack, db):
     assert b.status == "completed" and b.request_counts.completed == n
     out = _output(client, b.output_file_id)
     assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(n)]
+    resumed = 0
     for o in out:
         job = job_row(db, o["response"]["request_id"])
-        assert job["usage"]["completion_tokens"] == 30  # resumed lines continued, none regenerated
+        assert job["usage"]["completion_tokens"] == 30
+        resumed += job["attempt"] > 1
+    assert resumed, "the kill hit no running line: nothing was resumed"
+    # Every line, resumed or not, has exactly the text an undisturbed greedy run gives.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def undisturbed(i: int) -> str:
+        body = {"model": MODEL, "prompt": f"Item {i}:", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+        with stack.http(stack.keys["alpha"]) as http:
+            return http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(undisturbed, range(n)))
+    assert [o["response"]["body"]["choices"][0]["text"] for o in out] == expected
 
 
 def test_file_errors_and_isolation(stack):

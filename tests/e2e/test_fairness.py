@@ -16,6 +16,6 @@ def test_interactive_wait_does_not_grow_with_another_tenants_backlog(stack, db):
 
 
 def test_weights_split_completed_work(stack, db):
-    heavy, light = weighted_split(stack.base_url, stack.keys["admin"], db, seconds=12)
+    heavy, light = weighted_split(stack.base_url, stack.keys["admin"], db, seconds=12, per_tenant=3000)
     assert light > 10, (heavy, light)
     assert 2.0 <= heavy / light <= 4.5, (heavy, light)

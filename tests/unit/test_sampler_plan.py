@@ -19,7 +19,7 @@ def test_defaults_are_plain_temperature_sampling():
 def test_greedy_skips_truncation_but_keeps_biases_and_penalties():
     assert names(temperature=0, top_k=5, logit_bias={1: 2.0}, presence_penalty=1.0) == [
         "logit_bias",
-        "penalties",
+        "output_penalties",
         "greedy",
     ]
 
@@ -61,6 +61,8 @@ def test_arguments_carry_the_values():
             CTX,
         )
     )
-    assert plan["penalties"] == (V, CTX, 1.2, 0.5, -0.5)
+    # repetition sees the prompt too; presence/frequency only the output: separate samplers
+    assert plan["penalties"] == (V, CTX, 1.2, 0.0, 0.0)
+    assert plan["output_penalties"] == (V, CTX, 1.0, 0.5, -0.5)
     assert plan["dry"] == (2.0, 1.5, 3, CTX, ("\n",))
     assert plan["dist"] == (1,)

@@ -154,3 +154,25 @@ def test_gpu_cache_size_bounds_admission(tok):
     with pytest.raises(DomainError) as err:
         to_generation(req, small, tok)
     assert err.value.code == "context_length_exceeded" and "256" in err.value.message
+
+
+def test_logit_bias_key_of_non_ascii_digits_is_a_400_not_a_crash(tok):
+    with pytest.raises(DomainError) as err:
+        translate(tok, logit_bias={"²": 1.0})
+    assert err.value.kind == "invalid" and err.value.param == "logit_bias"
+
+
+def test_dry_sequence_breakers_are_bounded():
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "dry_sequence_breakers": ["x"] * 17})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "dry_sequence_breakers": ["x" * 65]})
+
+
+def test_response_size_is_bounded_naming_the_limit(tok):
+    # 6 prompts x 20 choices x 1,000 tokens x (5 + 1) entries = 720,000: past the 200,000 default.
+    with pytest.raises(DomainError) as err:
+        translate(tok, prompt=["p"] * 6, n=20, logprobs=5, max_tokens=1000)
+    assert err.value.param == "logprobs" and err.value.code == "response_too_large"
+    assert "200000" in err.value.message
+    translate(tok, n=2, logprobs=5, max_tokens=100)  # an ordinary scoring request is fine

@@ -28,6 +28,7 @@ class SeqSpec:
     prompt_logprobs: int | None = None  # report logprob + top-k for each prompt token
     prompt_logprobs_len: int = 0  # ... of the first this-many prompt tokens
     interactive: bool = True  # waiting interactive sequences start before batch ones
+    cache_scope: Hashable = None  # prompt prefixes are reused only between sequences of one scope (tenant)
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,12 @@ def sampler_plan(p: GenerationParams, seed: int, n_vocab: int, n_ctx: int) -> Pl
     plan: Plan = []
     if p.logit_bias:
         plan.append(("logit_bias", (tuple(sorted(p.logit_bias.items())),)))
-    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-        plan.append(("penalties", (n_vocab, n_ctx, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)))
+    # repetition_penalty looks at the prompt and the output (llama.cpp, vLLM); presence and frequency
+    # penalties at the output only (OpenAI, vLLM, Fireworks): two samplers, fed different tokens.
+    if p.repetition_penalty != 1.0:
+        plan.append(("penalties", (n_vocab, n_ctx, p.repetition_penalty, 0.0, 0.0)))
+    if p.frequency_penalty or p.presence_penalty:
+        plan.append(("output_penalties", (n_vocab, n_ctx, 1.0, p.frequency_penalty, p.presence_penalty)))
     if p.dry_multiplier > 0:
         plan.append(("dry", (p.dry_multiplier, p.dry_base, p.dry_allowed_length, n_ctx, p.dry_sequence_breakers)))
     seed32 = seed & 0xFFFFFFFF
@@ -75,8 +79,14 @@ def sampler_plan(p: GenerationParams, seed: int, n_vocab: int, n_ctx: int) -> Pl
     return plan
 
 
-def _build_chain(plan: Plan, vocab: Any, n_vocab: int) -> Any:
+# Samplers that see the prompt's tokens; "output_penalties" sees only generated ones.
+SEES_PROMPT = ("penalties", "dry")
+
+
+def _build_chain(plan: Plan, vocab: Any, n_vocab: int) -> tuple[Any, dict[str, Any]]:
+    """The chain, and its history-keeping samplers by name (to feed them the right tokens)."""
     chain = llc.llama_sampler_chain_init(llc.llama_sampler_chain_default_params())
+    history: dict[str, Any] = {}
     for name, args in plan:
         if name == "logit_bias":
             items = args[0]
@@ -87,12 +97,14 @@ def _build_chain(plan: Plan, vocab: Any, n_vocab: int) -> Any:
             enc = [b.encode() for b in breakers]
             arr = (ctypes.c_char_p * len(enc))(*enc)
             smp = llc.llama_sampler_init_dry(vocab, mult, base, allowed, last_n, arr, len(enc))
-        elif name == "penalties":
+        elif name in ("penalties", "output_penalties"):
             smp = llc.llama_sampler_init_penalties(*args)
         else:
             smp = getattr(llc, f"llama_sampler_init_{name}")(*args)
+        if name in (*SEES_PROMPT, "output_penalties"):
+            history[name] = smp
         llc.llama_sampler_chain_add(chain, smp)  # the chain owns it from here
-    return chain
+    return chain, history
 
 
 @dataclass
@@ -112,6 +124,10 @@ class _Seq:
     prompt_lp: list[tuple[float | None, int | None, list | None]] | None = None
     fed: list[int] = field(default_factory=list)  # every token now in this slot's KV, in order
 
+    def unfed(self) -> list[int]:
+        """Every token this sequence has, in order: what a new slot must decode to continue it."""
+        return self.fed + ([self.last] if self.last is not None else self.pending)
+
 
 class _Lane:
     """One llama.cpp context (its own KV cache and slots) that decodes its sequences together.
@@ -124,13 +140,26 @@ class _Lane:
     """
 
     def __init__(
-        self, model: Any, name: str, *, unified: bool, n_ctx: int, max_batch: int, n_batch: int, threads: int
+        self,
+        model: Any,
+        name: str,
+        *,
+        unified: bool,
+        n_ctx: int,
+        max_batch: int,
+        reserved: int,
+        n_batch: int,
+        threads: int,
     ) -> None:
         self.name = name
+        # Batch sequences may hold `max_batch` slots; `reserved` more are for interactive ones only, so
+        # an interactive request starts at once however much bulk work is running.
+        slots = max_batch + reserved
+        self.batch_cap = max_batch
         cparams = llc.llama_context_default_params()
-        cparams.n_seq_max = max_batch
+        cparams.n_seq_max = slots
         cparams.kv_unified = unified
-        cparams.n_ctx = n_ctx * max_batch
+        cparams.n_ctx = n_ctx * slots
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_threads = threads
@@ -142,28 +171,60 @@ class _Lane:
         self.mem = llc.llama_get_memory(self.ctx)
         self.batch = llc.llama_batch_init(n_batch, 0, 1)
         self.n_batch = n_batch
-        self.free = list(range(max_batch))
-        self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(max_batch)}  # what each slot's KV holds
+        self.free = list(range(slots))
+        self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(slots)}  # what each slot's KV holds
+        self.slot_scope: dict[int, Hashable] = {}  # whose tokens those are: reused only within a scope
         self.waiting: collections.deque[SeqSpec] = collections.deque()
         self.live: dict[Hashable, _Seq] = {}
+        # Batch sequences an interactive one displaced: they keep their sampler state and progress and
+        # continue, before any new batch sequence starts, when a slot frees.
+        self.paused: collections.deque[_Seq] = collections.deque()
+        self.preemptions = 0
 
-    def pick_slot(self, spec: SeqSpec, reuse: bool) -> tuple[int, int]:
-        """A free slot and how many of the prompt's tokens its cache already holds."""
-        best, best_len = self.free[-1], 0
+    def batch_live(self) -> int:
+        return sum(1 for s in self.live.values() if not s.spec.interactive)
+
+    def pick_slot(self, tokens: list[int], reuse: bool, scope: Hashable = None) -> tuple[int, int]:
+        """A free slot and how many of `tokens` its cache already holds (only a slot last used in the
+        same scope counts: one tenant never reuses, nor learns the length of, another's prefix).
+        Without a match, the free slot caching the least, so a displaced sequence's KV survives."""
+        best, best_len = min(self.free, key=lambda s: len(self.slot_tokens[s])), 0
         if reuse:
             for slot in self.free:
+                if self.slot_scope.get(slot) != scope:
+                    continue
                 n = 0
-                for a, b in zip(self.slot_tokens[slot], spec.prompt_ids, strict=False):
+                for a, b in zip(self.slot_tokens[slot], tokens, strict=False):
                     if a != b:
                         break
                     n += 1
                 if n > best_len:
                     best, best_len = slot, n
         self.free.remove(best)
-        # Always decode at least the last prompt token: its logits start generation.
-        return best, min(best_len, len(spec.prompt_ids) - 1)
+        self.slot_scope[best] = scope
+        # Always decode at least the last token: its logits start (or continue) generation.
+        return best, min(best_len, len(tokens) - 1)
+
+    def victim(self) -> _Seq | None:
+        """The batch sequence cheapest to displace: fewest tokens to decode again when it continues.
+        Sequences scoring their prompt are left alone (their scores are gathered during prefill)."""
+        batch = [s for s in self.live.values() if not s.spec.interactive and s.prompt_lp is None]
+        return min(batch, key=lambda s: len(s.fed), default=None)
+
+    def preempt(self, seq: _Seq) -> None:
+        """Take a batch sequence off its slot, keeping everything it has generated; its KV stays in
+        the slot's prefix cache, so if the slot is still free when it continues nothing is redone."""
+        self.slot_tokens[seq.slot] = seq.fed
+        self.free.append(seq.slot)
+        self.live.pop(seq.spec.key, None)
+        self.paused.append(seq)
+        self.preemptions += 1
 
     def release(self, seq: _Seq) -> None:
+        if any(p is seq for p in self.paused):
+            self.paused = collections.deque(p for p in self.paused if p is not seq)
+            llc.llama_sampler_free(seq.chain)
+            return
         llc.llama_sampler_free(seq.chain)
         self.slot_tokens[seq.slot] = seq.fed  # its KV stays: a later prompt may reuse the prefix
         self.free.append(seq.slot)
@@ -189,6 +250,7 @@ class LlamaCppEngine:
         n_batch: int = 512,
         n_threads: int | None = None,
         fast_lane: bool = True,
+        interactive_slots: int = 4,
     ) -> None:
         self.model_id = model_id
         self.max_batch = max_batch
@@ -202,7 +264,7 @@ class LlamaCppEngine:
         self.n_vocab = self.vocab.n_vocab
         self._eog = np.array(sorted(self.vocab.eog_tokens), dtype=np.int64)
         threads = n_threads or os.cpu_count() or 1
-        lane = dict(n_ctx=self.n_ctx, max_batch=max_batch, n_batch=n_batch, threads=threads)
+        lane = dict(n_ctx=self.n_ctx, max_batch=max_batch, reserved=interactive_slots, n_batch=n_batch, threads=threads)
         self._exact = _Lane(self._model, "exact", unified=False, **lane)
         self._fast = _Lane(self._model, "fast", unified=True, **lane) if fast_lane else self._exact
         self._lanes = [self._exact] if self._fast is self._exact else [self._exact, self._fast]
@@ -241,20 +303,40 @@ class LlamaCppEngine:
 
     def cancel(self, key: Hashable) -> None:
         for lane in self._lanes:
-            seq = lane.live.get(key)
+            seq = lane.live.get(key) or next((p for p in lane.paused if p.spec.key == key), None)
             if seq is not None:
                 lane.release(seq)
                 return
             lane.waiting = collections.deque(s for s in lane.waiting if s.key != key)
 
     def has_work(self) -> bool:
-        return any(lane.live or lane.waiting for lane in self._lanes)
+        return any(lane.live or lane.waiting or lane.paused for lane in self._lanes)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(lane.preemptions for lane in self._lanes)
 
     def _admit(self, lane: _Lane) -> list[TokenEvent]:
-        """Move waiting sequences into free slots. A sequence that cannot start fails alone."""
+        """Move waiting sequences into free slots, interactive first: an interactive sequence takes a
+        free slot, or displaces a batch sequence when none is free. Then displaced batch sequences
+        continue, then new ones start, while the batch share is not full. A sequence that cannot
+        start fails alone."""
         failed: list[TokenEvent] = []
-        while lane.waiting and lane.free:
-            spec = next((w for w in lane.waiting if w.interactive), lane.waiting[0])
+        while True:
+            spec = next((w for w in lane.waiting if w.interactive), None)
+            if spec is not None:
+                if not lane.free:
+                    victim = lane.victim()
+                    if victim is None:
+                        break  # every slot holds interactive work: wait for one to end
+                    lane.preempt(victim)
+            elif lane.free and lane.batch_live() < lane.batch_cap and lane.paused:
+                self._resume(lane, lane.paused.popleft())
+                continue
+            elif lane.free and lane.batch_live() < lane.batch_cap and lane.waiting:
+                spec = lane.waiting[0]
+            else:
+                break
             lane.waiting.remove(spec)
             try:
                 self._start(lane, spec)
@@ -263,14 +345,27 @@ class LlamaCppEngine:
                 failed.append(TokenEvent.failed(spec.key, str(exc), time.monotonic()))
         return failed
 
+    def _resume(self, lane: _Lane, seq: _Seq) -> None:
+        """A displaced sequence back on a slot: decode what it had (reusing any cached prefix), then
+        sample on as if it had never left: same sampler chain, same grammar state, same count."""
+        tokens = seq.unfed()
+        slot, keep = lane.pick_slot(tokens, reuse=True, scope=seq.spec.cache_scope)
+        llc.llama_memory_seq_rm(lane.mem, slot, keep, -1)
+        seq.slot, seq.pos, seq.fed, seq.pending = slot, keep, list(tokens[:keep]), list(tokens[keep:])
+        lane.live[seq.spec.key] = seq
+
     def _start(self, lane: _Lane, spec: SeqSpec) -> None:
         p = spec.params
         plan = sampler_plan(p, spec.seed, self.n_vocab, self.n_ctx)
-        chain = _build_chain(plan, self.vocab.vocab, self.n_vocab)  # first: it is what can fail
-        if any(name in ("penalties", "dry") for name, _ in plan):
-            for t in spec.prompt_ids:  # penalties and DRY look at the prompt and what came before
-                llc.llama_sampler_accept(chain, t)
-        slot, keep = lane.pick_slot(spec, reuse=p.cache_prompt and not spec.prompt_logprobs)
+        chain, history = _build_chain(plan, self.vocab.vocab, self.n_vocab)  # first: it is what can fail
+        generated_before = len(spec.prompt_ids) - spec.prior  # a resumed sequence's earlier output
+        for name, smp in history.items():
+            tokens = spec.prompt_ids if name in SEES_PROMPT else spec.prompt_ids[generated_before:]
+            for t in tokens:
+                llc.llama_sampler_accept(smp, t)
+        slot, keep = lane.pick_slot(
+            spec.prompt_ids, reuse=p.cache_prompt and not spec.prompt_logprobs, scope=spec.cache_scope
+        )
         llc.llama_memory_seq_rm(lane.mem, slot, keep, -1)
         seq = _Seq(
             spec=spec,

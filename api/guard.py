@@ -1,0 +1,91 @@
+"""Before any request body is read: who is calling, and how large the body may be.
+
+FastAPI reads and parses a body before it resolves dependencies, so an anonymous client could make
+the API buffer (or spool to disk) as much as it sends, chunked bodies having no Content-Length.
+This ASGI middleware authenticates every request that carries a body first (401 without reading
+it), refuses a declared length over the limit (413), and counts the bytes of the stream as the
+application reads them, answering 413 the moment the limit is passed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import APIError, error_response
+from core.config import Settings
+from core.errors import DomainError
+from core.infra.db import async_sessions
+from core.tenancy.keys import Principal, lookup_stmt
+
+MISSING_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header using "
+    "Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+
+
+async def authenticate(authorization: str | None) -> Principal:
+    """The tenant and key behind a Bearer header, looked up in a short session of its own (a long
+    stream must not hold a database connection)."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise APIError(401, MISSING_KEY, code="missing_api_key", type_="invalid_request_error")
+    async with async_sessions()() as session:
+        row = (await session.execute(lookup_stmt(key.strip()))).first()
+    if row is None:
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", type_="invalid_request_error")
+    return Principal(row[0], row[1])
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app, self.settings = app, settings
+
+    def limit(self, path: str) -> int:
+        s = self.settings
+        return s.max_file_bytes + (1 << 20) if path.rstrip("/").endswith("/files") else s.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        limit = self.limit(scope["path"])
+        length = headers.get("content-length")
+        try:
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                raise APIError(
+                    413, f"Request body too large: {length} bytes (limit {limit}).", code="request_too_large"
+                )
+            scope.setdefault("state", {})["principal"] = await authenticate(headers.get("authorization"))
+        except DomainError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+
+        seen = 0
+        too_large = False
+
+        async def bounded() -> Message:
+            nonlocal seen, too_large
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    too_large = True
+                    return {"type": "http.disconnect"}  # the application stops reading here
+            return msg
+
+        async def guarded_send(msg: Message) -> None:
+            if not too_large:  # once over the limit, the answer is ours
+                await send(msg)
+
+        try:
+            await self.app(scope, bounded, guarded_send)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large:
+            exc: Any = APIError(413, f"Request body too large (limit {limit} bytes).", code="request_too_large")
+            await error_response(exc)(scope, receive, send)

@@ -1,0 +1,72 @@
+"""Which workers are alive for a model, and how much batch work they can take.
+
+Each worker process writes a heartbeat into a Redis hash per model every few seconds. The
+dispatcher sends batch lines only for free batch slots (the sum over live workers minus the batch
+lines already dispatched or running), so bulk work waits in Postgres, in fair order, rather than in
+worker threads or Redis; the API and /health read the same hash to know whether a model is served.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+HEARTBEAT_S = 2.0
+LIVE_S = 10.0  # a worker silent this long is taken for gone
+WAKE_KEY = "spool:dispatcher:wake"  # pushed when a batch slot frees; the dispatcher blocks on it
+
+
+def key(model: str) -> str:
+    return f"spool:workers:{model}"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    name: str
+    batch_slots: int
+    interactive_slots: int
+    seen: float  # unix time of its last heartbeat
+
+
+def beat(rds: Any, model: str, name: str, batch_slots: int, interactive_slots: int) -> None:
+    body = json.dumps({"batch_slots": batch_slots, "interactive_slots": interactive_slots, "t": time.time()})
+    pipe = rds.pipeline(transaction=False)
+    pipe.hset(key(model), name, body)
+    pipe.expire(key(model), int(LIVE_S * 6))
+    pipe.execute()
+
+
+def gone(rds: Any, model: str, name: str) -> None:
+    rds.hdel(key(model), name)
+
+
+def _parse(name: Any, raw: Any) -> WorkerInfo:
+    d = json.loads(raw)
+    n = name if isinstance(name, str) else name.decode()
+    return WorkerInfo(n, int(d["batch_slots"]), int(d.get("interactive_slots", 0)), float(d["t"]))
+
+
+def live(rds: Any, model: str, now: float | None = None) -> list[WorkerInfo]:
+    now = time.time() if now is None else now
+    out = [_parse(n, raw) for n, raw in rds.hgetall(key(model)).items()]
+    return [w for w in out if now - w.seen <= LIVE_S]
+
+
+async def live_async(rds: Any, model: str) -> list[WorkerInfo]:
+    now = time.time()
+    out = [_parse(n, raw) for n, raw in (await rds.hgetall(key(model))).items()]
+    return [w for w in out if now - w.seen <= LIVE_S]
+
+
+def batch_capacity(rds: Any, model: str) -> int:
+    return sum(w.batch_slots for w in live(rds, model))
+
+
+def slot_freed(rds: Any) -> None:
+    """A batch line ended: wake the dispatcher so the slot is refilled now, not at its next tick."""
+    pipe = rds.pipeline(transaction=False)
+    pipe.lpush(WAKE_KEY, 1)
+    pipe.ltrim(WAKE_KEY, 0, 0)
+    pipe.execute()

@@ -1,0 +1,57 @@
+"""The retention sweeper: what Spool keeps, and for how long (run by the dispatcher every minute).
+
+- files past `expires_at` (uploads: 30 days; batch outputs: like OpenAI's, 30 days): content
+  deleted, the row kept as `deleted` for batches that name it;
+- finished jobs older than `SPOOL_RETENTION_JOBS_DAYS` (batch lines once their batch has ended);
+- Idempotency-Keys older than `SPOOL_IDEMPOTENCY_TTL_H`.
+Event streams expire in Redis by themselves (`SPOOL_EVENTS_TTL_S`). Each step deletes in slices, so
+a large backlog never holds long locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from core import idempotency
+from core.batches.status import FINAL
+from core.config import Settings
+from core.infra.orm import Batch, File, FileChunk, Job, JobState
+
+log = logging.getLogger(__name__)
+TERMINAL = [JobState.succeeded.value, JobState.failed.value, JobState.cancelled.value, JobState.expired.value]
+
+
+def sweep(sessions: sessionmaker[Session], settings: Settings, slice_rows: int = 5000) -> dict[str, int]:
+    counts = {"files": 0, "jobs": 0, "keys": 0}
+    with sessions() as s:
+        expired = s.scalars(
+            select(File.id)
+            .where(File.deleted.is_(False), File.expires_at.isnot(None), File.expires_at < func.now())
+            .limit(slice_rows)
+        ).all()
+        if expired:
+            s.execute(delete(FileChunk).where(FileChunk.file_id.in_(expired)))
+            s.execute(update(File).where(File.id.in_(expired)).values(deleted=True))
+        counts["files"] = len(expired)
+        cutoff = func.now() - timedelta(days=settings.retention_jobs_days)
+        old = (
+            select(Job.id)
+            .outerjoin(Batch, Batch.id == Job.batch_id)
+            .where(
+                Job.state.in_(TERMINAL),
+                Job.finished_at < cutoff,
+                or_(Job.batch_id.is_(None), and_(Batch.status.in_([b.value for b in FINAL]))),
+            )
+            .limit(slice_rows)
+        )
+        counts["jobs"] = len(s.execute(delete(Job).where(Job.id.in_(old.scalar_subquery())).returning(Job.id)).all())
+        keys = idempotency.expired(settings.idempotency_ttl_h).returning(idempotency.IdempotencyKey.key)
+        counts["keys"] = len(s.execute(keys).all())
+        s.commit()
+    if any(counts.values()):
+        log.info("retention: removed %s", counts)
+    return counts

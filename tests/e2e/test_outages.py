@@ -1,0 +1,112 @@
+"""Infrastructure faults on a stack with a Redis of its own, so the test may kill it: an outage costs
+latency, never a job, a cancelled stream, a wrong text or a 5xx."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.conftest import MODEL, TEST_DB, Stack, free_port, running_stack, wait_for
+from tests.sse import events
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+
+class OwnRedis:
+    def __init__(self, workdir: Path) -> None:
+        self.port, self.workdir, self.proc = free_port(), workdir, None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            cwd=self.workdir,
+            stdout=subprocess.DEVNULL,
+        )
+        wait_for(
+            lambda: (
+                subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout.strip()
+                == b"PONG"
+            ),
+            10,
+            "redis up",
+        )
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def outage(tmp_path_factory) -> Iterator[tuple[Stack, OwnRedis]]:
+    r = OwnRedis(tmp_path_factory.mktemp("redis"))
+    r.start()
+    try:
+        db_url = TEST_DB.rsplit("/", 1)[0] + "/spool_outage"
+        with running_stack(tmp_path_factory.mktemp("outage-logs"), db_url, r.url) as st:
+            yield st, r
+    finally:
+        r.kill()
+
+
+def _follow(stack: Stack, key: str, out: dict, i: int) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": f"Story {i}:",
+        "max_tokens": 80,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    got, job = "", None
+    with stack.http(key) as http, http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        for ev in events(resp):
+            if ev.data == "[DONE]":
+                out[i] = (job, got, True)
+                return
+            chunk = ev.json
+            assert "error" not in chunk, chunk
+            job = chunk["id"]
+            got += chunk["choices"][0]["text"] if chunk.get("choices") else ""
+    out[i] = (job, got, False)
+
+
+def test_redis_killed_and_restarted_empty_mid_stream(outage):
+    stack, redis = outage
+    key = stack.keys["alpha"]
+    out: dict[int, tuple] = {}
+    threads = [threading.Thread(target=_follow, args=(stack, key, out, i)) for i in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(2.5)  # every stream is under way
+    redis.kill()
+    time.sleep(3)
+    redis.start()  # empty: every stream, queue and limit is gone
+    for t in threads:
+        t.join(240)
+    engine = create_engine(stack.env["SPOOL_DATABASE_URL"])
+    with engine.connect() as conn:
+        for i in range(6):
+            job_id, got, done = out[i]
+            row = conn.execute(text("SELECT state, result FROM jobs WHERE id = :i"), {"i": job_id}).one()
+            assert row.state == "succeeded", (i, row.state)  # never cancelled, never failed
+            assert done and got == row.result["choices"][0]["text"], i  # nothing missing, nothing twice
+    engine.dispose()
+    # The pooled connections that died with Redis are replaced: the next requests are fine.
+    with stack.http(key) as http:
+        for _ in range(3):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text

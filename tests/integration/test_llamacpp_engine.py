@@ -1,0 +1,105 @@
+"""The CPU engine in-process with the real SmolLM2: interactive sequences never wait for batch
+ones, and a displaced batch sequence continues to exactly the text it would have had."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from core.generation.params import GenerationParams
+from core.registry import smollm2_gguf
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
+from workers.engine.llamacpp import LlamaCppEngine
+
+PROMPTS = [
+    "The history of the printing press begins",
+    "A recipe for bread starts with",
+    "Rivers flow to the sea because",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LlamaCppEngine:
+    # Two batch slots and no reserved ones: any interactive arrival while both are busy must displace.
+    return LlamaCppEngine("smollm2", smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0, fast_lane=False)
+
+
+def spec(engine, key, prompt: str, n: int, interactive: bool, temperature: float = 0.0, seed: int = 7) -> SeqSpec:
+    ids = engine.tokenize(prompt)
+    p = GenerationParams(max_tokens=n, temperature=temperature, ignore_eos=True, seed=seed)
+    return SeqSpec(key, ids, n, p, seed, prompt_logprobs_len=len(ids), interactive=interactive)
+
+
+def run(engine, batch: list[SeqSpec], late: list[SeqSpec] = (), at_step: int = 5):
+    """Step the engine to the end; `late` sequences arrive at `at_step`. Returns tokens per key and
+    the step at which each key produced its first token."""
+    for s in batch:
+        engine.add(s)
+    tokens: dict = defaultdict(list)
+    first: dict = {}
+    step = 0
+    while engine.has_work():
+        if step == at_step:
+            for s in late:
+                engine.add(s)
+        for ev in engine.step():
+            if isinstance(ev, TokenEvent):
+                assert ev.error is None, ev.error
+                if ev.token_id is not None:
+                    tokens[ev.key].append(ev.token_id)
+                    first.setdefault(ev.key, step)
+        step += 1
+    return tokens, first
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_displaced_batch_sequences_continue_to_the_same_output(engine, temperature):
+    batch = [spec(engine, ("b", i), p, 40, False, temperature) for i, p in enumerate(PROMPTS)]
+    alone, _ = run(engine, batch)
+    before = engine.preemptions
+    batch = [spec(engine, ("b", i), p, 40, False, temperature) for i, p in enumerate(PROMPTS)]
+    late = [spec(engine, ("i", 0), "Hello, my name is", 6, True)]
+    mixed, first = run(engine, batch, late, at_step=5)
+    assert engine.preemptions > before, "the interactive sequence should have displaced a batch one"
+    assert first[("i", 0)] <= 5 + 1, "the interactive sequence waited for a batch slot"
+    for i in range(len(PROMPTS)):
+        assert mixed[("b", i)] == alone[("b", i)], f"batch sequence {i} changed when displaced"
+    assert len(mixed[("i", 0)]) == 6
+
+
+def test_interactive_cancelled_while_batch_is_displaced(engine):
+    batch = [spec(engine, ("c", i), p, 30, False) for i, p in enumerate(PROMPTS[:2])]
+    for s in batch:
+        engine.add(s)
+    for _ in range(3):
+        engine.step()
+    engine.add(spec(engine, ("ci", 0), "Hi", 30, True))
+    engine.step()  # displaces one batch sequence
+    engine.cancel(("c", 0))  # cancelling a displaced (or live) sequence must not leak or crash
+    engine.cancel(("c", 1))
+    engine.cancel(("ci", 0))
+    for _ in range(3):
+        engine.step()
+    assert not engine.has_work()
+
+
+def _cached(engine, key, prompt: str, scope) -> int:
+    ids = engine.tokenize(prompt)
+    p = GenerationParams(max_tokens=1, temperature=0.0)
+    engine.add(SeqSpec(key, ids, 1, p, 0, prompt_logprobs_len=len(ids), interactive=True, cache_scope=scope))
+    cached = None
+    while engine.has_work():
+        for ev in engine.step():
+            if isinstance(ev, PromptEvent) and ev.key == key:
+                cached = ev.cached
+    assert cached is not None
+    return cached
+
+
+def test_prompt_prefixes_are_reused_only_within_a_tenant(engine):
+    system = "You are the secret assistant of tenant A. The password is swordfish. " * 3
+    assert _cached(engine, ("p", 1), system + "Hello", "tenant-a") == 0
+    # Another tenant with the same prefix neither reuses it nor learns its length.
+    assert _cached(engine, ("p", 2), system + "Hi", "tenant-b") == 0
+    assert _cached(engine, ("p", 3), system + "Hey", "tenant-a") > 10
