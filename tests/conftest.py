@@ -139,6 +139,7 @@ def running_stack(logdir: Path, db_url: str, redis_url: str) -> Iterator[Stack]:
         "SPOOL_BATCH_VALIDATION_LEASE_S": "3",
         "SPOOL_WEBHOOK_SECRET": "test-webhook-secret",
         "SPOOL_WEBHOOK_RETRY_S": "0.5",
+        "SPOOL_MODEL_ALIASES": '{"gpt-3.5-turbo": "smollm2-135m-instruct", "default": "smollm2-135m-instruct"}',
         "PYTHONUNBUFFERED": "1",
     }
     drop_database(db_url)
@@ -156,7 +157,7 @@ def running_stack(logdir: Path, db_url: str, redis_url: str) -> Iterator[Stack]:
 
         def healthy() -> bool:
             try:
-                return httpx.get(st.base_url + "/health", timeout=2).status_code == 200
+                return httpx.get(st.base_url + "/ready", timeout=5).status_code == 200
             except httpx.HTTPError:
                 return False
 

@@ -2,7 +2,8 @@
 
 The spec is OpenAPI 3.0 (`nullable: true`); it is rewritten to JSON Schema here. Two places where
 OpenAI's live API itself sends null where the schema does not allow it are relaxed, explicitly:
-`finish_reason` in stream chunks (null until a choice ends) and the first echoed prompt token's
+`finish_reason` in stream chunks (null until a choice ends), `usage` in stream chunks (null but on
+the last, with include_usage), and the first echoed prompt token's
 `token_logprobs` / `top_logprobs` entries (nothing predicts it).
 """
 
@@ -42,6 +43,8 @@ def schema(name: str, *, chunk: bool = False, echo: bool = False) -> dict[str, A
         choice = s["properties"]["choices"]["items"]["properties"]
         if chunk:
             choice["finish_reason"] = {"anyOf": [choice["finish_reason"], {"type": "null"}]}
+            # OpenAI's own stream sends `usage: null` on every chunk but the last (include_usage).
+            s["properties"]["usage"] = {"anyOf": [s["properties"]["usage"], {"type": "null"}]}
         if echo:
             lp = choice["logprobs"]["anyOf"][0]["properties"]
             lp["token_logprobs"]["items"] = {"type": ["number", "null"]}

@@ -341,6 +341,11 @@ class _Attempt:
             return ch
         if ev.error is not None:
             raise EngineError(ev.error)
+        if ev.token_id is None and ev.eos_id is not None and ch.lp is not None and ev.logprob is not None:
+            name = self.engine.token_text
+            top = [TopToken(id=t, text=name(t), logprob=lp) for t, lp in (ev.top or [])]
+            offset = len(ch.prefix_text) + len(ch.text.text)
+            ch.lp.append(TokenScore(id=ev.eos_id, text=name(ev.eos_id), logprob=ev.logprob, offset=offset, top=top))
         if ev.token_id is not None:
             offset = len(ch.prefix_text) + len(ch.text.text)
             ch.text.feed(ev.token_id)

@@ -35,9 +35,11 @@ async def create_completion(
     settings: SettingsDep,
     lifecycle: LifecycleDep,
 ):
-    created = await service.create_completion(redis, principal, body, settings, request.headers.get("idempotency-key"))
+    queued = "respond-async" in request.headers.get("prefer", "")
+    key = request.headers.get("idempotency-key")
+    created = await service.create_completion(redis, principal, body, settings, key, queued=queued)
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
-    if "respond-async" in request.headers.get("prefer", ""):
+    if queued:
         return _accepted(job, headers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -5,36 +5,43 @@ from __future__ import annotations
 import anyio
 from fastapi import APIRouter
 
-from api.deps import SettingsDep, TenantDep
+from api.deps import RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
 from core.config import Settings
 from core.infra.tokenizers import context_length, tokenizer_for
+from core.jobs import workers
 from core.protocol.schemas import ModelList, ModelObject
-from core.registry import ModelSpec, served_models
+from core.registry import aliases, resolve, served_models
 
 router = APIRouter(prefix="/v1/models")
 _CREATED = 1735689600  # fixed: the model list is configuration, not a dated object
 
 
-async def _model(spec: ModelSpec, settings: Settings) -> dict:
-    tok = await anyio.to_thread.run_sync(tokenizer_for, spec.id)
-    return {
-        "id": spec.id,
+async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
+    tok = await anyio.to_thread.run_sync(tokenizer_for, model_id)
+    live = await workers.live_async(redis, model_id)
+    out = {
+        "id": name,
         "object": "model",
         "created": _CREATED,
-        "owned_by": spec.owned_by,
+        "owned_by": "spool",
         "context_length": context_length(tok, settings),
+        "live_workers": len(live),  # 0: synchronous requests for it get a 503 with Retry-After
     }
+    if name != model_id:
+        out["alias_of"] = model_id
+    return out
 
 
 @router.get("", response_model=ModelList)
-async def list_models(_: TenantDep, settings: SettingsDep) -> dict:
-    return {"object": "list", "data": [await _model(m, settings) for m in served_models(settings).values()]}
+async def list_models(_: TenantDep, settings: SettingsDep, redis: RedisDep) -> dict:
+    names = [(m, m) for m in served_models(settings)] + list(aliases(settings).items())
+    return {"object": "list", "data": [await _model(n, m, settings, redis) for n, m in names]}
 
 
 @router.get("/{model_id:path}", response_model=ModelObject)
-async def get_model(model_id: str, _: TenantDep, settings: SettingsDep) -> dict:
-    spec = served_models(settings).get(model_id)
-    if spec is None:
+async def get_model(model_id: str, _: TenantDep, settings: SettingsDep, redis: RedisDep) -> dict:
+    served = resolve(model_id, settings)
+    if served is None:
         raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
-    return await _model(spec, settings)
+    return await _model(model_id, served, settings, redis)

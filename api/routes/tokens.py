@@ -13,7 +13,7 @@ from api.errors import APIError
 from core.config import Settings
 from core.infra.tokenizers import Tokenizer, tokenizer_for
 from core.protocol.schemas import DetokenizeResponse, TokenizeResponse
-from core.registry import served_models
+from core.registry import resolve, served_models
 
 router = APIRouter()
 
@@ -33,11 +33,10 @@ class DetokenizeRequest(BaseModel):
 
 
 async def _tokenizer(model: str | None, settings: Settings) -> Tokenizer:
-    models = served_models(settings)
-    model = model or next(iter(models))
-    if model not in models:
+    served = resolve(model, settings) if model else next(iter(served_models(settings)))
+    if served is None:
         raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
-    return await anyio.to_thread.run_sync(tokenizer_for, model)
+    return await anyio.to_thread.run_sync(tokenizer_for, served)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)

@@ -33,7 +33,7 @@ from core.jobs import transitions as jobs
 from core.protocol.errors import from_validation
 from core.protocol.schemas import CompletionRequest
 from core.protocol.translate import to_generation
-from core.registry import served_models
+from core.registry import resolve
 
 log = logging.getLogger(__name__)
 TRANSIENT = (*REDIS_DOWN, OperationalError, InterfaceError)
@@ -85,8 +85,10 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         )
     if req.stream:
         raise _LineError("invalid_request", "'stream' is not supported in a batch.", "body.stream")
-    if req.model not in served_models(settings):
+    served = resolve(req.model, settings)
+    if served is None:
         raise _LineError("model_not_found", f"The model '{req.model}' does not exist.", "body.model")
+    req.model = served
     try:
         params, prompts = to_generation(req, settings, tokenizer_for(req.model))
     except DomainError as exc:

@@ -11,4 +11,6 @@ def unsupported(engine: str, p: GenerationParams) -> list[str]:
     bad: list[str] = []
     if engine == "exllamav2" and p.mirostat == 1:
         bad.append("mirostat")  # exllamav2 has only Mirostat 2.0
+    if engine == "exllamav2" and p.penalty_last_n is not None:
+        bad.append("repeat_last_n")  # its penalty range is not mapped (the whole sequence only)
     return bad

@@ -32,6 +32,7 @@ class GenerationParams(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    penalty_last_n: int | None = None  # the penalties' window in tokens; None: the whole context
     dry_multiplier: float = 0.0  # 0 = DRY off
     dry_base: float = 1.75
     dry_allowed_length: int = 2

@@ -15,19 +15,19 @@ import redis.asyncio as aioredis
 
 from core import idempotency
 from core.config import Settings
-from core.errors import invalid, not_found
+from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.idempotency import Claim
 from core.infra.db import async_sessions
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
 from core.infra.tokenizers import context_length, tokenizer_for
-from core.jobs import transitions
+from core.jobs import transitions, workers
 from core.jobs.events import is_terminal
 from core.jobs.lifecycle import submit
 from core.jobs.stream import HEARTBEAT, follow
 from core.protocol.schemas import CompletionRequest
 from core.protocol.translate import reservation, to_generation
-from core.registry import served_models
+from core.registry import resolve
 from core.tenancy import ratelimit
 from core.tenancy.admission import admit
 from core.tenancy.keys import Principal
@@ -40,13 +40,16 @@ class Created:
     replayed: bool = False  # an Idempotency-Key retry: the job the first request created
 
 
-def check_model(model: str, settings: Settings) -> None:
-    if model not in served_models(settings):
+def check_model(model: str, settings: Settings) -> str:
+    """The served model id a request's `model` names (an alias resolves), or a 404."""
+    served = resolve(model, settings)
+    if served is None:
         raise not_found(
             f"The model '{model}' does not exist or you do not have access to it.",
             param="model",
             code="model_not_found",
         )
+    return served
 
 
 async def create_completion(
@@ -56,7 +59,10 @@ async def create_completion(
     settings: Settings,
     idempotency_key: str | None = None,
     endpoint: str = "/v1/completions",
+    queued: bool = False,
 ) -> Created:
+    """`queued`: the client asked for a 202 and will poll, so it is accepted even while no worker
+    serves the model; a request that waits or streams gets a 503 with Retry-After instead."""
     payload = body.model_dump(mode="json", exclude_unset=True, by_alias=False)
     claim = await idempotency.claim(principal.tenant.id, idempotency_key, endpoint, payload)
     if claim is not None and claim.replay is not None:
@@ -64,14 +70,19 @@ async def create_completion(
         if job is not None:
             return Created(job, {"idempotent-replayed": "true"}, replayed=True)
     try:
-        return await _create(rds, principal, body, settings, claim)
+        return await _create(rds, principal, body, settings, claim, queued)
     except BaseException:
         await asyncio.shield(idempotency.release(claim))  # nothing stored: the key is free again
         raise
 
 
 async def _create(
-    rds: aioredis.Redis, principal: Principal, body: CompletionRequest, settings: Settings, claim: Claim | None
+    rds: aioredis.Redis,
+    principal: Principal,
+    body: CompletionRequest,
+    settings: Settings,
+    claim: Claim | None,
+    queued: bool,
 ) -> Created:
     headers: dict[str, str] = {}
     unknown = body.unknown_fields()
@@ -79,7 +90,16 @@ async def _create(
         if settings.unknown_params != "ignore":
             raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
         headers["x-spool-ignored-params"] = ",".join(unknown)
-    check_model(body.model, settings)
+    body.model = check_model(body.model, settings)
+    if not queued and not await workers.live_async(rds, body.model):
+        raise DomainError(
+            ErrorKind.unavailable,
+            f"No worker is serving '{body.model}' right now; retry shortly, or send the request with "
+            "'Prefer: respond-async' to queue it.",
+            param="model",
+            code="model_not_loaded",
+            headers={"retry-after": "5"},
+        )
     tok = await anyio.to_thread.run_sync(tokenizer_for, body.model)
     params, prompts = await anyio.to_thread.run_sync(to_generation, body, settings, tok)
     tenant = principal.tenant

@@ -6,9 +6,13 @@ here they become a `text_completion`, its chunks, Spool's job object, or a batch
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Protocol
 
+from core.config import get_settings
 from core.generation.params import GenerationParams
 from core.jobs.events import (
     Cancelled,
@@ -25,6 +29,11 @@ from core.jobs.events import (
     usage_of,
 )
 
+try:
+    _VERSION = version("spool")
+except PackageNotFoundError:  # running from a checkout that was never installed
+    _VERSION = "dev"
+
 
 class JobRecord(Protocol):
     """What rendering reads from a job (the ORM's Job has it; tests pass plain objects)."""
@@ -40,6 +49,15 @@ class JobRecord(Protocol):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+
+
+@lru_cache
+def fingerprint(model: str) -> str:
+    """OpenAI's `system_fingerprint`: changes when what serves the model (engine, its settings,
+    Spool's version) changes, so a client can tell two answers apart that came from different setups."""
+    s = get_settings()
+    raw = f"{model}|{s.engine}|{s.n_ctx}|{s.max_batch}|{s.fast_lane}|{_VERSION}"
+    return "fp_" + hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 
 def _ts(d: datetime | None) -> int | None:
@@ -130,6 +148,7 @@ def completion(job: JobRecord) -> dict[str, Any]:
         "object": "text_completion",
         "created": _ts(job.created_at),
         "model": job.model,
+        "system_fingerprint": fingerprint(job.model),
         "choices": choices,
         "usage": usage(usage_of(job)) if job.usage is not None else None,
     }
@@ -141,7 +160,7 @@ def job(j: JobRecord) -> dict[str, Any]:
         "id": j.id,
         "object": "job",
         "model": j.model,
-        "state": j.state,
+        "status": j.state,
         "attempt": j.attempt,
         "created_at": _ts(j.created_at),
         "started_at": _ts(j.started_at),
@@ -178,15 +197,23 @@ class CompletionChunks:
     """A job's events as OpenAI `text_completion` chunks: dicts, or DONE (the caller frames SSE)."""
 
     def __init__(self, j: JobRecord, include_usage: bool) -> None:
-        self.base = {"id": j.id, "object": "text_completion", "created": _ts(j.created_at), "model": j.model}
+        self.base = {
+            "id": j.id,
+            "object": "text_completion",
+            "created": _ts(j.created_at),
+            "model": j.model,
+            "system_fingerprint": fingerprint(j.model),
+        }
         self.params = params_of(j)
         self.include_usage = include_usage
 
     def _chunk(self, choices: list[dict[str, Any]], u: Usage | None = None) -> dict[str, Any]:
-        # `usage` only on the final chunk: the reference schema has no null usage.
+        # With include_usage, OpenAI sends `usage: null` on every chunk but the last.
         body: dict[str, Any] = {**self.base, "choices": choices}
         if u is not None:
             body["usage"] = usage(u)
+        elif self.include_usage:
+            body["usage"] = None
         return body
 
     def render(self, ev: Event) -> list[dict[str, Any] | str]:

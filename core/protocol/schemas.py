@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 __all__ = ["CompletionRequest"]
 
@@ -53,6 +53,42 @@ class GrammarSpec(BaseModel):
 Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
+def _integral(v: Any) -> Any:
+    """16.0 is 16 (OpenAI and llama.cpp accept it); 16.5 stays a float and is refused."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+# llama.cpp's native names its clients send to /v1/completions that Spool cannot honour: refused by
+# name whatever SPOOL_UNKNOWN_PARAMS says (the ones it can honour are aliases above).
+LLAMACPP_UNSUPPORTED = frozenset(
+    {
+        "n_keep",
+        "id_slot",
+        "slot_id",
+        "samplers",
+        "tfs_z",
+        "penalize_nl",
+        "n_indent",
+        "n_discard",
+        "t_max_predict_ms",
+        "t_max_prompt_ms",
+        "dynatemp_range",
+        "dynatemp_exponent",
+        "xtc_probability",
+        "xtc_threshold",
+        "top_n_sigma",
+        "lora",
+        "return_tokens",
+        "post_sampling_probs",
+        "timings_per_token",
+        "n_cmpl",
+        "dry_penalty_last_n",
+    }
+)
+
+
 class CompletionRequest(BaseModel):
     # Strict: "max_tokens": "5" is a 400, as with OpenAI. Fields nobody declared are collected
     # (extra="allow") and refused by the route, naming them, unless the deployment relaxes that.
@@ -62,13 +98,15 @@ class CompletionRequest(BaseModel):
     prompt: Prompt
     suffix: str | None = None
     # Length
-    max_tokens: Annotated[int, Field(ge=-1)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[Int, Field(ge=-1)] | None = Field(
+        None, validation_alias=AliasChoices("max_tokens", "n_predict")
+    )
+    min_tokens: Annotated[Int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
     # Sampling
     temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Float, Field(ge=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
     min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
     typical_p: Annotated[Float, Field(gt=0, le=1)] | None = None
     # Penalties
@@ -79,7 +117,9 @@ class CompletionRequest(BaseModel):
     )
     dry_multiplier: Annotated[Float, Field(ge=0)] | None = None
     dry_base: Annotated[Float, Field(ge=1)] | None = None
-    dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
+    dry_allowed_length: Annotated[Int, Field(ge=0)] | None = None
+    # llama.cpp's penalty window: the last n tokens (-1: the whole context, 0: penalties off)
+    repeat_last_n: Annotated[Int, Field(ge=-1, le=2**31 - 1)] | None = None
     # Each breaker costs a vocabulary scan per sequence in the engine: bounded.
     dry_sequence_breakers: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=16)] | None = None
     mirostat: Literal[0, 1, 2] | None = None
@@ -90,15 +130,17 @@ class CompletionRequest(BaseModel):
         None, validation_alias=AliasChoices("mirostat_eta", "mirostat_lr")
     )
     logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    seed: Annotated[Int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # negative: no seed (llama.cpp's -1)
     # Stopping and choices
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
-    best_of: Annotated[int, Field(ge=0, le=20)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # OpenAI says 4; llama.cpp takes more
+    n: Annotated[Int, Field(ge=1, le=128)] | None = None
+    best_of: Annotated[Int, Field(ge=0, le=20)] | None = None
     # Log-probabilities (Llama Stack sends a boolean)
-    logprobs: bool | Annotated[int, Field(ge=0, le=5)] | None = None
+    logprobs: bool | Annotated[Int, Field(ge=0, le=5)] | None = Field(
+        None, validation_alias=AliasChoices("logprobs", "n_probs")
+    )
     echo: bool | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     # Constrained output
     grammar: str | GrammarSpec | None = None
     json_schema: dict[str, Any] | str | None = None
@@ -113,8 +155,8 @@ class CompletionRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: Annotated[int, Field(ge=-100, le=100)] | None = None  # within the tenant: higher runs first
-    # Accepted for compatibility; no effect on a text-completion model
+    priority: Annotated[Int, Field(ge=-100, le=100)] | None = None  # within the tenant: higher runs first
+    # Tools belong to chat; on /v1/completions a non-empty list is refused (never accepted and ignored)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     images: list[str] | None = None
@@ -185,7 +227,7 @@ class JobObject(_Response):
     id: str
     object: Literal["job"]
     model: str
-    state: str
+    status: str  # one word across the API (OpenAI's objects and Spool's batches say `status`)
     attempt: int
     created_at: int | None
     started_at: int | None

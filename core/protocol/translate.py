@@ -16,7 +16,7 @@ from core.errors import DomainError, ErrorKind, invalid
 from core.generation import capabilities, constraints
 from core.generation.params import DEFAULT_DRY_BREAKERS, GenerationParams
 from core.generation.tokenizer import Tokenizer, context_length
-from core.protocol.schemas import CompletionRequest, GrammarSpec
+from core.protocol.schemas import LLAMACPP_UNSUPPORTED, CompletionRequest, GrammarSpec
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
 
@@ -126,6 +126,13 @@ def _bound_logprobs(
 
 
 def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) -> tuple[GenerationParams, list[dict]]:
+    native = sorted(LLAMACPP_UNSUPPORTED & set(req.model_extra or {}))
+    if native:
+        raise bad(native[0], f"llama.cpp's '{native[0]}' is not supported by Spool.", "unsupported_parameter")
+    if req.tools:
+        raise bad("tools", "'tools' belong to /v1/chat/completions; a text completion cannot call them.")
+    # A negative seed means "no seed" (llama.cpp's -1): random, and free to take the fast path.
+    seeded = req.seed is not None and req.seed >= 0
     if req.images:
         raise bad("images", f"The model '{req.model}' is a text model; 'images' are not supported.")
     if req.stream_options is not None and not req.stream:
@@ -201,15 +208,19 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
         dry_multiplier=req.dry_multiplier or 0.0,
         dry_base=1.75 if req.dry_base is None else req.dry_base,
         dry_allowed_length=2 if req.dry_allowed_length is None else req.dry_allowed_length,
+        penalty_last_n=None if req.repeat_last_n in (None, -1) else req.repeat_last_n,
         dry_sequence_breakers=tuple(req.dry_sequence_breakers)
         if req.dry_sequence_breakers is not None
         else DEFAULT_DRY_BREAKERS,
-        mirostat=req.mirostat or 0,
+        # Fireworks has no switch: a target or learning rate alone turns Mirostat 2.0 on.
+        mirostat=req.mirostat
+        if req.mirostat is not None
+        else (2 if {"mirostat_tau", "mirostat_eta"} & req.model_fields_set else 0),
         mirostat_tau=5.0 if req.mirostat_tau is None else req.mirostat_tau,
         mirostat_eta=0.1 if req.mirostat_eta is None else req.mirostat_eta,
         logit_bias=bias,
         # Picked here when the client gave none: on record, and a resumed attempt stays seeded.
-        seed=(req.seed if req.seed is not None else secrets.randbits(63)) % 2**63,
+        seed=(req.seed if seeded and req.seed is not None else secrets.randbits(63)) % 2**63,
         stop=tuple(s for s in ((req.stop,) if isinstance(req.stop, str) else (req.stop or ())) if s),
         n=n,
         best_of=best_of,
@@ -218,7 +229,7 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
         prompt_logprobs=req.prompt_logprobs,
         grammar=grammar,
         cache_prompt=True if req.cache_prompt is None else req.cache_prompt,
-        reproducible=req.seed is not None
+        reproducible=seeded
         or req.temperature == 0
         or logprobs is not None
         or bool(req.echo)

@@ -21,14 +21,14 @@ def _submit(http, **body):
     )
     assert r.status_code == 202, r.text
     job = r.json()
-    assert job["object"] == "job" and job["state"] in ("queued", "dispatched", "running")
+    assert job["object"] == "job" and job["status"] in ("queued", "dispatched", "running")
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     return job["id"]
 
 
 def _poll_done(http, job_id):
     return wait_for(
-        lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["state"] == "succeeded" and j,
+        lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["status"] == "succeeded" and j,
         60,
         f"job {job_id} succeeded",
     )
@@ -72,7 +72,7 @@ def test_events_stream_attaches_while_running(stack):
             evs, done = collect(resp)
         assert done
         job = http.get(f"/v1/jobs/{job_id}").json()
-        assert job["state"] == "succeeded"
+        assert job["status"] == "succeeded"
         streamed = "".join(c["text"] for e in evs for c in e.json["choices"])
         assert streamed == job["result"]["choices"][0]["text"]
         assert job["usage"]["completion_tokens"] == 48
@@ -81,11 +81,11 @@ def test_events_stream_attaches_while_running(stack):
 def test_cancel(stack, db, rds):
     with stack.http(stack.keys["alpha"]) as http:
         job_id = _submit(http, max_tokens=600, ignore_eos=True)
-        wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["state"] == "running", 30, "running")
+        wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "running", 30, "running")
         r = http.post(f"/v1/jobs/{job_id}/cancel")
-        assert r.status_code == 200 and r.json()["state"] == "cancelled"
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
         again = http.post(f"/v1/jobs/{job_id}/cancel")
-        assert again.status_code == 200 and again.json()["state"] == "cancelled"
+        assert again.status_code == 200 and again.json()["status"] == "cancelled"
         with http.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
             evs, done = collect(resp)
         assert done and evs[-1].json["error"]["code"] == "cancelled"
@@ -98,7 +98,7 @@ def test_cancel(stack, db, rds):
         before = len(streams.entries(rds, job_id))
         time.sleep(2)
         assert len(streams.entries(rds, job_id)) == before, "the worker kept generating a cancelled job"
-        assert http.get(f"/v1/jobs/{job_id}").json()["state"] == "cancelled"
+        assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
 
 
 def test_other_tenants_job_is_not_found(stack):
@@ -112,4 +112,4 @@ def test_other_tenants_job_is_not_found(stack):
             r = beta.request(method, path)
             assert r.status_code == 404, (path, r.text)
             assert r.json()["error"]["code"] == "job_not_found"
-        assert _poll_done(alpha, job_id)["state"] == "succeeded"
+        assert _poll_done(alpha, job_id)["status"] == "succeeded"

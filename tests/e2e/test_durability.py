@@ -100,7 +100,7 @@ def test_tokens_read_before_a_cancel_are_billed(stack, db):
     key = stack.new_tenant("billed")
     with stack.http(key) as http:
         job_id, _, seen = _stream_some(http, 20, max_tokens=600)
-        assert http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        assert http.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
         wait_for(lambda: http.get("/v1/usage").json()["data"], 10, "a usage row")
         usage = http.get("/v1/usage").json()["data"][0]
     assert seen and usage["completion_tokens"] >= 20, usage  # at least what the client read

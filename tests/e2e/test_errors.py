@@ -34,7 +34,7 @@ def _assert_error(r, status, param=None, code=None):
         ({**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
         ({**GOOD, "n": 0}, 400, "n", "invalid_value"),
         ({**GOOD, "stream": "yes"}, 400, "stream", "invalid_value"),
-        ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+        ({**GOOD, "stop": ["a"] * 17}, 400, "stop", "invalid_value"),
         ({**GOOD, "prompt": []}, 400, "prompt", "invalid_value"),
         ({**GOOD, "prompt": 42}, 400, "prompt", "invalid_value"),
         ({**GOOD, "model": 7}, 400, "model", "invalid_value"),

@@ -288,10 +288,11 @@ def test_suffix_needs_fim_tokens(api):
     assert err["error"]["param"] == "suffix"
 
 
-def test_tools_are_accepted_without_effect_and_images_refused(api):
+def test_tools_are_refused_on_completions_and_images_refused(api):
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    base = api.greedy(prompt=CAPITAL, max_tokens=5)
-    assert api.greedy(prompt=CAPITAL, max_tokens=5, tools=tools, tool_choice="auto") == base
+    # Never accepted and ignored: tools belong to chat (an empty list is no tool at all).
+    assert api.complete(prompt=CAPITAL, tools=tools, expect=400)["error"]["param"] == "tools"
+    assert api.greedy(prompt=CAPITAL, max_tokens=5, tools=[]) == api.greedy(prompt=CAPITAL, max_tokens=5)
     assert api.complete(prompt=CAPITAL, tools=[{"type": "nope"}], expect=400)["error"]["param"].startswith("tools")
     assert api.complete(prompt=CAPITAL, images=["data:image/png;base64,AAAA"], expect=400)["error"]["param"] == "images"
 

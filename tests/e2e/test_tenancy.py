@@ -82,7 +82,7 @@ def test_cancelled_and_failed_jobs_release_their_reservation(stack, db):
         assert r.status_code == 202
         job_id = r.json()["id"]
         assert _post(http, max_tokens=400).status_code == 429  # the running job holds the tokens
-        assert http.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        assert http.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
         ok = _post(http, max_tokens=400)
         assert ok.status_code == 200, ok.text
 
@@ -110,12 +110,12 @@ def test_max_queued_refuses_and_max_concurrent_holds_jobs_in_postgres(stack, db)
             ids.append(r.json()["id"])
         r = http.post("/v1/completions", headers={"Prefer": "respond-async"}, json=body)
         assert r.status_code == 429 and r.json()["error"]["message"].startswith("Too many unfinished jobs")
-        states = [http.get(f"/v1/jobs/{i}").json()["state"] for i in ids]
+        states = [http.get(f"/v1/jobs/{i}").json()["status"] for i in ids]
         assert states.count("queued") >= 1, states  # over the concurrency cap: waiting in Postgres
         running_at_once = 0
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            states = [http.get(f"/v1/jobs/{i}").json()["state"] for i in ids]
+            states = [http.get(f"/v1/jobs/{i}").json()["status"] for i in ids]
             running_at_once = max(running_at_once, sum(s in ("dispatched", "running") for s in states))
             if all(s == "succeeded" for s in states):
                 break
@@ -222,13 +222,13 @@ def test_a_job_whose_worker_keeps_dying_releases_its_reservation(stack, db):
             json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True},
         )
         job_id = r.json()["id"]
-        wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["state"] == "running", 30, "running")
+        wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "running", 30, "running")
         assert _post(http, max_tokens=400).status_code == 429
         # Make this the last allowed attempt: the worker's lease renewal (attempt-fenced) now fails,
         # so it drops the job like a dead worker would, and the lease lapses.
         with db.begin() as conn:
             conn.execute(text("UPDATE jobs SET attempt = 3 WHERE id = :i"), {"i": job_id})
-        job = wait_for(lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["state"] == "failed" and j, 60, "reaped")
+        job = wait_for(lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["status"] == "failed" and j, 60, "reaped")
         assert job["error"]["code"] == "worker_lost"
         assert _post(http, max_tokens=400).status_code == 200
 

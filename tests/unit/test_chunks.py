@@ -32,7 +32,9 @@ def test_delta_chunk_matches_schema():
     out = render.CompletionChunks(_job(), include_usage=True).render(Delta(choice=0, text="Hi"))
     body = out[0]
     assert body["choices"][0] == {"text": "Hi", "index": 0, "logprobs": None, "finish_reason": None}
-    assert "usage" not in body  # only the final chunk carries usage
+    assert body["usage"] is None  # include_usage: null on every chunk but the last, as OpenAI does
+    assert body["system_fingerprint"].startswith("fp_")
+    assert "usage" not in render.CompletionChunks(_job(), include_usage=False).render(Delta(choice=0, text="Hi"))[0]
     openapi.validate(body, "CreateCompletionResponse", chunk=True)
 
 

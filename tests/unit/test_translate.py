@@ -100,7 +100,7 @@ def test_context_overflow_choices(tok):
         {"max_tokens": "5"},
         {"temperature": 2.5},
         {"n": 129},
-        {"stop": ["a"] * 5},
+        {"stop": ["a"] * 17},
         {"prompt": []},
         {"prompt": [[]]},
         {"prompt": [-1]},
@@ -176,3 +176,39 @@ def test_response_size_is_bounded_naming_the_limit(tok):
     assert err.value.param == "logprobs" and err.value.code == "response_too_large"
     assert "200000" in err.value.message
     translate(tok, n=2, logprobs=5, max_tokens=100)  # an ordinary scoring request is fine
+
+
+def test_llamacpp_native_names_are_aliases_or_refused_by_name(tok):
+    p, _ = translate(tok, n_predict=7, n_probs=2, repeat_last_n=64, repetition_penalty=1.1)
+    assert (p.max_tokens, p.logprobs, p.penalty_last_n) == (7, 2, 64)
+    with pytest.raises(DomainError) as err:
+        translate(tok, n_keep=10)
+    assert err.value.param == "n_keep" and err.value.code == "unsupported_parameter"
+
+
+def test_integral_floats_are_integers_and_others_refused(tok):
+    p, _ = translate(tok, max_tokens=16.0, n=2.0, seed=3.0)
+    assert (p.max_tokens, p.n, p.seed) == (16, 2, 3)
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "max_tokens": 16.5})
+
+
+def test_mirostat_target_alone_turns_mirostat_2_on(tok):
+    p, _ = translate(tok, mirostat_target=3.0)
+    assert (p.mirostat, p.mirostat_tau) == (2, 3.0)
+    assert translate(tok, mirostat_lr=0.2)[0].mirostat == 2
+    assert translate(tok, mirostat=0, mirostat_target=3.0)[0].mirostat == 0  # an explicit off stays off
+    assert translate(tok)[0].mirostat == 0
+
+
+def test_negative_seed_is_no_seed_and_every_other_seed_replays(tok):
+    a, b = translate(tok, seed=-1)[0], translate(tok, seed=-1)[0]
+    assert a.seed != b.seed and not a.reproducible  # random, and allowed the fast lane
+    big = translate(tok, seed=4294967295)[0]
+    assert big.reproducible and big.seed == 4294967295
+
+
+def test_tools_on_completions_are_refused_not_ignored(tok):
+    with pytest.raises(DomainError) as err:
+        translate(tok, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.param == "tools"

@@ -41,6 +41,7 @@ class TokenEvent:
     t: float = 0.0  # monotonic time the step finished (concurrency evidence, latency stats)
     engine_s: float = 0.0  # on the final event: this sequence's share of engine time (billing)
     error: str | None = None  # the engine could not go on with this sequence: why (it has ended)
+    eos_id: int | None = None  # the end-of-generation token that ended it (no text; logprob and top above)
 
     @property
     def ended(self) -> bool:

@@ -49,13 +49,16 @@ def sampler_plan(p: GenerationParams, seed: int, n_vocab: int, n_ctx: int) -> Pl
         plan.append(("logit_bias", (tuple(sorted(p.logit_bias.items())),)))
     # repetition_penalty looks at the prompt and the output (llama.cpp, vLLM); presence and frequency
     # penalties at the output only (OpenAI, vLLM, Fireworks): two samplers, fed different tokens.
-    if p.repetition_penalty != 1.0:
-        plan.append(("penalties", (n_vocab, n_ctx, p.repetition_penalty, 0.0, 0.0)))
-    if p.frequency_penalty or p.presence_penalty:
-        plan.append(("output_penalties", (n_vocab, n_ctx, 1.0, p.frequency_penalty, p.presence_penalty)))
+    window = n_ctx if p.penalty_last_n is None else p.penalty_last_n
+    if p.repetition_penalty != 1.0 and window:
+        plan.append(("penalties", (n_vocab, window, p.repetition_penalty, 0.0, 0.0)))
+    if (p.frequency_penalty or p.presence_penalty) and window:
+        plan.append(("output_penalties", (n_vocab, window, 1.0, p.frequency_penalty, p.presence_penalty)))
     if p.dry_multiplier > 0:
         plan.append(("dry", (p.dry_multiplier, p.dry_base, p.dry_allowed_length, n_ctx, p.dry_sequence_breakers)))
     seed32 = seed & 0xFFFFFFFF
+    if seed32 == 0xFFFFFFFF:  # LLAMA_DEFAULT_SEED: llama.cpp would draw a random seed instead
+        seed32 = 0xFFFFFFFE
     if p.temperature <= 0:
         plan.append(("greedy", ()))
         return plan
@@ -466,8 +469,10 @@ class LlamaCppEngine:
         lp = float(logp[tok]) if logp is not None else None
         top = top_logprobs(logp, s.top_k) if logp is not None and s.top_k else None
         if self.vocab.is_eog(tok):
+            # The end-of-generation token carries no text, but its log-probability is part of the
+            # answer (OpenAI and vLLM return it; evaluation harnesses score with it).
             self._finish(s)
-            return TokenEvent(s.spec.key, None, None, "stop", t=now)
+            return TokenEvent(s.spec.key, None, lp, "stop", top, now, eos_id=tok)
         s.generated += 1
         s.last = tok
         finish = None
