@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
-# Make this checkout runnable on a fresh machine: a virtualenv with Spool and its CPU engine, and
-# Postgres + Redis up on their standard local ports. Safe to run again (it only does what is missing).
+# Make this checkout runnable on a fresh machine: the prerequisites (Python >= 3.11 with venv, a C/C++
+# compiler for llama.cpp), a virtualenv with Spool and its CPU engine, and Postgres + Redis up on
+# their standard local ports with a login Spool can use. Safe to run again (it only does what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+apt_install() {
+  command -v apt-get >/dev/null || { echo "missing: $* (install them, then run this again)" >&2; exit 1; }
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$@" >/dev/null
+}
+
 PYTHON=${PYTHON:-python3}
+command -v "$PYTHON" >/dev/null || apt_install python3 python3-venv
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "Spool needs Python >= 3.11 ($PYTHON is $("$PYTHON" -V 2>&1)); set PYTHON=..." >&2; exit 1; }
+"$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
+command -v c++ >/dev/null || apt_install build-essential  # llama.cpp is compiled; pip brings cmake
+
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

@@ -21,7 +21,21 @@ from sqlalchemy import create_engine, text
 
 ROOT = Path(__file__).resolve().parent.parent
 SPOOL = [sys.executable, "-m", "core.cli"]
-TEST_DB = os.environ.get("SPOOL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/spool_test")
+
+
+def _spool_database_url() -> str:
+    """Spool's own database URL (environment, else the .env that ops/services.sh writes on a fresh
+    machine), so the tests log in the way Spool does."""
+    url = os.environ.get("SPOOL_DATABASE_URL")
+    env_file = ROOT / ".env"
+    if url is None and env_file.exists():
+        for line in env_file.read_text().splitlines():
+            if line.startswith("SPOOL_DATABASE_URL="):
+                url = line.split("=", 1)[1].strip()
+    return url or "postgresql+psycopg://postgres@127.0.0.1:5432/spool"
+
+
+TEST_DB = os.environ.get("SPOOL_TEST_DATABASE_URL", _spool_database_url().rsplit("/", 1)[0] + "/spool_test")
 TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 MODEL = "smollm2-135m-instruct"
 

@@ -146,7 +146,7 @@ def _ensure_first_key(tenant_name: str) -> str | None:
 @app.command()
 def bench(
     url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of any OpenAI-compatible server."),
-    api_key: str | None = typer.Option(None, envvar="SPOOL_BENCH_KEY", help="Bearer key (or SPOOL_BENCH_KEY)."),
+    api_key: str | None = typer.Option(None, envvar="SPOOL_API_KEY", help="Bearer key (or SPOOL_API_KEY)."),
     model: str = typer.Option("smollm2-135m-instruct"),
     mode: str = typer.Option("http", help="http, engine (in-process, no queue), or http,engine for the ratio."),
     concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels."),
