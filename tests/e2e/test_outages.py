@@ -105,7 +105,12 @@ def test_redis_killed_and_restarted_empty_mid_stream(outage):
             assert row.state == "succeeded", (i, row.state)  # never cancelled, never failed
             assert done and got == row.result["choices"][0]["text"], i  # nothing missing, nothing twice
     engine.dispose()
-    # The pooled connections that died with Redis are replaced: the next requests are fine.
+    # Workers re-announce themselves within a heartbeat (Redis lost their entries: until then a
+    # waiting request is a 503 with Retry-After, never a hang); then, with the pooled connections
+    # that died with Redis replaced, requests are answered.
+    import httpx
+
+    wait_for(lambda: httpx.get(stack.base_url + "/ready", timeout=5).status_code == 200, 15, "ready again")
     with stack.http(key) as http:
         for _ in range(3):
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
