@@ -36,8 +36,8 @@ class Settings(BaseSettings):
     )
     engine: str = Field(
         "llamacpp",
-        description="Engine of `spool worker`: `llamacpp` (CPU, GGUF) or `exllamav2` (CUDA GPU, EXL2 or FP16 "
-        "model folder; see docs/gpu.md).",
+        description="Engine of `spool worker`: `llamacpp` (CPU, GGUF), `exllamav2` (CUDA GPU, EXL2 or FP16 "
+        "model folder; see docs/gpu.md), or `null` (deterministic tokens, no model: measures the queue path).",
     )
     model_path: str | None = Field(
         None,

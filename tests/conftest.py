@@ -134,7 +134,7 @@ def db_url() -> str:
 
 
 @contextmanager
-def running_stack(logdir: Path, db_url: str, redis_url: str) -> Iterator[Stack]:
+def running_stack(logdir: Path, db_url: str, redis_url: str, **extra_env: str) -> Iterator[Stack]:
     """A whole Spool (api + dispatcher + one worker) on its own database and Redis db, with tenants
     alpha, beta and ops and an admin key, all made fresh."""
     from core.infra.dbadmin import drop_database
@@ -155,6 +155,7 @@ def running_stack(logdir: Path, db_url: str, redis_url: str) -> Iterator[Stack]:
         "SPOOL_WEBHOOK_RETRY_S": "0.5",
         "SPOOL_MODEL_ALIASES": '{"gpt-3.5-turbo": "smollm2-135m-instruct", "default": "smollm2-135m-instruct"}',
         "PYTHONUNBUFFERED": "1",
+        **extra_env,
     }
     drop_database(db_url)
     redis_lib.Redis.from_url(redis_url).flushdb()

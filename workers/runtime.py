@@ -44,7 +44,11 @@ def build_engine(model_id: str) -> Engine:
             cache_quant=s.exl2_cache_quant,
             chunk=s.exl2_chunk_size,
         )
-    raise ValueError(f"unknown engine {s.engine!r}: `llamacpp` or `exllamav2`")
+    if s.engine == "null":
+        from workers.engine.null import NullEngine
+
+        return NullEngine(model_id, n_ctx=s.n_ctx, max_batch=s.max_batch)
+    raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2` or `null`")
 
 
 @lru_cache

@@ -11,6 +11,8 @@ def unsupported(engine: str, p: GenerationParams) -> list[str]:
     bad: list[str] = []
     if engine == "exllamav2" and p.mirostat == 1:
         bad.append("mirostat")  # exllamav2 has only Mirostat 2.0
+    if engine == "null":  # no logits: nothing to constrain or to score
+        bad += [name for name, on in (("grammar", p.grammar), ("prompt_logprobs", p.prompt_logprobs is not None)) if on]
     if engine == "exllamav2" and p.penalty_last_n is not None:
         bad.append("repeat_last_n")  # its penalty range is not mapped (the whole sequence only)
     return bad
