@@ -63,6 +63,21 @@ class PromptEvent:
     entries: list[tuple[float | None, int | None, TopList | None]] | None = field(default=None)
 
 
+class VocabEngine:
+    """Text <-> tokens for engines that hold a llama.cpp-style vocabulary as `self.vocab`."""
+
+    vocab: Any
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.vocab.encode(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.vocab.token_bytes(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        return self.vocab.token_text(token_id)
+
+
 class Engine(Protocol):
     model_id: str
     n_ctx: int  # context length per sequence

@@ -33,7 +33,7 @@ import numpy as np
 from core.generation.params import GenerationParams
 from core.infra.llamalog import quiet_llama_logs
 from core.infra.tokenizers import LlamaVocab
-from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, VocabEngine, check_spec
 from workers.engine.logits import GrammarMask, log_softmax, top_logprobs
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class _Lane:
             llc.llama_memory_seq_rm(self.mem, slot, -1, -1)
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(VocabEngine):
     def __init__(
         self,
         model_id: str,
@@ -281,16 +281,7 @@ class LlamaCppEngine:
             [ln.name for ln in self._lanes],
         )
 
-    # -- tokenizer --------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self.vocab.encode(text)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self.vocab.token_bytes(token_id)
-
-    def token_text(self, token_id: int) -> str:
-        return self.vocab.token_text(token_id)
-
+    # -- tokenizer (tokenize, token_bytes, token_text: VocabEngine) ---------------------------
     def ll_tokenizer(self) -> Any:
         """llguidance's view of this vocabulary (built once: ~1 s)."""
         if self._ll_tokenizer is None:

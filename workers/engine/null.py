@@ -15,12 +15,12 @@ from collections.abc import Hashable
 from typing import Any
 
 from core.infra.tokenizers import tokenizer_for
-from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, VocabEngine, check_spec
 
 WORDS = " the a quick brown fox jumps over lazy dog and then runs to see what is next in line"
 
 
-class NullEngine:
+class NullEngine(VocabEngine):
     def __init__(self, model_id: str, *, n_ctx: int, max_batch: int) -> None:
         self.model_id, self.max_batch = model_id, max_batch
         self.vocab: Any = tokenizer_for(model_id)
@@ -28,15 +28,6 @@ class NullEngine:
         self.n_vocab = self.vocab.n_vocab
         self._words = self.vocab.encode(WORDS, add_special=False)
         self._live: dict[Hashable, SeqSpec] = {}
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.vocab.encode(text)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self.vocab.token_bytes(token_id)
-
-    def token_text(self, token_id: int) -> str:
-        return self.vocab.token_text(token_id)
 
     def ll_tokenizer(self) -> Any:
         raise NotImplementedError("the null engine does not constrain output")
