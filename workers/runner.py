@@ -183,6 +183,7 @@ class _Attempt:
         # Every entry of the job's stream so far (earlier attempts' too): if Redis loses the stream
         # (a restart), it is rebuilt with the same entry ids, so readers resume exactly where they were.
         self.log: list[tuple[str, str]] = []
+        self._stream_checked = 0.0
 
     # -- setup ------------------------------------------------------------------------------
     def _build(self) -> list[SeqSpec]:
@@ -317,9 +318,14 @@ class _Attempt:
 
     def _emit(self, out: list[Delta]) -> None:
         rds = self.runner.redis
-        if self.log and not rds.exists(streams.stream_key(self.job.id)):
-            log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", self.job.id)
-            streams.rebuild(rds, self.job.id, self.log, self.settings.events_ttl_s)
+        # Look for a lost stream at most once a second, not per publish (a hot path): a rebuild
+        # rewrites every logged entry, so entries written into a fresh stream meanwhile are kept.
+        now = time.monotonic()
+        if self.log and now >= self._stream_checked + 1.0:
+            self._stream_checked = now
+            if not rds.exists(streams.stream_key(self.job.id)):
+                log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", self.job.id)
+                streams.rebuild(rds, self.job.id, self.log, self.settings.events_ttl_s)
         ids = self.runner.lifecycle.publish(self.job.id, out)
         self.log += zip(ids, (encode(e) for e in out), strict=True)
 
