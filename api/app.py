@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from api import errors
 from api.guard import RequestGuard
-from api.routes import admin, batches, completions, files, jobs, models, tokens, usage
+from api.routes import admin, batches, completions, files, jobs, models, tokens, usage, webhooks
 from core.config import get_settings
 from core.infra import kv
 from core.infra.db import async_engine, sync_sessions
@@ -74,6 +74,7 @@ def create_app() -> FastAPI:
     app.include_router(admin.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(webhooks.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -8,7 +8,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError, StatementError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError, StatementError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import DomainError, ErrorKind
@@ -77,6 +79,20 @@ def _internal() -> JSONResponse:
     )
 
 
+def _unavailable() -> JSONResponse:
+    """Postgres or Redis away for a moment (a restart, a failover): nothing was stored by this
+    request, so the client may simply retry; the `openai` SDK does so on a 503 by itself."""
+    return error_response(
+        APIError(
+            503,
+            "The service is briefly unavailable; please retry.",
+            type_="server_error",
+            code="service_unavailable",
+            headers={"retry-after": "2"},
+        )
+    )
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(DomainError)
     async def _domain(_: Request, exc: DomainError) -> JSONResponse:
@@ -102,8 +118,17 @@ def install(app: FastAPI) -> None:
             return error_response(
                 APIError(400, f"A value in the request cannot be stored: {detail}", code="invalid_value")
             )
+        if isinstance(exc, OperationalError | InterfaceError) or getattr(exc, "connection_invalidated", False):
+            log.warning("database unreachable: %s", type(getattr(exc, "orig", exc)).__name__)
+            return _unavailable()
         log.exception("database error")
         return _internal()
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def _redis(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("redis unreachable: %s", type(exc).__name__)
+        return _unavailable()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -10,6 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi.sse import format_sse_event
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from core.infra.db import async_sessions
 from core.jobs import transitions
@@ -31,8 +32,11 @@ def terminal_row_check(job_id: str, tenant_id: int):
     """Asked when the stream is silent: the job's row if it has ended (its stream may be gone)."""
 
     async def check() -> TerminalRow | None:
-        async with async_sessions()() as session:
-            row = (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
+        try:
+            async with async_sessions()() as session:
+                row = (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
+        except (OperationalError, InterfaceError):
+            return None  # Postgres is restarting: the stream goes on; we ask again at the next silence
         return row if row is not None and transitions.is_terminal(row.state) else None
 
     return check

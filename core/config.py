@@ -130,6 +130,12 @@ class Settings(BaseSettings):
         description="How long a worker keeps retrying Postgres/Redis (bounded backoff) before it lets an attempt "
         "go; the job is never failed for an outage: its lease lapses and the next attempt resumes.",
     )
+    engine_stall_s: float = Field(
+        120.0,
+        description="A worker whose engine has been inside one step this long is wedged: it stops renewing its "
+        "jobs' leases (they move to another worker), drops out of the live workers, and exits so its supervisor "
+        "restarts it.",
+    )
     lease_s: float = Field(30.0, description="A running job's lease; its worker renews it every third.")
     max_attempts: int = Field(3, description="Attempts before a job whose worker keeps dying fails.")
     dispatch_timeout_s: float = Field(60.0, description="A job `dispatched` but unclaimed this long is sent again.")
@@ -147,15 +153,19 @@ class Settings(BaseSettings):
     batch_validation_lease_s: float = Field(
         300.0, description="A batch whose validating API process died is taken over by another after this."
     )
-    webhook_secret: str | None = Field(
-        None, description="HMAC key that signs batch webhooks; batches may name a `webhook_url` only when set."
+    webhook_allow: str = Field(
+        "",
+        description="Comma-separated addresses or networks (CIDR) that batch webhooks may reach although they "
+        "are loopback, private or link-local (refused by default, like cloud metadata addresses).",
+    )
+    webhook_timeout_s: float = Field(
+        10.0, description="Deadline for one webhook delivery, connect to last byte; no redirects are followed."
     )
     webhook_retry_s: float = Field(
         5.0, description="First webhook retry delay; doubles each attempt (max 1 h, 10 tries)."
     )
     batch_max_errors: int = Field(1000, description="Validation errors listed per failed batch (the rest counted).")
     events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
-    events_maxlen: int = Field(100_000, description="Cap on entries of one job's event stream.")
 
     @property
     def model_ids(self) -> list[str]:
@@ -165,6 +175,10 @@ class Settings(BaseSettings):
     def worker_model_ids(self) -> list[str]:
         raw = self.worker_models or self.models
         return [m.strip() for m in raw.split(",") if m.strip()]
+
+    @property
+    def webhook_allow_list(self) -> list[str]:
+        return [a.strip() for a in self.webhook_allow.split(",") if a.strip()]
 
     @property
     def celery_broker_url(self) -> str:

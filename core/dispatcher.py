@@ -19,7 +19,7 @@ from core import retention
 from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
-from core.infra.broker import queued_jobs, queues_for, send_run_job
+from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job
 from core.infra.metrics import QUEUED
 from core.infra.orm import Job, JobState
 from core.jobs import transitions as jobs
@@ -75,8 +75,12 @@ class Dispatcher:
                         )
                         or 0
                     )
+            # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
             with self.sessions() as session:
-                counts["webhooks"] = webhooks.deliver_due(session, s.webhook_secret, s.webhook_retry_s)
+                due = webhooks.claim_due(session, lease_s=s.webhook_timeout_s * 3 + 30)
+            for b in due:
+                send_deliver_webhook(b.id, webhooks.event_body(b.status, batches.batch_json(b)))
+            counts["webhooks"] = len(due)
             if time.monotonic() >= self._next_sweep:
                 self._next_sweep = time.monotonic() + 60
                 counts |= {f"swept_{k}": v for k, v in retention.sweep(self.sessions, s).items()}

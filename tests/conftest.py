@@ -151,7 +151,8 @@ def running_stack(logdir: Path, db_url: str, redis_url: str, **extra_env: str) -
         "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
         "SPOOL_N_CTX": "1024",
         "SPOOL_BATCH_VALIDATION_LEASE_S": "3",
-        "SPOOL_WEBHOOK_SECRET": "test-webhook-secret",
+        "SPOOL_WEBHOOK_ALLOW": "127.0.0.1/32",  # the tests' receivers; everything else non-public is refused
+        "SPOOL_WEBHOOK_TIMEOUT_S": "4",
         "SPOOL_WEBHOOK_RETRY_S": "0.5",
         "SPOOL_MODEL_ALIASES": '{"gpt-3.5-turbo": "smollm2-135m-instruct", "default": "smollm2-135m-instruct"}',
         "PYTHONUNBUFFERED": "1",

@@ -10,7 +10,7 @@ import logging
 import sys
 
 from core.config import get_settings
-from core.infra.broker import queues_for
+from core.infra.broker import WEBHOOK_QUEUE, queues_for
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     from workers.tasks import app
 
     r = runner()  # load the model before taking any message
-    _heartbeat(r.worker_name, s)
+    _heartbeat(r.worker_name, s, r.loop)
     from core.jobs import workers
 
     r.batch_slot_wake = lambda: workers.slot_freed(r.redis)
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(s.metrics_port)
-    queues = ",".join(queues_for(s.worker_model_ids[0]))  # interactive, then batch
+    queues = ",".join([*queues_for(s.worker_model_ids[0]), WEBHOOK_QUEUE])  # interactive, batch, webhooks
     app.worker_main(
         [
             "worker",
@@ -44,9 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def _heartbeat(name: str, s) -> None:
-    """Tell the dispatcher (and /health) this worker is alive and how much batch work it takes."""
+def _heartbeat(name: str, s, loop) -> None:
+    """Tell the dispatcher (and /ready) this worker is alive and how much batch work it takes; a
+    wedged engine stops the beat and ends the process (its supervisor restarts it; its jobs, no
+    longer renewed, resume on another worker)."""
     import atexit
+    import os
     import threading
     import time
 
@@ -56,8 +59,17 @@ def _heartbeat(name: str, s) -> None:
     rds = kv.client(s.redis_url)
     model = s.worker_model_ids[0]
 
-    def loop() -> None:
+    def beat_forever() -> None:
         while True:
+            stalled = loop.stalled_for()
+            if stalled > s.engine_stall_s:
+                logging.getLogger(__name__).critical(
+                    "engine wedged for %.0fs: leaving (a supervisor restarts me)", stalled
+                )
+                try:
+                    workers.gone(rds, model, name)
+                finally:
+                    os._exit(70)  # a wedged C call cannot be interrupted; exit without waiting for it
             try:
                 workers.beat(rds, model, name, s.max_batch + s.batch_prefetch, s.interactive_slots)
             except Exception:
@@ -65,7 +77,7 @@ def _heartbeat(name: str, s) -> None:
             time.sleep(workers.HEARTBEAT_S)
 
     workers.beat(rds, model, name, s.max_batch + s.batch_prefetch, s.interactive_slots)
-    threading.Thread(target=loop, name="heartbeat", daemon=True).start()
+    threading.Thread(target=beat_forever, name="heartbeat", daemon=True).start()
     atexit.register(lambda: workers.gone(rds, model, name))
 
 

@@ -142,6 +142,9 @@ class JobRunner:
             return "skipped"
         try:
             return _Attempt(self, job).run()
+        except streams.Fenced:
+            log.info("job %s attempt %s was superseded by a newer attempt; stopping", job_id, attempt)
+            return "lost"
         except LETTING_GO as exc:
             log.warning("job %s attempt %s let go (%s): its lease lapses and it resumes", job_id, attempt, exc)
             return "abandoned"
@@ -188,6 +191,23 @@ class _Attempt:
     # -- setup ------------------------------------------------------------------------------
     def _build(self) -> list[SeqSpec]:
         job, p, engine = self.job, self.p, self.engine
+        # Fence older attempts off the stream before reading it: what they wrote before is read here,
+        # anything later is refused (a worker that lost its lease may still be generating).
+        retrying(
+            self.settings,
+            f"fence {job.id}",
+            streams.raise_fence,
+            self.runner.redis,
+            job.id,
+            job.attempt,
+            self.settings.events_ttl_s,
+        )
+        if job.attempt > 1 and streams.trimmed(self.runner.redis, job.id):
+            raise JobError(
+                "This job's progress log was trimmed, so it cannot resume exactly.",
+                type_="server_error",
+                code="resume_impossible",
+            )
         prior = self._prior_progress() if job.attempt > 1 and not self.buffered else {}
         wants_prompt_scores = p.prompt_logprobs is not None or (p.echo and p.logprobs is not None)
         specs: list[SeqSpec] = []
@@ -290,6 +310,10 @@ class _Attempt:
                         return "cancelled"
                 if now >= next_renew:
                     next_renew = now + self.settings.lease_s / 3
+                    if self.loop.stalled_for() > self.settings.engine_stall_s:
+                        # A wedged engine must not keep its jobs: stop renewing, the lease lapses and the
+                        # job resumes elsewhere from its streamed tokens.
+                        raise Abandoned(f"engine stalled {self.loop.stalled_for():.0f}s")
                     if not retrying(self.settings, f"renew {job.id}", self.runner.renew, job):
                         log.info("job %s attempt %s lost its lease (cancelled or reassigned)", job.id, job.attempt)
                         return "lost"
@@ -326,7 +350,7 @@ class _Attempt:
             if not rds.exists(streams.stream_key(self.job.id)):
                 log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", self.job.id)
                 streams.rebuild(rds, self.job.id, self.log, self.settings.events_ttl_s)
-        ids = self.runner.lifecycle.publish(self.job.id, out)
+        ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out)
         self.log += zip(ids, (encode(e) for e in out), strict=True)
 
     def _cancelled(self) -> bool:

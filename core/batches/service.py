@@ -6,12 +6,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import anyio
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from core import idempotency
-from core.batches import progress
+from core.batches import progress, webhooks
 from core.batches.ingest import WAKE_KEY
 from core.batches.status import CANCELLABLE, EMPTY_COUNTS, LIVE, BatchStatus, cancel_requested
 from core.config import Settings
@@ -60,12 +61,11 @@ async def create(
         raise invalid("endpoint", f"Unsupported endpoint '{endpoint}': Spool batches {sorted(ENDPOINTS)}.")
     if progress.window_seconds(completion_window) is None:
         raise invalid("completion_window", "completion_window must be '24h' (or a duration like '30m', '2h').")
-    if webhook_url and not settings.webhook_secret:
-        raise invalid(
-            "webhook_url",
-            "This deployment signs no webhooks (SPOOL_WEBHOOK_SECRET is unset), so 'webhook_url' cannot be used.",
-            "webhooks_disabled",
-        )
+    if webhook_url:
+        try:
+            await anyio.to_thread.run_sync(webhooks.check_url, webhook_url, settings)  # a DNS lookup
+        except webhooks.RefusedAddress as exc:
+            raise invalid("webhook_url", str(exc), "invalid_webhook_url") from None
     f = (await session.execute(files.get_for_tenant(input_file_id, principal.tenant.id))).scalar()
     if f is None:
         raise not_found(f"No such File object: {input_file_id}", param="input_file_id", code="file_not_found")

@@ -1,61 +1,147 @@
-"""Batch completion webhooks: signed, delivered by the dispatcher, retried with backoff.
+"""Batch webhooks: the ledger decides when, a Celery task delivers (never the dispatcher loop).
 
-Signature (Stripe-style): header `x-spool-signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of
-"<t>.<body>" with SPOOL_WEBHOOK_SECRET>`. Receivers recompute it and reject stale timestamps.
+- The dispatcher only *schedules*: `claim_due` stamps each due delivery with a lease (`next_at` in
+  the future) and the caller sends one `spool.deliver_webhook` task per batch. A lost message or a
+  worker killed mid-delivery costs one lease; a slow receiver holds one worker thread for at most
+  `SPOOL_WEBHOOK_TIMEOUT_S`, never dispatching or crash recovery.
+- `deliver` makes one attempt: the address guard (loopback, private, link-local, metadata and other
+  non-global addresses refused unless `SPOOL_WEBHOOK_ALLOW` lists them) on the *resolved* address,
+  which is then the one connected to (no second lookup to rebind); no redirects; one deadline for the
+  whole exchange. Failures back off (doubling, 10 tries).
+- Signatures follow Standard Webhooks (`webhook-id`, `webhook-timestamp`, `webhook-signature`), so a
+  receiver verifies with off-the-shelf code; each tenant has its own `whsec_` secret.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import base64
+import ipaddress
 import json
 import logging
+import secrets
+import socket
 import time
 from datetime import UTC, datetime, timedelta
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+from standardwebhooks import Webhook
 
-from core.batches.progress import batch_json
 from core.batches.status import FINAL
-from core.infra.orm import Batch
+from core.config import Settings
+from core.infra.orm import Batch, Tenant
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 10
+MAX_RESPONSE_BYTES = 64 * 1024  # what a receiver's answer may cost us to read
 
 
-def sign(secret: str, body: bytes, ts: int | None = None) -> str:
-    ts = int(time.time()) if ts is None else ts
-    mac = hmac.new(secret.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
-    return f"t={ts},v1={mac}"
+class RefusedAddress(ValueError):
+    """The webhook URL is not one Spool will call (scheme, userinfo, or a non-global address)."""
 
 
-def verify(secret: str, body: bytes, header: str, tolerance_s: int = 300) -> bool:
-    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
+# -- secrets -----------------------------------------------------------------------------------
+def new_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def secret_for(session: Session, tenant_id: int, *, rotate: bool = False) -> str:
+    """The tenant's signing secret, made on first use (or replaced when rotating)."""
+    t = session.get(Tenant, tenant_id, with_for_update=True)
+    assert t is not None
+    if rotate or not t.webhook_secret:
+        t.webhook_secret = new_secret()
+        session.commit()
+    return t.webhook_secret
+
+
+def tenant_secret(sessions: sessionmaker[Session], tenant_id: int, *, rotate: bool = False) -> str:
+    with sessions() as s:
+        return secret_for(s, tenant_id, rotate=rotate)
+
+
+def sign(secret: str, msg_id: str, body: bytes, at: datetime | None = None) -> dict[str, str]:
+    at = at or datetime.now(UTC)
+    return {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(int(at.timestamp())),
+        "webhook-signature": Webhook(secret).sign(msg_id, at, body.decode()),
+    }
+
+
+def verify(secret: str, body: bytes, headers: dict[str, str]) -> bool:
+    """What a receiver does (tests and docs): Standard Webhooks' own verifier."""
     try:
-        ts = int(parts["t"])
-    except (KeyError, ValueError):
+        Webhook(secret).verify(body, headers)
+        return True
+    except Exception:
         return False
-    expected = sign(secret, body, ts).split("v1=")[1]
-    return abs(time.time() - ts) <= tolerance_s and hmac.compare_digest(expected, parts.get("v1", ""))
 
 
+# -- the address guard ---------------------------------------------------------------------------
+def _allowed(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, allow: list[str]) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback too
+    for entry in allow:
+        try:
+            if ip in ipaddress.ip_network(entry, strict=False):
+                return True
+        except ValueError:
+            continue
+    return ip.is_global and not ip.is_multicast
+
+
+def resolve(url: str, allow: list[str]) -> tuple[str, str]:
+    """(host, address to connect to) for a URL Spool may call; RefusedAddress otherwise. Every
+    address the name resolves to must pass, so a name that mixes public and private ones is refused."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RefusedAddress("webhook_url must be an http(s) URL with a host.")
+    if parts.username or parts.password:
+        raise RefusedAddress("webhook_url may not carry credentials.")
+    host = parts.hostname
+    if host in allow:
+        return host, host
+    try:
+        infos = socket.getaddrinfo(
+            host, parts.port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM
+        )
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RefusedAddress(f"webhook_url's host '{host}' does not resolve.") from exc
+    addrs = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    for ip in addrs:
+        if not _allowed(ip, allow):
+            raise RefusedAddress(
+                f"webhook_url's host '{host}' is a loopback, private, link-local or otherwise non-public "
+                "address; an operator may allow it with SPOOL_WEBHOOK_ALLOW."
+            )
+    return host, str(addrs[0])
+
+
+def check_url(url: str, settings: Settings) -> None:
+    """At submit time: a literal address or a name that resolves to a refused one is a 400 then,
+    not a silent failure later. (Delivery checks again: names can change.)"""
+    resolve(url, settings.webhook_allow_list)
+
+
+# -- scheduling (dispatcher) and delivery (Celery task) --------------------------------------------
 def backoff_s(attempts: int, base: float) -> float:
     return min(base * 2 ** (attempts - 1), 3600.0)
 
 
-def deliver_due(session: Session, secret: str | None, base_s: float, limit: int = 5) -> int:
-    """POST the final state of ended batches whose webhook is due. Returns deliveries made."""
-    if not secret:
-        return 0
+def claim_due(session: Session, lease_s: float, limit: int = 50) -> list[Batch]:
+    """Ended batches whose webhook is due, each leased for `lease_s` so that a lost task is re-sent
+    once the lease passes and a delivered one is never sent twice at once. The caller renders each
+    batch's final state into the task (workers never render the wire protocol)."""
     now = datetime.now(UTC)
     due = session.scalars(
         select(Batch)
         .where(
             Batch.status.in_([s.value for s in FINAL]),
             Batch.webhook_url.isnot(None),
-            # Never tried, or a retry is due. Delivered or abandoned states carry no next_at.
+            # Never tried, or a retry (or a lapsed lease) is due. Delivered or abandoned: no next_at.
             or_(
                 Batch.webhook_state.is_(None), Batch.webhook_state["next_at"].astext.cast(Batch.created_at.type) <= now
             ),
@@ -64,36 +150,75 @@ def deliver_due(session: Session, secret: str | None, base_s: float, limit: int 
         .limit(limit)
         .with_for_update(skip_locked=True)
     ).all()
-    delivered = 0
     for b in due:
-        state = dict(b.webhook_state or {"attempts": 0})
-        state.pop("next_at", None)
-        body = json.dumps({"object": "event", "type": f"batch.{b.status}", "data": batch_json(b)}).encode()
-        state["attempts"] = state.get("attempts", 0) + 1
-        try:
-            r = httpx.post(
-                b.webhook_url or "",
-                content=body,
-                timeout=5.0,
-                headers={
-                    "content-type": "application/json",
-                    "x-spool-signature": sign(secret, body),
-                    "x-spool-event-id": f"{b.id}:{b.status}",
-                },
-            )
-            ok = 200 <= r.status_code < 300
-            state["last_status"] = r.status_code
-        except httpx.HTTPError as exc:
-            ok = False
-            state["last_error"] = repr(exc)[:200]
-        if ok:
-            state["delivered"] = now.isoformat()
-            delivered += 1
-        elif state["attempts"] >= MAX_ATTEMPTS:
-            state["gave_up"] = now.isoformat()
-            log.warning("webhook for %s given up after %d attempts", b.id, state["attempts"])
-        else:
-            state["next_at"] = (now + timedelta(seconds=backoff_s(state["attempts"], base_s))).isoformat()
-        b.webhook_state = state
+        b.webhook_state = {
+            **(b.webhook_state or {"attempts": 0}),
+            "next_at": (now + timedelta(seconds=lease_s)).isoformat(),
+        }
     session.commit()
-    return delivered
+    return list(due)
+
+
+def _post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
+    """One POST to the guarded address, no redirects, within one deadline for the whole exchange."""
+    host, addr = resolve(url, settings.webhook_allow_list)
+    parts = urlsplit(url)
+    netloc = (f"[{addr}]" if ":" in addr else addr) + (f":{parts.port}" if parts.port else "")
+    pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+    deadline = time.monotonic() + settings.webhook_timeout_s
+    timeout = httpx.Timeout(settings.webhook_timeout_s, connect=min(5.0, settings.webhook_timeout_s))
+    ext = {"sni_hostname": host} if parts.scheme == "https" else {}
+    with (
+        httpx.Client(timeout=timeout, follow_redirects=False) as client,
+        client.stream(
+            "POST", pinned, content=body, headers={**headers, "host": parts.netloc.rsplit("@", 1)[-1]}, extensions=ext
+        ) as r,
+    ):
+        read = 0
+        for chunk in r.iter_raw():  # a receiver that drips its answer still ends at the deadline
+            read += len(chunk)
+            if read > MAX_RESPONSE_BYTES or time.monotonic() > deadline:
+                break
+        return r.status_code
+
+
+def event_body(status: str, batch: dict) -> str:
+    """The delivered JSON: the batch object (rendered by the caller) in an event envelope."""
+    return json.dumps({"type": f"batch.{status}", "timestamp": datetime.now(UTC).isoformat(), "data": batch})
+
+
+def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings: Settings) -> str:
+    """One delivery attempt of a batch's final state; records the outcome and returns it."""
+    with sessions() as s:
+        b = s.get(Batch, batch_id)
+        if b is None or b.webhook_url is None or (b.webhook_state or {}).get("next_at") is None:
+            return "nothing"  # delivered, abandoned, or deleted meanwhile
+        secret = secret_for(s, b.tenant_id)
+        state = {k: v for k, v in (b.webhook_state or {}).items() if k not in ("next_at", "last_error")}
+        msg_id, url = f"msg_{batch_id}_{b.status}", b.webhook_url
+    state["attempts"] = state.get("attempts", 0) + 1
+    ok = False
+    headers = {"content-type": "application/json", **sign(secret, msg_id, body.encode())}
+    try:
+        code = _post(url, body.encode(), headers, settings)
+        state["last_status"] = code
+        ok = 200 <= code < 300
+    except RefusedAddress as exc:
+        state["last_error"] = str(exc)
+    except httpx.HTTPError as exc:
+        state["last_error"] = type(exc).__name__
+    now = datetime.now(UTC)
+    if ok:
+        state["delivered"] = now.isoformat()
+        outcome = "delivered"
+    elif state["attempts"] >= MAX_ATTEMPTS:
+        state["gave_up"] = now.isoformat()
+        outcome = "gave_up"
+        log.warning("webhook for %s given up after %d attempts", batch_id, state["attempts"])
+    else:
+        state["next_at"] = (now + timedelta(seconds=backoff_s(state["attempts"], settings.webhook_retry_s))).isoformat()
+        outcome = "retry"
+    with sessions() as s:
+        s.execute(update(Batch).where(Batch.id == batch_id).values(webhook_state=state))
+        s.commit()
+    return outcome

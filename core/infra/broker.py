@@ -13,6 +13,8 @@ from celery import Celery
 from core.config import get_settings
 
 RUN_JOB = "spool.run_job"
+DELIVER_WEBHOOK = "spool.deliver_webhook"
+WEBHOOK_QUEUE = "spool.webhooks"  # every worker consumes it after its model's queues
 
 
 KINDS = ("interactive", "batch")
@@ -55,6 +57,10 @@ def celery_app() -> Celery:
 def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
     """Publish one `run_job(job_id, attempt)` message to the model's queue (blocking I/O)."""
     celery_app().send_task(RUN_JOB, args=[job_id, attempt], queue=queue_for(model, kind))
+
+
+def send_deliver_webhook(batch_id: str, body: str) -> None:
+    celery_app().send_task(DELIVER_WEBHOOK, args=[batch_id, body], queue=WEBHOOK_QUEUE)
 
 
 def queued_jobs(broker: Any, model: str, limit: int = 10_000) -> set[tuple[str, int]]:

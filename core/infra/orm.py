@@ -55,6 +55,8 @@ class Tenant(Base):
     tpd: Mapped[int | None] = mapped_column(BigInteger)  # tokens per day
     max_concurrent: Mapped[int | None] = mapped_column(Integer)  # jobs dispatched or running at once
     max_queued: Mapped[int | None] = mapped_column(Integer)  # jobs not yet finished
+    # Signs this tenant's webhooks (Standard Webhooks `whsec_...`); made on first use, rotatable.
+    webhook_secret: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 

@@ -37,13 +37,68 @@ def payload(fields: dict[Any, Any]) -> str:
     return _text(raw)
 
 
-def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int, maxlen: int) -> None:
+def fence_key(job_id: str) -> str:
+    """The newest attempt that claimed the job: older attempts may no longer write its stream."""
+    return f"job:{job_id}:fence"
+
+
+def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) -> None:
     """Queue XADDs (and the TTL refresh) on a redis-py pipeline, sync or asyncio alike; the caller
-    executes it, so one round trip carries a whole coalesced batch."""
+    executes it, so one round trip carries a whole coalesced batch. Streams are never trimmed: a
+    resume replays the whole stream, and admission bounds a job's size; the TTL, refreshed on every
+    append, removes them once the job has been quiet that long."""
     key = stream_key(job_id)
     for p in payloads:
-        pipe.xadd(key, {FIELD: p}, maxlen=maxlen, approximate=True)
+        pipe.xadd(key, {FIELD: p})
     pipe.expire(key, ttl_s)
+
+
+# Append only if no newer attempt has claimed the job (compare-and-append, atomic in Redis): a worker
+# that lost its lease but still runs cannot interleave its tokens with its successor's.
+_FENCED_APPEND = """
+local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
+if fence > tonumber(ARGV[1]) then return false end
+local ids = {}
+for i = 3, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'e', ARGV[i]) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return ids
+"""
+
+# Raise the fence to this attempt (never lower it); returns the fence now in force.
+_RAISE_FENCE = """
+local fence = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > fence then fence = tonumber(ARGV[1]) end
+redis.call('SET', KEYS[1], fence, 'EX', ARGV[2])
+return fence
+"""
+
+
+class Fenced(Exception):
+    """A newer attempt owns the job's stream: this one must stop."""
+
+
+def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
+    """Called by an attempt right after its claim, before it reads what earlier attempts streamed:
+    anything a stale attempt appends later is refused, anything before is in what it reads."""
+    return int(redis.eval(_RAISE_FENCE, 1, fence_key(job_id), attempt, ttl_s))
+
+
+def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int) -> list[str]:
+    ids = redis.eval(_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, *payloads)
+    if ids is None:
+        raise Fenced(f"job {job_id}: attempt {attempt} was superseded")
+    return [_text(i) for i in ids]
+
+
+def trimmed(redis: Any, job_id: str) -> bool:
+    """Whether entries were ever removed from the stream (by hand, or by an older Spool's cap): a
+    resume from it would be wrong. A missing stream is not trimmed (nothing to trust or distrust)."""
+    try:
+        info = redis.xinfo_stream(stream_key(job_id))
+    except Exception:
+        return False
+    added = info.get("entries-added", info.get(b"entries-added"))
+    return added is not None and int(added) != int(info.get("length", info.get(b"length", 0)))
 
 
 def rebuild(redis: Any, job_id: str, logged: list[tuple[str, str]], ttl_s: int) -> None:

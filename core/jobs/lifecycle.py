@@ -56,16 +56,23 @@ async def submit(session: AsyncSession, job: Job, cap: int | None = None, claim:
     await session.commit()
     if job.kind != "interactive":
         return  # batch lines always go through the fair dispatcher
-    moved = (await session.execute(transitions.dispatch_now(job.id, job.attempt, job.tenant_id, cap))).first()
-    await session.commit()
+    try:
+        moved = (await session.execute(transitions.dispatch_now(job.id, job.attempt, job.tenant_id, cap))).first()
+        await session.commit()
+    except Exception:  # stored already: an outage now costs the dispatcher's pickup, never an error
+        log.warning("could not mark job %s dispatched; leaving it to the dispatcher", job.id, exc_info=True)
+        return
     if moved is None:  # over the cap (or cancelled already): the dispatcher will send it
         return
     try:
         await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model, job.kind)
     except Exception:
         log.warning("could not send job %s; leaving it to the dispatcher", job.id, exc_info=True)
-        await session.execute(transitions.undispatch(job.id, job.attempt))
-        await session.commit()
+        try:
+            await session.execute(transitions.undispatch(job.id, job.attempt))
+            await session.commit()
+        except Exception:  # left `dispatched`: the dispatcher re-sends it after its timeout
+            log.warning("could not return job %s to queued", job.id, exc_info=True)
 
 
 class Lifecycle:
@@ -81,10 +88,15 @@ class Lifecycle:
         pipe = self.redis.pipeline(transaction=False)
         if cancel_flag:
             pipe.set(streams.cancel_key(job_id), 1, ex=3600)
-        streams.queue_append(pipe, job_id, [encode(e) for e in evs], s.events_ttl_s, s.events_maxlen)
+        streams.queue_append(pipe, job_id, [encode(e) for e in evs], s.events_ttl_s)
         out = pipe.execute()
         ids = out[1:-1] if cancel_flag else out[:-1]
         return [i if isinstance(i, str) else i.decode() for i in ids]
+
+    def publish_deltas(self, job_id: str, attempt: int, evs: Sequence[Delta]) -> list[str]:
+        """A running attempt's output: appended only while no newer attempt has claimed the job
+        (streams.Fenced otherwise)."""
+        return streams.append_fenced(self.redis, job_id, attempt, [encode(e) for e in evs], self.settings.events_ttl_s)
 
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod

@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from core import idempotency
 from core.config import Settings
@@ -134,7 +135,10 @@ async def wait(rds: aioredis.Redis, job_id: str, tenant_id: int, timeout_s: floa
     """The job's row once it has ended; None if it is still running after `timeout_s`."""
 
     async def ended() -> Any:
-        row = await get(job_id, tenant_id)
+        try:
+            row = await get(job_id, tenant_id)
+        except (OperationalError, InterfaceError):
+            return None  # Postgres is restarting: keep following the stream, ask again later
         return row if row is not None and transitions.is_terminal(row.state) else None
 
     try:
@@ -142,6 +146,11 @@ async def wait(rds: aioredis.Redis, job_id: str, tenant_id: int, timeout_s: floa
             async for item in follow(rds, job_id, ended):
                 if item is not HEARTBEAT and is_terminal(item[1]):  # type: ignore[index]
                     break
+            # The job is stored: an outage now must cost a wait (or a 202 to poll), never a 5xx.
+            while True:
+                try:
+                    return await get(job_id, tenant_id)
+                except (OperationalError, InterfaceError):
+                    await asyncio.sleep(1.0)
     except TimeoutError:
         return None
-    return await get(job_id, tenant_id)

@@ -316,6 +316,11 @@ class UsageList(_Response):
     data: list[UsageRow]
 
 
+class WebhookSecret(_Response):
+    object: Literal["webhook_secret"]
+    secret: str  # Standard Webhooks key (`whsec_` + base64): verify deliveries with it
+
+
 class TenantObject(_Response):
     object: Literal["tenant"]
     id: int

@@ -29,6 +29,7 @@ class EngineLoop:
         self.max_live = 0  # most sequences live at once: concurrency evidence for tests and metrics
         self._busy: dict[Hashable, float] = {}  # engine seconds per sequence (step time / live count)
         self.steps = 0
+        self._inside_since: float | None = None  # monotonic start of the engine call in progress
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -40,7 +41,20 @@ class EngineLoop:
         for key in keys:
             self._inbox.put(("cancel", key, None))
 
+    def stalled_for(self) -> float:
+        """Seconds the engine has been inside one call (0 when idle or between calls). A healthy step
+        takes milliseconds to a few seconds (a long prefill); minutes means the engine is wedged."""
+        since = self._inside_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def _apply(self, cmd: str, arg: object, sink: Sink | None) -> None:
+        self._inside_since = time.monotonic()
+        try:
+            self._apply_now(cmd, arg, sink)
+        finally:
+            self._inside_since = None
+
+    def _apply_now(self, cmd: str, arg: object, sink: Sink | None) -> None:
         if cmd == "add":
             assert isinstance(arg, SeqSpec) and sink is not None
             self._sinks[arg.key] = sink
@@ -68,7 +82,7 @@ class EngineLoop:
             if not self.engine.has_work():
                 continue
             self.max_live = max(self.max_live, len(self._sinks))
-            started = time.monotonic()
+            started = self._inside_since = time.monotonic()
             try:
                 events = self.engine.step()
             except Exception:
@@ -78,6 +92,8 @@ class EngineLoop:
                     sink(TokenEvent.failed(key, "engine step failed"))
                 self._sinks.clear()
                 continue
+            finally:
+                self._inside_since = None
             self.steps += 1
             share = (time.monotonic() - started) / max(1, len(self._sinks))
             for key in self._sinks:

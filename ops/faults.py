@@ -1,0 +1,614 @@
+"""Fault injection: a whole Spool on a Postgres and a Redis of its own, killed and restarted under
+load, then audited against the ledger.
+
+    python -m ops.faults                 # the full run (20 worker kills, every other fault once)
+    python -m ops.faults --short         # what CI runs (tests/e2e/test_faults.py)
+    python -m ops.faults --json out.json # the report as JSON too
+
+Load while the faults happen: streaming greedy completions (clients re-attach with `Last-Event-ID`
+when the API goes away, and retry a POST that got no answer with the same `Idempotency-Key`),
+`Prefer: respond-async` jobs polled to the end, and one Batches API batch. Faults, one after another
+with load in between: worker SIGKILL mid-generation (a new worker is started each time), Redis
+SIGKILLed and restarted *empty*, Postgres stopped hard (`-m immediate`) and restarted, the API
+SIGTERMed and SIGKILLed mid-stream, the dispatcher SIGKILLed.
+
+The report counts, per request a client made: **lost** (never finished, or ended other than
+succeeded), **duplicated** (more than one job, or a batch line answered twice), **wrong** (a text
+other than an undisturbed run's: greedy requests must match exactly), **stuck** (not terminal when
+the load is over), **5xx** (any 5xx except the 503 with `Retry-After` that the API answers, storing
+nothing, while Postgres is down; those are counted apart as refusals the clients retried).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SPOOL = [sys.executable, "-m", "core.cli"]
+MODEL = "smollm2-135m-instruct"
+TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception:
+            value = None
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+# -- the services it may kill -------------------------------------------------------------------------
+class OwnPostgres:
+    """A throwaway cluster (initdb) on a free port, local trust auth, data in the work folder."""
+
+    def __init__(self, workdir: Path) -> None:
+        versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name))
+        if not versions:
+            raise SystemExit("ops.faults needs PostgreSQL's server binaries (Debian: postgresql)")
+        self.bin = versions[-1].parent
+        self.port, self.data = free_port(), workdir / "pg"
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/spool"
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run([*self.as_user, *argv], check=True, capture_output=True)
+
+    def init(self) -> None:
+        self.data.mkdir(parents=True)
+        if self.as_user:
+            shutil.chown(self.data.parent, "postgres")
+            shutil.chown(self.data, "postgres")
+        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        self.start()
+        self._run(str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "spool")
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c max_connections=300"
+        self._run(
+            str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.data / "log"), "-w", "start"
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        subprocess.run(
+            [*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"],
+            capture_output=True,
+        )
+
+
+class OwnRedis:
+    def __init__(self, workdir: Path) -> None:
+        self.port, self.workdir = free_port(), workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            cwd=self.workdir,
+            stdout=subprocess.DEVNULL,
+        )
+        wait_for(lambda: socket.create_connection(("127.0.0.1", self.port), 1).close() or True, 10, "redis")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Stack:
+    """Spool's own processes, started with `spool` like an operator would."""
+
+    def __init__(self, workdir: Path, db_url: str, redis_url: str) -> None:
+        self.workdir, self.port = workdir, free_port()
+        self.env = {
+            **os.environ,
+            "SPOOL_DATABASE_URL": db_url,
+            "SPOOL_REDIS_URL": redis_url,
+            "SPOOL_API_PORT": str(self.port),
+            "SPOOL_LEASE_S": "3",
+            "SPOOL_DISPATCH_TIMEOUT_S": "8",
+            "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
+            "SPOOL_INFRA_RETRY_S": "120",
+            "SPOOL_N_CTX": "1024",
+            "SPOOL_BATCH_VALIDATION_LEASE_S": "5",
+            "SPOOL_MAX_ATTEMPTS": "50",  # 20+ kills: a job may be hit several times
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.workers_started = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run([*SPOOL, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"spool {' '.join(args)}: {out.stderr[-2000:]}")
+        return out.stdout.strip()
+
+    def start(self, name: str, *args: str) -> None:
+        log = open(self.workdir / f"{name}.log", "ab")  # the process owns it
+        self.procs[name] = subprocess.Popen([*SPOOL, *args], env=self.env, cwd=ROOT, stdout=log, stderr=log)
+
+    def start_worker(self) -> None:
+        self.workers_started += 1
+        log = self.workdir / "worker.log"
+        before = log.read_text(errors="replace").count("ready.") if log.exists() else 0
+        self.start("worker", "worker")
+        wait_for(lambda: log.read_text(errors="replace").count("ready.") > before, 120, "worker ready")
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/ready", timeout=3).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_api(self) -> None:
+        self.start("api", "api")
+        wait_for(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, 60, "api up")
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# -- the clients -------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    kind: str  # stream | async | batch
+    prompt: str
+    job_id: str | None = None
+    text: str | None = None
+    status: str | None = None  # the job's final status as the client saw it
+    reattached: int = 0
+    retried_posts: int = 0
+
+
+@dataclass
+class Tally:
+    http_5xx: int = 0
+    http_503: int = 0
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def saw(self, r: httpx.Response) -> None:
+        if r.status_code >= 500:
+            with self.lock:
+                if r.status_code == 503 and "retry-after" in r.headers:
+                    self.http_503 += 1
+                else:
+                    self.http_5xx += 1
+                    self.errors.append(f"{r.status_code} {r.request.method} {r.request.url.path}: {r.text[:200]}")
+
+
+RETRYABLE = (httpx.TransportError,)
+
+
+def _body(prompt: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+
+
+class Client:
+    def __init__(self, url: str, key: str, tally: Tally, give_up_s: float = 300) -> None:
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        self.tally, self.give_up_s = tally, give_up_s
+
+    def _post(self, path: str, out: Outcome, **kw: Any) -> httpx.Response:
+        """POST with one Idempotency-Key, retried on connection errors and 503s until answered."""
+        headers = {"Idempotency-Key": uuid.uuid4().hex, **kw.pop("headers", {})}
+        deadline = time.monotonic() + self.give_up_s
+        while True:
+            try:
+                r = self.http.post(path, headers=headers, **kw)
+                self.tally.saw(r)
+                if r.status_code not in (503, 502, 504) or time.monotonic() > deadline:
+                    return r
+            except RETRYABLE:
+                if time.monotonic() > deadline:
+                    raise
+            out.retried_posts += 1
+            time.sleep(1.0)
+
+    def stream(self, prompt: str, max_tokens: int) -> Outcome:
+        """A streaming completion that survives the API going away: re-attach with Last-Event-ID."""
+        out = Outcome("stream", prompt)
+        key = uuid.uuid4().hex
+        text, last_id = "", None
+        deadline = time.monotonic() + self.give_up_s
+        while time.monotonic() < deadline:
+            try:
+                if out.job_id is None:  # no chunk yet: (re)send the POST; the key re-attaches from the start
+                    text, last_id = "", None
+                    ctx = self.http.stream(
+                        "POST",
+                        "/v1/completions",
+                        json=_body(prompt, max_tokens, stream=True),
+                        headers={"Idempotency-Key": key},
+                    )
+                else:
+                    out.reattached += 1
+                    headers = {"Last-Event-ID": last_id} if last_id else {}
+                    ctx = self.http.stream("GET", f"/v1/jobs/{out.job_id}/events", headers=headers)
+                with ctx as resp:
+                    if resp.status_code != 200:
+                        resp.read()
+                        self.tally.saw(resp)
+                        if out.job_id is None:
+                            out.retried_posts += 1
+                        time.sleep(1.0)
+                        continue
+                    for ev_id, data in _sse(resp):
+                        if data == "[DONE]":
+                            out.text = text
+                            return self._finish(out)
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            out.status = "error:" + str(chunk["error"].get("code"))
+                            return out
+                        out.job_id = chunk["id"]
+                        last_id = ev_id or last_id
+                        text += "".join(c.get("text", "") for c in chunk.get("choices", []))
+            except RETRYABLE:
+                pass
+            time.sleep(0.5)  # the API is restarting: try again
+        return out
+
+    def _finish(self, out: Outcome) -> Outcome:
+        job = self._get_job(out.job_id or "")
+        out.status = job.get("status") if job else None
+        return out
+
+    def _get_job(self, job_id: str) -> dict | None:
+        deadline = time.monotonic() + self.give_up_s
+        while time.monotonic() < deadline:
+            try:
+                r = self.http.get(f"/v1/jobs/{job_id}")
+                self.tally.saw(r)
+                if r.status_code == 200:
+                    return r.json()
+            except RETRYABLE:
+                pass
+            time.sleep(1.0)
+        return None
+
+    def async_job(self, prompt: str, max_tokens: int) -> Outcome:
+        out = Outcome("async", prompt)
+        r = self._post("/v1/completions", out, json=_body(prompt, max_tokens), headers={"Prefer": "respond-async"})
+        if r.status_code not in (200, 202):
+            out.status = f"http {r.status_code}"
+            return out
+        out.job_id = r.json()["id"]
+        deadline = time.monotonic() + self.give_up_s
+        while time.monotonic() < deadline:
+            job = self._get_job(out.job_id)
+            if job and job["status"] in TERMINAL:
+                out.status = job["status"]
+                if job.get("result"):
+                    out.text = job["result"]["choices"][0]["text"]
+                return out
+            time.sleep(0.5)
+        return out
+
+    def batch(self, prompts: list[str], max_tokens: int) -> tuple[str | None, dict[str, list[str]]]:
+        """Submit a batch of greedy lines; returns (batch id, custom_id -> every text the output held)."""
+        lines = [
+            json.dumps(
+                {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": _body(p, max_tokens)}
+            )
+            for i, p in enumerate(prompts)
+        ]
+        out = Outcome("batch", "")
+        f = self._post(
+            "/v1/files",
+            out,
+            files={"file": ("faults.jsonl", ("\n".join(lines) + "\n").encode())},
+            data={"purpose": "batch"},
+        )
+        b = self._post(
+            "/v1/batches",
+            out,
+            json={"input_file_id": f.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
+        )
+        batch_id = b.json()["id"]
+        deadline = time.monotonic() + self.give_up_s * 2
+        body: dict | None = None
+        while time.monotonic() < deadline:
+            try:
+                r = self.http.get(f"/v1/batches/{batch_id}")
+                self.tally.saw(r)
+                if r.status_code == 200 and r.json()["status"] in ("completed", "failed", "expired", "cancelled"):
+                    body = r.json()
+                    break
+            except RETRYABLE:
+                pass
+            time.sleep(1.0)
+        texts: dict[str, list[str]] = {}
+        if body and body.get("output_file_id"):
+            content = self.http.get(f"/v1/files/{body['output_file_id']}/content")
+            self.tally.saw(content)
+            for line in content.text.splitlines():
+                row = json.loads(line)
+                choice = row["response"]["body"]["choices"][0] if row.get("response") else {"text": None}
+                texts.setdefault(row["custom_id"], []).append(choice["text"])
+        return batch_id, texts
+
+
+def _sse(resp: httpx.Response) -> Iterator[tuple[str | None, str]]:
+    ev_id, data = None, []
+    for line in resp.iter_lines():
+        if line == "":
+            if data:
+                yield ev_id, "\n".join(data)
+            ev_id, data = None, []
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+        elif line.startswith("id:"):
+            ev_id = line[3:].strip()
+    if data:
+        yield ev_id, "\n".join(data)
+
+
+# -- the run -----------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    requests: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    wrong: int = 0
+    stuck: int = 0
+    http_5xx: int = 0
+    http_503_refusals_retried: int = 0
+    batch_lines: int = 0
+    reattached_streams: int = 0
+    resumed_jobs: int = 0  # jobs that ran more than one attempt
+    faults: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not (self.lost or self.duplicated or self.wrong or self.stuck or self.http_5xx)
+
+
+def run(short: bool, worker_kills: int | None = None, workdir: Path | None = None, seed: int = 7) -> Report:
+    rng = random.Random(seed)
+    started = time.monotonic()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="spool-faults-"))
+    print(f"logs and data in {workdir}", flush=True)
+    pg, rd = OwnPostgres(workdir), OwnRedis(workdir)
+    pg.init()
+    rd.start()
+    st = Stack(workdir, pg.url, rd.url)
+    report = Report()
+    try:
+        st.cli("migrate")
+        st.cli("tenant", "create", "faults")
+        key = st.cli("key", "create", "--tenant", "faults").splitlines()[-1]
+        st.start_api()
+        st.start("dispatcher", "dispatcher")
+        st.start_worker()
+        wait_for(st.ready, 60, "ready")
+        report = _load_and_faults(st, pg, rd, key, rng, short, worker_kills, report)
+    finally:
+        st.stop_all()
+        rd.kill()
+        pg.stop("immediate")
+    report.seconds = round(time.monotonic() - started, 1)
+    return report
+
+
+def _load_and_faults(
+    st: Stack,
+    pg: OwnPostgres,
+    rd: OwnRedis,
+    key: str,
+    rng: random.Random,
+    short: bool,
+    worker_kills: int | None,
+    report: Report,
+) -> Report:
+    tally = Tally()
+    n_tokens = 40
+    prompts = [f"Fault test {i}: once upon a time" for i in range(12)]
+    # What an undisturbed run answers: greedy, so every disturbed run must give exactly this.
+    ref_client = Client(st.url, key, tally)
+    reference = {}
+    for p in prompts:
+        r = ref_client.http.post("/v1/completions", json=_body(p, n_tokens))
+        r.raise_for_status()
+        reference[p] = r.json()["choices"][0]["text"]
+
+    stop = threading.Event()
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def loop(kind: str) -> None:
+        c = Client(st.url, key, tally)
+        while not stop.is_set():
+            p = rng.choice(prompts)
+            o = c.stream(p, n_tokens) if kind == "stream" else c.async_job(p, n_tokens)
+            with lock:
+                outcomes.append(o)
+
+    batch_result: dict[str, Any] = {}
+    batch_prompts = [prompts[i % len(prompts)] for i in range(24 if short else 60)]
+
+    def batch() -> None:
+        batch_result["id"], batch_result["texts"] = Client(st.url, key, tally).batch(batch_prompts, n_tokens)
+
+    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in ["stream"] * 4 + ["async"] * 2]
+    threads.append(threading.Thread(target=batch, daemon=True))
+    for t in threads:
+        t.start()
+
+    from sqlalchemy import create_engine, text
+
+    db = create_engine(pg.url, pool_pre_ping=True)
+
+    def running_jobs() -> int:
+        with db.connect() as conn:
+            return conn.scalar(text("SELECT count(*) FROM jobs WHERE state = 'running'")) or 0
+
+    gap = 3.0 if short else 5.0
+
+    def kill_worker() -> None:
+        try:
+            wait_for(running_jobs, 20, "a job mid-generation")
+        except TimeoutError:
+            report.problems.append("no job was running when a worker kill was due")
+        st.signal("worker", signal.SIGKILL)
+        st.start_worker()
+
+    def redis_restart() -> None:
+        rd.kill()
+        time.sleep(2)
+        rd.start()
+
+    def postgres_restart() -> None:
+        pg.stop("immediate")
+        time.sleep(3)
+        pg.start()
+
+    def api(sig: int) -> Callable[[], None]:
+        def go() -> None:
+            st.signal("api", sig)
+            st.start_api()
+
+        return go
+
+    def dispatcher_kill() -> None:
+        st.signal("dispatcher", signal.SIGKILL)
+        time.sleep(1)
+        st.start("dispatcher", "dispatcher")
+
+    kills = worker_kills if worker_kills is not None else (3 if short else 20)
+    schedule: list[tuple[str, Callable[[], None]]] = [("worker SIGKILL", kill_worker)] * kills
+    schedule += [
+        ("redis SIGKILL + restart empty", redis_restart),
+        ("postgres stop -m immediate + restart", postgres_restart),
+        ("api SIGTERM", api(signal.SIGTERM)),
+        ("api SIGKILL", api(signal.SIGKILL)),
+        ("dispatcher SIGKILL", dispatcher_kill),
+    ]
+    # Worker kills spread among the other faults, in a fixed pseudo-random order.
+    others, kills_only = schedule[kills:], schedule[:kills]
+    order = kills_only[: kills // 2] + others[:2] + kills_only[kills // 2 :] + others[2:]
+    time.sleep(gap)
+    for name, fault in order:
+        print(f"[{time.strftime('%H:%M:%S')}] fault: {name}", flush=True)
+        fault()
+        report.faults.append(name)
+        time.sleep(gap)
+
+    stop.set()
+    for t in threads:
+        t.join(timeout=900)
+
+    # -- the audit: what the clients saw, against the ledger ---------------------------------------
+    with db.connect() as conn:
+        rows = conn.execute(text("SELECT id, state, attempt, kind FROM jobs")).all()
+    by_id = {r.id: r for r in rows}
+    interactive = [r for r in rows if r.kind == "interactive"]
+    report.resumed_jobs = sum(1 for r in rows if r.attempt > 1)
+    report.stuck = sum(1 for r in rows if r.state not in TERMINAL)
+    client_jobs = [o for o in outcomes if o.job_id]
+    report.requests = len(outcomes) + len(prompts)
+    # Each client request carries one Idempotency-Key: any extra interactive job is a duplicate.
+    report.duplicated = max(0, len(interactive) - len(prompts) - len({o.job_id for o in client_jobs}))
+    report.reattached_streams = sum(1 for o in outcomes if o.reattached)
+    for o in outcomes:
+        row = by_id.get(o.job_id or "")
+        if o.status != "succeeded" or row is None or row.state != "succeeded":
+            report.lost += 1
+            report.problems.append(f"{o.kind} {o.job_id}: client saw {o.status}, ledger {row.state if row else None}")
+        elif o.text != reference[o.prompt]:
+            report.wrong += 1
+            report.problems.append(f"{o.kind} {o.job_id}: text differs from the undisturbed run's")
+    texts = batch_result.get("texts", {})
+    report.batch_lines = len(batch_prompts)
+    for i, p in enumerate(batch_prompts):
+        got = texts.get(f"line-{i}", [])
+        if len(got) == 0:
+            report.lost += 1
+            report.problems.append(f"batch line-{i}: missing from the output")
+        elif len(got) > 1:
+            report.duplicated += 1
+            report.problems.append(f"batch line-{i}: {len(got)} times in the output")
+        elif got[0] != reference[p]:
+            report.wrong += 1
+            report.problems.append(f"batch line-{i}: text differs from the undisturbed run's")
+    report.requests += len(batch_prompts)
+    report.http_5xx, report.http_503_refusals_retried = tally.http_5xx, tally.http_503
+    report.problems += tally.errors[:20]
+    db.dispose()
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--short", action="store_true", help="3 worker kills instead of 20; shorter gaps (CI)")
+    ap.add_argument("--worker-kills", type=int, default=None)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = ap.parse_args()
+    report = run(args.short, args.worker_kills, args.workdir)
+    body = {k: v for k, v in asdict(report).items()}
+    print(json.dumps(body, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(body, indent=2))
+    sys.exit(0 if report.clean else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The worker's runner against faults that are not a crash: a newer attempt took over (fencing), and
+an engine that wedges inside a step. Real Postgres and Redis, in-process; the engine is the null
+engine (real vocabulary), made to hang where the test says."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from core.infra import streams
+from core.infra.orm import Job, JobState
+from core.jobs import transitions
+from core.jobs.events import Delta, encode
+from core.jobs.lifecycle import Lifecycle
+from tests import factories
+from tests.conftest import wait_for
+from workers.engine.loop import EngineLoop
+from workers.engine.null import NullEngine
+from workers.runner import JobRunner
+
+MODEL = "smollm2-135m-instruct"
+
+
+def test_a_superseded_attempt_cannot_write_the_stream(rds, it_settings):
+    job_id = "job-fence-" + str(time.time_ns())
+    assert streams.raise_fence(rds, job_id, 2, 60) == 2
+    assert streams.raise_fence(rds, job_id, 1, 60) == 2  # never lowered
+    late = encode(Delta(attempt=1, choice=0, text="stale", token_ids=[1]))
+    with pytest.raises(streams.Fenced):
+        streams.append_fenced(rds, job_id, 1, [late], 60)
+    assert streams.entries(rds, job_id) == []
+    ok = encode(Delta(attempt=2, choice=0, text="fresh", token_ids=[2]))
+    assert len(streams.append_fenced(rds, job_id, 2, [ok], 60)) == 1
+    assert [p for _, p in streams.entries(rds, job_id)] == [ok]
+
+
+@pytest.fixture(scope="module")
+def engine_loop():
+    return EngineLoop(NullEngine(MODEL, n_ctx=512, max_batch=4))
+
+
+def test_an_attempt_that_was_superseded_stops_and_writes_nothing(session, sessions, rds, it_settings, engine_loop):
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8))
+    streams.raise_fence(rds, job.id, 2, 60)  # attempt 2 claimed it meanwhile (its lease lapsed, say)
+    runner = JobRunner(engine_loop, it_settings, rds, sessions, "w-test")
+    assert runner.run(job.id, 1) == "lost"
+    assert streams.entries(rds, job.id) == []
+
+
+class WedgingEngine(NullEngine):
+    """Hangs inside `step` until released, as a stuck CUDA kernel or a deadlocked library would."""
+
+    def __init__(self) -> None:
+        super().__init__(MODEL, n_ctx=512, max_batch=4)
+        self.release = threading.Event()
+
+    def step(self):
+        self.release.wait(60)
+        return super().step()
+
+
+def test_a_wedged_engine_stops_renewing_and_lets_its_job_go(session, sessions, rds, it_settings):
+    settings = it_settings.model_copy(update={"engine_stall_s": 0.5, "lease_s": 1.5})
+    engine = WedgingEngine()
+    loop = EngineLoop(engine)
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8))
+    runner = JobRunner(loop, settings, rds, sessions, "w-wedged")
+    try:
+        started = time.monotonic()
+        assert runner.run(job.id, 1) == "abandoned"  # it did not keep the job it cannot finish
+        assert loop.stalled_for() > 0.5
+        assert time.monotonic() - started < 30
+        # Its lease was not renewed: it lapses, and the reaper hands the job to the next attempt.
+        wait_for(lambda: Lifecycle(sessions, rds, settings).reap()["requeued"] == 1, 10, "the reaper")
+        row = session.get(Job, job.id, populate_existing=True)
+        assert (row.state, row.attempt) == ("queued", 2)
+        assert session.execute(transitions.renew_lease(job.id, 1, 30)).first() is None  # attempt 1 is over
+    finally:
+        engine.release.set()
