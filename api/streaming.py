@@ -16,7 +16,7 @@ from core.infra.db import async_sessions
 from core.jobs import transitions
 from core.jobs.events import TerminalRow
 from core.jobs.stream import HEARTBEAT, follow
-from core.protocol.render import CompletionChunks, JobRecord
+from core.protocol.render import JobRecord, chunks_for
 
 
 def sse(data: dict[str, Any] | str, event_id: str | None = None) -> bytes:
@@ -56,7 +56,7 @@ async def sse_chunks(
 ) -> AsyncIterator[bytes]:
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
     stream is silent; ends after the terminal event."""
-    chunks = CompletionChunks(job, include_usage)
+    chunks = chunks_for(job, include_usage)
     key = readers_key(job.id)
     try:
         await rds.incr(key)

@@ -29,6 +29,11 @@ class Settings(BaseSettings):
         description='Other names clients may use for a served model, as JSON: `{"gpt-3.5-turbo": '
         '"smollm2-135m-instruct", "default": "smollm2-135m-instruct"}`; listed by /v1/models too.',
     )
+    chat_templates: dict[str, str] = Field(
+        default_factory=dict,
+        description='Chat template overrides, as JSON: `{"model id": "/path/to/template.jinja"}`; a model '
+        "without an override uses the template its weights carry (GGUF `tokenizer.chat_template`).",
+    )
     accept_any_model: bool = Field(
         False,
         description="A single-model deployment answers whatever `model` a client sends (llama.cpp's and "
@@ -149,6 +154,11 @@ class Settings(BaseSettings):
     metrics_port: int = Field(0, description="Prometheus port of `spool worker` / `spool dispatcher` (0 = off).")
 
     max_file_bytes: int = Field(2 * 1024**3, description="Largest upload to /v1/files (413 above).")
+    tenant_storage_bytes: int = Field(
+        100 * 1024**3,
+        description="Bytes of uploaded files one tenant may keep at once, unless its own `max_storage_bytes` "
+        "says otherwise (413 `storage_quota_exceeded` past it; expired and deleted files do not count).",
+    )
     max_file_lines: int = Field(2_000_000, description="Most lines a batch input file may have.")
     batch_validation_lease_s: float = Field(
         300.0, description="A batch whose validating API process died is taken over by another after this."

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from core.config import Settings
 
@@ -40,6 +42,20 @@ def resolve(name: str, settings: Settings) -> str | None:
 def aliases(settings: Settings) -> dict[str, str]:
     """Configured aliases whose target is served."""
     return {a: t for a, t in settings.model_aliases.items() if t in settings.model_ids}
+
+
+def chat_template_for(model_id: str, settings: Settings, tok: Any) -> str | None:
+    """The chat template a model's prompts are rendered with: the operator's override
+    (`SPOOL_CHAT_TEMPLATES`: model id -> a .jinja file), else the model's own."""
+    override = settings.chat_templates.get(model_id)
+    if override:
+        return _read_template(override)
+    return tok.chat_template()
+
+
+@lru_cache(maxsize=16)
+def _read_template(path: str) -> str:
+    return Path(path).read_text()
 
 
 def smollm2_gguf() -> Path:

@@ -1,4 +1,5 @@
-"""POST /v1/completions: create the job, then stream it, wait for it, or answer 202."""
+"""POST /v1/completions and /v1/chat/completions: create the job, then stream it, wait for it, or
+answer 202 (one flow: the request type decides the translation and the rendering)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from api.streaming import readers, sse_chunks
 from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
 from core.protocol import render
-from core.protocol.schemas import CompletionRequest
+from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -35,9 +36,27 @@ async def create_completion(
     settings: SettingsDep,
     lifecycle: LifecycleDep,
 ):
+    return await _serve(body, "/v1/completions", request, principal, redis, settings, lifecycle)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/openai/v1/chat/completions", response_model=None, include_in_schema=False)
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    request: Request,
+    principal: PrincipalDep,
+    redis: RedisDep,
+    settings: SettingsDep,
+    lifecycle: LifecycleDep,
+):
+    return await _serve(body, "/v1/chat/completions", request, principal, redis, settings, lifecycle)
+
+
+async def _serve(body, endpoint: str, request: Request, principal, redis, settings, lifecycle: Lifecycle):
+    """One flow for both endpoints: create the job, then stream it, wait for it, or answer 202."""
     queued = "respond-async" in request.headers.get("prefer", "")
     key = request.headers.get("idempotency-key")
-    created = await service.create_completion(redis, principal, body, settings, key, queued=queued)
+    created = await service.create_completion(redis, principal, body, settings, key, endpoint, queued=queued)
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
     if queued:
         return _accepted(job, headers)
@@ -50,7 +69,7 @@ async def create_completion(
     if row is None:
         return _accepted(job, headers)
     if row.state == "succeeded":
-        return JSONResponse(render.completion(row), headers=headers)
+        return JSONResponse(render.response(row), headers=headers)
     err = render.failure(row)
     return JSONResponse(
         {"error": err}, status_code=_ERROR_STATUS.get(err["type"], 422), headers={"x-spool-job-id": row.id}

@@ -1,4 +1,4 @@
-"""GET /v1/models and /v1/models/{id}."""
+"""GET /v1/models and /v1/models/{id} (also under Llama Stack's /v1/openai/v1/)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from core.jobs import workers
 from core.protocol.schemas import ModelList, ModelObject
 from core.registry import aliases, resolve, served_models
 
-router = APIRouter(prefix="/v1/models")
+router = APIRouter()
 _CREATED = 1735689600  # fixed: the model list is configuration, not a dated object
 
 
@@ -33,13 +33,15 @@ async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
     return out
 
 
-@router.get("", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/openai/v1/models", response_model=ModelList, include_in_schema=False)  # Llama Stack's path
 async def list_models(_: TenantDep, settings: SettingsDep, redis: RedisDep) -> dict:
     names = [(m, m) for m in served_models(settings)] + list(aliases(settings).items())
     return {"object": "list", "data": [await _model(n, m, settings, redis) for n, m in names]}
 
 
-@router.get("/{model_id:path}", response_model=ModelObject)
+@router.get("/v1/models/{model_id:path}", response_model=ModelObject)
+@router.get("/v1/openai/v1/models/{model_id:path}", response_model=ModelObject, include_in_schema=False)
 async def get_model(model_id: str, _: TenantDep, settings: SettingsDep, redis: RedisDep) -> dict:
     served = resolve(model_id, settings)
     if served is None:

@@ -30,13 +30,19 @@ from core.infra.kv import TRANSIENT as REDIS_DOWN
 from core.infra.orm import Batch, JobState
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import transitions as jobs
+from core.jobs.service import translate
 from core.protocol.errors import from_validation
-from core.protocol.schemas import CompletionRequest
-from core.protocol.translate import to_generation
+from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.registry import resolve
 
 log = logging.getLogger(__name__)
 TRANSIENT = (*REDIS_DOWN, OperationalError, InterfaceError)
+
+# One request type per batch endpoint (a batch has one endpoint; a line naming another is an error).
+REQUESTS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
 
 # The API pushes a batch id here after creating it, so a validator starts at once, not at its next poll.
 WAKE_KEY = "spool:batches:validate"
@@ -74,7 +80,7 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
     if not isinstance(body, dict):
         raise _LineError("invalid_request", "'body' must be a JSON object.", "body")
     try:
-        req = CompletionRequest.model_validate(body)
+        req = REQUESTS[b.endpoint].model_validate(body)
     except ValidationError as exc:
         err = from_validation(exc.errors())  # the same wording an interactive request would get
         raise _LineError(err.code or "invalid_request", err.message, err.param and f"body.{err.param}") from exc
@@ -90,7 +96,7 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         raise _LineError("model_not_found", f"The model '{req.model}' does not exist.", "body.model")
     req.model = served
     try:
-        params, prompts = to_generation(req, settings, tokenizer_for(req.model))
+        params, prompts, chat = translate(req, settings, tokenizer_for(req.model))
     except DomainError as exc:
         raise _LineError(exc.code or "invalid_request", exc.message, exc.param and f"body.{exc.param}") from exc
     # A plain row for COPY (no ORM object): the columns jobs.new_job fills.
@@ -105,6 +111,7 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         "priority": req.priority or 0,
         "params": params.to_json(),
         "prompts": prompts,
+        "chat": chat,
         "stream": False,
         "user": req.user,
         "batch_id": b.id,
@@ -149,6 +156,7 @@ COLUMNS = (
     "priority",
     "params",
     "prompts",
+    "chat",
     "stream",
     "user",
     "batch_id",
@@ -202,6 +210,7 @@ def validate(batch_id: str) -> str:
                         note(line_no, exc.entry)
                         continue
                     row["params"], row["prompts"] = Jsonb(row["params"]), Jsonb(row["prompts"])
+                    row["chat"] = Jsonb(row["chat"]) if row["chat"] is not None else None
                     copy.write_row([row[c] for c in COLUMNS])
             cur.execute(
                 "SELECT custom_id, (array_agg(line_no ORDER BY line_no))[2:] FROM batch_staging "

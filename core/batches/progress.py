@@ -91,7 +91,7 @@ def _line(job: Job) -> tuple[bool, dict[str, Any]]:
     """One output or error line in OpenAI's batch format; True when it belongs to the output file."""
     rid = "batch_req_" + job.id.removeprefix("cmpl-")
     if job.state == JobState.succeeded.value:
-        body = render.completion(job)
+        body = render.response(job)
         return True, {
             "id": rid,
             "custom_id": job.custom_id,

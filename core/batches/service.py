@@ -22,7 +22,7 @@ from core.idempotency import Claim
 from core.infra.orm import Batch
 from core.tenancy.keys import Principal
 
-ENDPOINTS = {"/v1/completions"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
 
 
 def _not_found(batch_id: str) -> DomainError:

@@ -274,7 +274,7 @@ def _print(rows: list[dict], as_json: bool, columns: list[str]) -> None:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
-TENANT_COLUMNS = ["id", "name", "weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued"]
+TENANT_COLUMNS = ["id", "name", "weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes"]
 KEY_COLUMNS = ["id", "prefix", "name", "scope", "revoked", "rpm", "tpm", "expires_at"]
 
 
@@ -287,11 +287,20 @@ def tenant_create(
     tpd: str | None = LimitOpt,
     max_concurrent: str | None = LimitOpt,
     max_queued: str | None = LimitOpt,
+    max_storage_bytes: str | None = LimitOpt,
 ) -> None:
     """Create a tenant, optionally with limits (requests/tokens per minute, tokens per day, ...)."""
     from core.tenancy import service as tenancy
 
-    values = _limits(weight=weight, rpm=rpm, tpm=tpm, tpd=tpd, max_concurrent=max_concurrent, max_queued=max_queued)
+    values = _limits(
+        weight=weight,
+        rpm=rpm,
+        tpm=tpm,
+        tpd=tpd,
+        max_concurrent=max_concurrent,
+        max_queued=max_queued,
+        max_storage_bytes=max_storage_bytes,
+    )
     body = _service(lambda _s: tenancy.parse(tenancy.TenantCreate, {"name": name, **values}))
     t = _service(tenancy.create_tenant, body)
     typer.echo(f"tenant '{t.name}' created (id {t.id})")
@@ -306,12 +315,21 @@ def tenant_update(
     tpd: str | None = LimitOpt,
     max_concurrent: str | None = LimitOpt,
     max_queued: str | None = LimitOpt,
+    max_storage_bytes: str | None = LimitOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Change a tenant's weight or limits ('none' clears a limit)."""
     from core.tenancy import service as tenancy
 
-    values = _limits(weight=weight, rpm=rpm, tpm=tpm, tpd=tpd, max_concurrent=max_concurrent, max_queued=max_queued)
+    values = _limits(
+        weight=weight,
+        rpm=rpm,
+        tpm=tpm,
+        tpd=tpd,
+        max_concurrent=max_concurrent,
+        max_queued=max_queued,
+        max_storage_bytes=max_storage_bytes,
+    )
     body = _service(lambda _s: tenancy.parse(tenancy.TenantLimits, values))
     _print([tenancy.tenant_json(_service(tenancy.update_tenant, name, body))], as_json, TENANT_COLUMNS)
 

@@ -164,3 +164,31 @@ def _response_format(value: dict[str, Any]) -> str:
             raise ConstraintError("response_format", "response_format.json_schema.schema is required.")
         return from_json_schema(inner["schema"], "response_format")
     raise ConstraintError("response_format", f"Unknown response_format type '{kind}' (text, json_object, json_schema).")
+
+
+def tool_calls(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+    """Lark source that forces Hermes-style calls to the given functions (`tool_choice` required or
+    named): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the arguments valid
+    against the function's JSON schema; one call, or several when parallel calls are allowed."""
+    if not tools:
+        raise ConstraintError("tools", "No function to call.")
+    variants = []
+    for name, schema in tools:
+        if not isinstance(schema, dict):
+            raise ConstraintError("tools", f"The parameters of '{name}' must be a JSON Schema object.")
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": schema},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    body = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    body = {**body, "x-guidance": JSON_STYLE}
+    start = r'start: call ("\n" call)*' if parallel else "start: call"
+    lark = "\n".join([start, r'call: "<tool_call>\n" body "\n</tool_call>"', "body: %json " + json.dumps(body), ""])
+    error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark))
+    if error:
+        raise ConstraintError("tools", f"A function's parameters cannot be enforced: {error.strip()}")
+    return lark

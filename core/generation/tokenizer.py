@@ -19,6 +19,14 @@ class Tokenizer(Protocol):
 
     def fim_tokens(self) -> tuple[int, int, int] | None: ...
 
+    def chat_template(self) -> str | None:
+        """The model's own Jinja chat template, if it carries one."""
+        ...
+
+    def special_text(self) -> tuple[str, str]:
+        """(BOS, EOS) as text, for chat templates that write them."""
+        ...
+
 
 def context_length(tok: Tokenizer, settings: Settings) -> int:
     """The longest sequence a deployment serves: its setting, capped by the model's own context and,

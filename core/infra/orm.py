@@ -55,6 +55,7 @@ class Tenant(Base):
     tpd: Mapped[int | None] = mapped_column(BigInteger)  # tokens per day
     max_concurrent: Mapped[int | None] = mapped_column(Integer)  # jobs dispatched or running at once
     max_queued: Mapped[int | None] = mapped_column(Integer)  # jobs not yet finished
+    max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger)  # uploads kept; NULL: the deployment's
     # Signs this tenant's webhooks (Standard Webhooks `whsec_...`); made on first use, rotatable.
     webhook_secret: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
@@ -114,6 +115,8 @@ class Job(Base):
     params: Mapped[dict[str, Any]] = mapped_column(JSONB)
     prompts: Mapped[list[Any]] = mapped_column(JSONB)
     stream: Mapped[bool] = mapped_column(Boolean, server_default="false")
+    # A chat completion: how to render it (tool-call parsing, chat logprobs). NULL: a text completion.
+    chat: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     user: Mapped[str | None] = mapped_column(String(256))
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

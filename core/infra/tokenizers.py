@@ -81,6 +81,14 @@ class LlamaVocab:
     def eog_tokens(self) -> frozenset[int]:
         return frozenset(self._eog)
 
+    def chat_template(self) -> str | None:
+        return _meta_str(self._model, "tokenizer.chat_template") if self._model is not None else None
+
+    def special_text(self) -> tuple[str, str]:
+        llc = self._llc
+        bos = llc.llama_vocab_bos(self.vocab)
+        return (self.token_text(bos) if bos >= 0 else "", self.token_text(self.eos) if self.eos >= 0 else "")
+
     def fim_tokens(self) -> tuple[int, int, int] | None:
         llc = self._llc
         ids = (
@@ -89,6 +97,17 @@ class LlamaVocab:
             llc.llama_vocab_fim_mid(self.vocab),
         )
         return None if min(ids) < 0 else ids
+
+
+def _meta_str(model: Any, key: str) -> str | None:
+    import llama_cpp as llc
+
+    n = llc.llama_model_meta_val_str(model, key.encode(), None, 0)  # the length it needs
+    if n < 0:
+        return None
+    buf = ctypes.create_string_buffer(n + 1)
+    llc.llama_model_meta_val_str(model, key.encode(), buf, n + 1)
+    return buf.value.decode(errors="replace")
 
 
 def _load_vocab_only(path: str) -> Any:

@@ -17,6 +17,8 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
+from core.generation.params import GenerationParams
+from core.generation.tokenizer import Tokenizer
 from core.idempotency import Claim
 from core.infra.db import async_sessions
 from core.infra.metrics import ADMITTED
@@ -26,9 +28,9 @@ from core.jobs import transitions, workers
 from core.jobs.events import is_terminal
 from core.jobs.lifecycle import submit
 from core.jobs.stream import HEARTBEAT, follow
-from core.protocol.schemas import CompletionRequest
-from core.protocol.translate import reservation, to_generation
-from core.registry import resolve
+from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from core.protocol.translate import chat_to_generation, reservation, to_generation
+from core.registry import chat_template_for, resolve
 from core.tenancy import ratelimit
 from core.tenancy.admission import admit
 from core.tenancy.keys import Principal
@@ -56,7 +58,7 @@ def check_model(model: str, settings: Settings) -> str:
 async def create_completion(
     rds: aioredis.Redis,
     principal: Principal,
-    body: CompletionRequest,
+    body: CompletionRequest | ChatCompletionRequest,
     settings: Settings,
     idempotency_key: str | None = None,
     endpoint: str = "/v1/completions",
@@ -80,7 +82,7 @@ async def create_completion(
 async def _create(
     rds: aioredis.Redis,
     principal: Principal,
-    body: CompletionRequest,
+    body: CompletionRequest | ChatCompletionRequest,
     settings: Settings,
     claim: Claim | None,
     queued: bool,
@@ -102,7 +104,7 @@ async def _create(
             headers={"retry-after": "5"},
         )
     tok = await anyio.to_thread.run_sync(tokenizer_for, body.model)
-    params, prompts = await anyio.to_thread.run_sync(to_generation, body, settings, tok)
+    params, prompts, chat = await anyio.to_thread.run_sync(translate, body, settings, tok)
     tenant = principal.tenant
     job = transitions.new_job(
         tenant_id=tenant.id,
@@ -114,6 +116,7 @@ async def _create(
         user=body.user,
         priority=body.priority or 0,
         reserved_tokens=reservation(params, prompts, context_length(tok, settings)),
+        chat=chat,
     )
     headers |= await admit(rds, principal, job.id, job.reserved_tokens)
     try:
@@ -124,6 +127,17 @@ async def _create(
         raise
     ADMITTED.labels(str(tenant.id), body.model).inc()
     return Created(job, headers)
+
+
+def translate(
+    body: CompletionRequest | ChatCompletionRequest, settings: Settings, tok: Tokenizer
+) -> tuple[GenerationParams, list[dict], dict[str, Any] | None]:
+    """Either endpoint's request -> (params, prompts, how a chat job renders; None for completions).
+    The API and the batch validator both call this."""
+    if isinstance(body, ChatCompletionRequest):
+        return chat_to_generation(body, settings, tok, chat_template_for(body.model, settings, tok))
+    params, prompts = to_generation(body, settings, tok)
+    return params, prompts, None
 
 
 async def get(job_id: str, tenant_id: int) -> Job | None:

@@ -37,8 +37,10 @@ def new_job(
     kind: str = "interactive",
     reserved_tokens: int = 0,
     job_id: str | None = None,
+    chat: dict[str, Any] | None = None,
 ) -> Job:
     return Job(
+        chat=chat,
         id=job_id or new_job_id(),
         tenant_id=tenant_id,
         key_id=key_id,

@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Protocol
 
 from core.config import get_settings
+from core.generation import chat_template
 from core.generation.params import GenerationParams
 from core.jobs.events import (
     Cancelled,
@@ -43,6 +44,7 @@ class JobRecord(Protocol):
     state: str
     attempt: int
     params: dict[str, Any]
+    chat: dict[str, Any] | None
     result: dict[str, Any] | None
     usage: dict[str, Any] | None
     error: dict[str, Any] | None
@@ -167,7 +169,7 @@ def job(j: JobRecord) -> dict[str, Any]:
         "finished_at": _ts(j.finished_at),
         "usage": usage(usage_of(j)) if j.usage is not None else None,
         "error": error(error_of(j)) if j.error is not None else None,
-        "result": completion(j) if j.state == "succeeded" else None,
+        "result": response(j) if j.state == "succeeded" else None,
         "events_url": f"/v1/jobs/{j.id}/events",
     }
 
@@ -233,3 +235,130 @@ class CompletionChunks:
         if isinstance(ev, Failed):
             return [{"error": error(ev.error)}, DONE]
         return []
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+
+def _token_entry(text: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(scores: list[TokenScore], k: int) -> dict[str, Any]:
+    """OpenAI's chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`."""
+    return {
+        "content": [
+            {
+                **_token_entry(s.text, s.logprob),
+                "top_logprobs": [_token_entry(t.text, t.logprob) for t in s.top[:k]],
+            }
+            for s in scores
+        ],
+        "refusal": None,
+    }
+
+
+def _call_id(job_id: str, choice: int, i: int) -> str:
+    # The same id whichever way the job is read (response, stream replay, job object, batch output).
+    return "call_" + hashlib.sha256(f"{job_id}:{choice}:{i}".encode()).hexdigest()[:24]
+
+
+def _tool_calls(job_id: str, choice: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"id": _call_id(job_id, choice, i), "type": "function", "function": c} for i, c in enumerate(calls)]
+
+
+def _message(job: JobRecord, index: int, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of one choice, with its tool calls parsed out when tools were offered."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if (job.chat or {}).get("tools"):
+        content, calls = chat_template.parse_tool_calls(text)
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = _tool_calls(job.id, index, calls)
+            finish = "tool_calls" if finish in ("stop", None) else finish
+    return message, finish
+
+
+def chat_completion(job: JobRecord) -> dict[str, Any]:
+    """A finished chat job as OpenAI's `chat.completion` object."""
+    k = (job.chat or {}).get("top_logprobs")
+    choices = []
+    for c in result_of(job).choices:
+        message, finish = _message(job, c.index, c.text, c.finish_reason)
+        lp = chat_logprobs(list(c.scores or []), k) if k is not None and c.scores is not None else None
+        choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
+    return {
+        "id": job.id,
+        "object": "chat.completion",
+        "created": _ts(job.created_at),
+        "model": job.model,
+        "system_fingerprint": fingerprint(job.model),
+        "choices": choices,
+        "usage": usage(usage_of(job)) if job.usage is not None else None,
+    }
+
+
+def response(job: JobRecord) -> dict[str, Any]:
+    """A finished job in the shape of the endpoint that created it."""
+    return chat_completion(job) if job.chat is not None else completion(job)
+
+
+class ChatChunks(CompletionChunks):
+    """A chat job's events as `chat.completion.chunk`s: the role first, then content deltas, then the
+    finish_reason. With tools offered, text that may be a tool call is held back until it is known:
+    calls go out as `tool_calls` deltas, anything else as content."""
+
+    def __init__(self, j: JobRecord, include_usage: bool) -> None:
+        super().__init__(j, include_usage)
+        self.base["object"] = "chat.completion.chunk"
+        self.job = j
+        self.k = (j.chat or {}).get("top_logprobs")
+        self.tools = bool((j.chat or {}).get("tools"))
+        self.started: set[int] = set()
+        self.held: dict[int, str] = {}  # per choice: text that may still turn out to be a tool call
+
+    def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+
+    def render(self, ev: Event) -> list[dict[str, Any] | str]:
+        if not isinstance(ev, Delta):
+            return super().render(ev)
+        out: list[dict[str, Any] | str] = []
+        i = ev.choice
+        if i not in self.started:
+            self.started.add(i)
+            out.append(self._delta(i, {"role": "assistant", "content": ""}))
+        lp = chat_logprobs(list(ev.scores), self.k) if self.k is not None and ev.scores else None
+        text = ev.text
+        if self.tools:
+            held = self.held.get(i, "") + text
+            if ev.finish_reason is None and _maybe_tool_call(held):
+                self.held[i] = held
+                if lp is not None:
+                    out.append(self._delta(i, {}, None, lp))
+                return out
+            self.held.pop(i, None)
+            content, calls = chat_template.parse_tool_calls(held) if ev.finish_reason else (held, [])
+            if calls:
+                deltas = [{"index": n, **call} for n, call in enumerate(_tool_calls(self.job.id, i, calls))]
+                out.append(self._delta(i, {**({"content": content} if content else {}), "tool_calls": deltas}))
+                finish = "tool_calls" if ev.finish_reason == "stop" else ev.finish_reason
+                out.append(self._delta(i, {}, finish, lp))
+                return out
+            text = held
+        if text or lp is not None:
+            out.append(self._delta(i, {"content": text}, None, lp))
+        if ev.finish_reason:
+            out.append(self._delta(i, {}, ev.finish_reason))
+        return out
+
+
+def _maybe_tool_call(text: str) -> bool:
+    """Whether held text could still be (the start of) a tool call."""
+    t = text.lstrip()
+    opener = chat_template.TOOL_CALL_OPEN
+    return t.startswith(opener) or opener.startswith(t) or t.startswith("{") or (t == "" and text != "")
+
+
+def chunks_for(job: JobRecord, include_usage: bool) -> CompletionChunks:
+    return ChatChunks(job, include_usage) if job.chat is not None else CompletionChunks(job, include_usage)

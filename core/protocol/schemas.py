@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-__all__ = ["CompletionRequest"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest"]
 
 PromptPiece = str | int
 Prompt = str | list[PromptPiece | list[PromptPiece]]
@@ -89,14 +89,14 @@ LLAMACPP_UNSUPPORTED = frozenset(
 )
 
 
-class CompletionRequest(BaseModel):
+class _GenerationRequest(BaseModel):
+    """What /v1/completions and /v1/chat/completions share: one set of fields, one set of bounds."""
+
     # Strict: "max_tokens": "5" is a 400, as with OpenAI. Fields nobody declared are collected
     # (extra="allow") and refused by the route, naming them, unless the deployment relaxes that.
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
     model: str
-    prompt: Prompt
-    suffix: str | None = None
     # Length
     max_tokens: Annotated[Int, Field(ge=-1)] | None = Field(
         None, validation_alias=AliasChoices("max_tokens", "n_predict")
@@ -134,13 +134,6 @@ class CompletionRequest(BaseModel):
     # Stopping and choices
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # OpenAI says 4; llama.cpp takes more
     n: Annotated[Int, Field(ge=1, le=128)] | None = None
-    best_of: Annotated[Int, Field(ge=0, le=20)] | None = None
-    # Log-probabilities (Llama Stack sends a boolean)
-    logprobs: bool | Annotated[Int, Field(ge=0, le=5)] | None = Field(
-        None, validation_alias=AliasChoices("logprobs", "n_probs")
-    )
-    echo: bool | None = None
-    prompt_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     # Constrained output
     grammar: str | GrammarSpec | None = None
     json_schema: dict[str, Any] | str | None = None
@@ -156,10 +149,25 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Annotated[Int, Field(ge=-100, le=100)] | None = None  # within the tenant: higher runs first
-    # Tools belong to chat; on /v1/completions a non-empty list is refused (never accepted and ignored)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    suffix: str | None = None
+    best_of: Annotated[Int, Field(ge=0, le=20)] | None = None
+    # Log-probabilities (Llama Stack sends a boolean)
+    logprobs: bool | Annotated[Int, Field(ge=0, le=5)] | None = Field(
+        None, validation_alias=AliasChoices("logprobs", "n_probs")
+    )
+    echo: bool | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     images: list[str] | None = None
+    # Tools belong to chat; on /v1/completions a non-empty list is refused (never accepted and ignored)
 
     @field_validator("prompt")
     @classmethod
@@ -176,8 +184,54 @@ class CompletionRequest(BaseModel):
                 raise ValueError("token ids must be non-negative")
         return v
 
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+
+# -- chat ------------------------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[Int, Field(ge=-1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    parallel_tool_calls: bool | None = None
+    # Passed to the chat template as variables (vLLM's and llama.cpp's extension), e.g. enable_thinking.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -212,6 +266,22 @@ class Completion(_Response):
     usage: UsageObject | None = None
 
 
+class ChatChoice(_Response):
+    index: int
+    message: dict[str, Any]
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageObject | None = None
+
+
 class ErrorObject(_Response):
     message: str
     type: str | None = None
@@ -234,7 +304,7 @@ class JobObject(_Response):
     finished_at: int | None
     usage: UsageObject | None
     error: ErrorObject | None
-    result: Completion | None
+    result: Completion | ChatCompletion | None
     events_url: str
 
 

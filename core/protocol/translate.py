@@ -13,10 +13,10 @@ from typing import Any
 
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid
-from core.generation import capabilities, constraints
+from core.generation import capabilities, chat_template, constraints
 from core.generation.params import DEFAULT_DRY_BREAKERS, GenerationParams
 from core.generation.tokenizer import Tokenizer, context_length
-from core.protocol.schemas import LLAMACPP_UNSUPPORTED, CompletionRequest, GrammarSpec
+from core.protocol.schemas import LLAMACPP_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GrammarSpec
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
 
@@ -131,6 +131,8 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
         raise bad(native[0], f"llama.cpp's '{native[0]}' is not supported by Spool.", "unsupported_parameter")
     if req.tools:
         raise bad("tools", "'tools' belong to /v1/chat/completions; a text completion cannot call them.")
+    if req.tool_choice not in (None, "none"):
+        raise bad("tool_choice", "'tool_choice' belongs to /v1/chat/completions; a text completion cannot call tools.")
     # A negative seed means "no seed" (llama.cpp's -1): random, and free to take the fast path.
     seeded = req.seed is not None and req.seed >= 0
     if req.images:
@@ -255,3 +257,128 @@ def reservation(params: GenerationParams, prompts: list[dict], ctx: int) -> int:
         gen = room if params.max_tokens is None else min(params.max_tokens, room)
         total += n + params.candidates * gen
     return total
+
+
+# -- chat ------------------------------------------------------------------------------------------
+# Chat-only fields; everything else is the completions translation, shared (same bounds, same words).
+_CHAT_ONLY = frozenset(
+    {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad(f"messages[{i}].tool_call_id", "A 'tool' message needs the 'tool_call_id' it answers.")
+        if m.tool_calls and m.role != "assistant":
+            raise bad(f"messages[{i}].tool_calls", "Only 'assistant' messages carry 'tool_calls'.")
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _tool_constraint(req: ChatCompletionRequest) -> tuple[str | None, bool]:
+    """(the grammar that forces a valid call, whether calls are parsed out of the text)."""
+    tools = req.tools or []
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "'tool_choice' needs 'tools'.")
+        return None, False
+    if choice == "none":
+        return None, False
+    if choice in (None, "auto"):
+        return None, True
+    names = [t.function.name for t in tools]
+    if not isinstance(choice, str):
+        wanted = choice.function.get("name")
+        if wanted not in names:
+            raise bad("tool_choice", f"tool_choice names '{wanted}', which is not in 'tools' ({names}).")
+        names = [wanted]
+    chosen = [t for t in tools if t.function.name in names]
+    try:
+        return constraints.tool_calls(
+            [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen],
+            parallel=req.parallel_tool_calls is not False and len(chosen) > 1,
+        ), True
+    except constraints.ConstraintError as exc:
+        raise bad("tools", str(exc), code="invalid_constraint") from exc
+
+
+def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer, template: str | None) -> list[int]:
+    """The conversation as prompt token ids, through the model's own chat template."""
+    if not template:
+        raise bad("model", f"The model '{req.model}' has no chat template; use /v1/completions.", "no_chat_template")
+    messages = _messages(req)
+    final_assistant = bool(req.continue_final_message) and messages[-1]["role"] == "assistant"
+    bos, eos = tok.special_text()
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else None
+    try:
+        text = chat_template.render(
+            template,
+            messages,
+            tools=tools or None,
+            add_generation_prompt=not final_assistant and req.add_generation_prompt is not False,
+            bos_token=bos,
+            eos_token=eos,
+            extra=req.chat_template_kwargs,
+        )
+    except chat_template.ChatTemplateError as exc:
+        raise bad("messages", str(exc), "invalid_conversation") from exc
+    if final_assistant:  # continue the last assistant message: cut the template's end-of-turn after it
+        last = messages[-1]["content"]
+        cut = text.rfind(last)
+        text = text[: cut + len(last)] if last and cut >= 0 else text
+    try:
+        return tok.encode(text, add_special=False)
+    except UnicodeEncodeError as exc:
+        raise bad("messages", f"The messages are not valid Unicode text: {exc.reason}.") from exc
+
+
+def chat_to_generation(
+    req: ChatCompletionRequest, settings: Settings, tok: Tokenizer, template: str | None
+) -> tuple[GenerationParams, list[dict], dict[str, Any]]:
+    """A chat request -> (params, prompts, how to render it). The conversation becomes one token-id
+    prompt; every other field goes through the completions translation, so bounds and errors agree."""
+    forced, parse_tools = _tool_constraint(req)
+    ids = chat_prompt(req, tok, template)
+    shared = {f: getattr(req, f) for f in req.model_fields_set - _CHAT_ONLY if f in type(req).model_fields}
+    shared = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in shared.items()}
+    if req.max_completion_tokens is not None:
+        shared["max_tokens"] = req.max_completion_tokens
+    if forced is not None:
+        taken = sorted({"grammar", "json_schema", "regex", "guided_choice"} & set(shared))
+        if taken or (req.response_format or {}).get("type", "text") != "text":
+            raise bad("tool_choice", "A forced tool call cannot be combined with another output constraint.")
+        shared["grammar"] = GrammarSpec(type="lark", value=forced)
+    if req.logprobs:
+        shared["logprobs"] = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+    completion = CompletionRequest.model_validate({**shared, "prompt": [ids]})
+    try:
+        params, prompts = to_generation(completion, settings, tok)
+    except DomainError as exc:
+        if exc.param == "prompt":
+            exc.param = "messages"
+        raise
+    meta = {"tools": parse_tools, "top_logprobs": req.top_logprobs or 0 if req.logprobs else None}
+    return params, prompts, meta

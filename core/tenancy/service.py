@@ -21,7 +21,7 @@ from core.infra.orm import ApiKey, Tenant, UsageDaily
 from core.protocol.errors import from_validation
 from core.tenancy.keys import SCOPES, hash_key, new_key
 
-LIMIT_FIELDS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued")
+LIMIT_FIELDS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes")
 PosInt = Annotated[int, Field(ge=1, le=2**31 - 1)] | None  # Postgres integer columns
 BigPosInt = Annotated[int, Field(ge=1, le=2**63 - 1)] | None
 T = TypeVar("T")
@@ -37,6 +37,7 @@ class TenantLimits(BaseModel):
     tpd: BigPosInt = None
     max_concurrent: PosInt = None
     max_queued: PosInt = None
+    max_storage_bytes: BigPosInt = None  # bytes of uploaded files kept at once
 
 
 class TenantCreate(TenantLimits):

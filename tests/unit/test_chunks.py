@@ -19,6 +19,7 @@ def _job(**params):
         state="succeeded",
         attempt=1,
         params=GenerationParams(**params).to_json(),
+        chat=None,
         result=None,
         usage=None,
         error=None,

@@ -1,4 +1,4 @@
-"""per-tenant webhook secrets (Standard Webhooks `whsec_` keys)
+"""per-tenant webhook secrets (Standard Webhooks `whsec_` keys) and storage quotas
 
 Revision ID: 0006
 Revises: 0005
@@ -17,7 +17,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.add_column('tenants', sa.Column('webhook_secret', sa.String(length=64), nullable=True))
+    op.add_column('tenants', sa.Column('max_storage_bytes', sa.BigInteger(), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column('tenants', 'max_storage_bytes')
     op.drop_column('tenants', 'webhook_secret')
