@@ -421,7 +421,14 @@ class Report:
         return not (self.lost or self.duplicated or self.wrong or self.stuck or self.http_5xx)
 
 
-def run(short: bool, worker_kills: int | None = None, workdir: Path | None = None, seed: int = 7) -> Report:
+def run(
+    short: bool,
+    worker_kills: int | None = None,
+    workdir: Path | None = None,
+    seed: int = 7,
+    only: set[str] | None = None,
+    rounds: int = 1,
+) -> Report:
     rng = random.Random(seed)
     started = time.monotonic()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="spool-faults-"))
@@ -439,7 +446,7 @@ def run(short: bool, worker_kills: int | None = None, workdir: Path | None = Non
         st.start("dispatcher", "dispatcher")
         st.start_worker()
         wait_for(st.ready, 60, "ready")
-        report = _load_and_faults(st, pg, rd, key, rng, short, worker_kills, report)
+        report = _load_and_faults(st, pg, rd, key, rng, short, worker_kills, report, only, rounds)
     finally:
         st.stop_all()
         rd.kill()
@@ -457,6 +464,8 @@ def _load_and_faults(
     short: bool,
     worker_kills: int | None,
     report: Report,
+    only: set[str] | None = None,
+    rounds: int = 1,
 ) -> Report:
     tally = Tally()
     n_tokens = 40
@@ -541,8 +550,10 @@ def _load_and_faults(
         ("api SIGKILL", api(signal.SIGKILL)),
         ("dispatcher SIGKILL", dispatcher_kill),
     ]
-    # Worker kills spread among the other faults, in a fixed pseudo-random order.
+    # Worker kills spread among the other faults, in a fixed order.
     others, kills_only = schedule[kills:], schedule[:kills]
+    if only is not None:
+        others = [(n, f) for n, f in others if n.split()[0] in only] * max(1, rounds)
     order = kills_only[: kills // 2] + others[:2] + kills_only[kills // 2 :] + others[2:]
     time.sleep(gap)
     for name, fault in order:
@@ -574,7 +585,10 @@ def _load_and_faults(
             report.problems.append(f"{o.kind} {o.job_id}: client saw {o.status}, ledger {row.state if row else None}")
         elif o.text != reference[o.prompt]:
             report.wrong += 1
-            report.problems.append(f"{o.kind} {o.job_id}: text differs from the undisturbed run's")
+            report.problems.append(
+                f"{o.kind} {o.job_id}: text differs from the undisturbed run's (re-attached {o.reattached}x, "
+                f"POST retried {o.retried_posts}x): got {o.text!r}, expected {reference[o.prompt]!r}"
+            )
     texts = batch_result.get("texts", {})
     report.batch_lines = len(batch_prompts)
     for i, p in enumerate(batch_prompts):
@@ -599,10 +613,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--short", action="store_true", help="3 worker kills instead of 20; shorter gaps (CI)")
     ap.add_argument("--worker-kills", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="with --only: repeat the chosen faults")
+    ap.add_argument("--only", default=None, help="comma-separated subset of: redis,postgres,api,dispatcher")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args()
-    report = run(args.short, args.worker_kills, args.workdir)
+    only = set(args.only.split(",")) if args.only else None
+    report = run(args.short, args.worker_kills, args.workdir, only=only, rounds=args.rounds)
     body = {k: v for k, v in asdict(report).items()}
     print(json.dumps(body, indent=2))
     if args.json:

@@ -69,8 +69,9 @@ class Abandoned(Exception):
 LETTING_GO: tuple[type[BaseException], ...] = (Abandoned, *TRANSIENT)
 
 
-def retrying(settings: Settings, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
-    """Call `fn` until Postgres/Redis answer, with a bounded backoff, up to `infra_retry_s`."""
+def retrying(settings: Settings, what: str, fn: Any, *args: Any, on_wait: Any = None, **kw: Any) -> Any:
+    """Call `fn` until Postgres/Redis answer, with a bounded backoff, up to `infra_retry_s`.
+    `on_wait` runs before each pause (an attempt keeps its lease while Redis is away)."""
     deadline = time.monotonic() + settings.infra_retry_s
     backoff = 0.2
     while True:
@@ -82,6 +83,8 @@ def retrying(settings: Settings, what: str, fn: Any, *args: Any, **kw: Any) -> A
             log.warning(
                 "%s: %s unreachable (%s); retrying in %.1fs", what, "infrastructure", type(exc).__name__, backoff
             )
+            if on_wait is not None:
+                on_wait()
             time.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -187,6 +190,7 @@ class _Attempt:
         # (a restart), it is rebuilt with the same entry ids, so readers resume exactly where they were.
         self.log: list[tuple[str, str]] = []
         self._stream_checked = 0.0
+        self._next_wait_renew = 0.0
 
     # -- setup ------------------------------------------------------------------------------
     def _build(self) -> list[SeqSpec]:
@@ -350,8 +354,19 @@ class _Attempt:
             if not rds.exists(streams.stream_key(self.job.id)):
                 log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", self.job.id)
                 streams.rebuild(rds, self.job.id, self.log, self.settings.events_ttl_s)
+                streams.raise_fence(rds, self.job.id, self.job.attempt, self.settings.events_ttl_s)  # lost too
         ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out)
         self.log += zip(ids, (encode(e) for e in out), strict=True)
+
+    def _renew_while_waiting(self) -> None:
+        now = time.monotonic()
+        if now < self._next_wait_renew:
+            return
+        self._next_wait_renew = now + self.settings.lease_s / 3
+        try:
+            self.runner.renew(self.job)
+        except TRANSIENT:
+            pass  # Postgres away too: the lease may lapse, and the job resumes elsewhere
 
     def _cancelled(self) -> bool:
         try:
@@ -441,7 +456,9 @@ class _Attempt:
             ch.sent_ids = len(ch.text.ids)
             ch.closed = ch.done
         if out:
-            retrying(self.settings, f"publish {self.job.id}", self._emit, out)
+            # While Redis is away the attempt waits here, and keeps renewing its lease in Postgres: an
+            # outage must not hand the job to a second attempt, which would find the stream empty.
+            retrying(self.settings, f"publish {self.job.id}", self._emit, out, on_wait=self._renew_while_waiting)
 
     def _select(self) -> dict[int, _Choice]:
         """The returned choices by OpenAI index: all, or best_of's top n per prompt by mean logprob."""
