@@ -25,6 +25,8 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # llama-cpp-python compiles llama.cpp (about 8 minutes on 2 cores the first time; pip caches the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-.venv/bin/python -m pip install --quiet --progress-bar off -e ".[cpu,test,bench]"
+EXTRAS="cpu,test,bench"
+[ "${SPOOL_SKIP_EVAL:-0}" = "1" ] || EXTRAS="$EXTRAS,eval"  # lm-evaluation-harness and a CPU torch
+.venv/bin/python -m pip install --quiet --progress-bar off -e ".[$EXTRAS]"
 
 bash ops/services.sh

@@ -7,7 +7,9 @@ weights), so it can count prompt tokens and refuse what cannot fit before anythi
 from __future__ import annotations
 
 import ctypes
+import json
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from core.config import get_settings
@@ -97,6 +99,106 @@ class LlamaVocab:
             llc.llama_vocab_fim_mid(self.vocab),
         )
         return None if min(ids) < 0 else ids
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (the `tokenizers` library), for model folders without a GGUF
+    (EXL2/EXL3 folders): the chat template, BOS/EOS and whether BOS is added come from
+    `tokenizer_config.json` (or `chat_template.jinja`) beside it, as `transformers` reads them."""
+
+    def __init__(self, folder: Path, train_context: int = 0) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        self.folder = folder
+        self._tok = _HF.from_file(str(folder / "tokenizer.json"))
+        config = _json(folder / "tokenizer_config.json")
+        model_config = _json(folder / "config.json")
+        self.train_context = train_context or int(model_config.get("max_position_embeddings") or 0)
+        self.n_vocab = max(self._tok.get_vocab_size(with_added_tokens=True), int(model_config.get("vocab_size") or 0))
+        self._bos_text = _token_str(config.get("bos_token"))
+        self._eos_text = _token_str(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False)) and self._bos_text is not None
+        self.eos = self._tok.token_to_id(self._eos_text) if self._eos_text else 0
+        self._template = config.get("chat_template")
+        if isinstance(self._template, list):  # named templates: the default one
+            self._template = next((t["template"] for t in self._template if t.get("name") == "default"), None)
+        jinja = folder / "chat_template.jinja"
+        if jinja.exists():
+            self._template = jinja.read_text()
+        self._specials = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self._pieces: dict[int, bytes] = {}
+        self._byte_level = '"ByteLevel"' in self._tok.to_str()
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self._bos_text:
+            bos = self._tok.token_to_id(self._bos_text)
+            ids = [bos, *ids] if bos is not None else ids
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to generated text (special tokens add nothing): a token may hold part
+        of a UTF-8 character, so these are read from the vocabulary, never from decoded text."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            raw = self._tok.id_to_token(token_id)
+            if token_id in self._specials or raw is None:
+                piece = b""
+            elif self._byte_level:  # GPT-2's byte-to-unicode alphabet
+                piece = bytes(_BYTE_OF.get(c, 0) for c in raw)
+            elif len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):  # SentencePiece byte fallback
+                piece = bytes([int(raw[3:5], 16)])
+            else:  # SentencePiece/Metaspace: U+2581 is a space
+                piece = raw.replace("\u2581", " ").encode()
+            self._pieces[token_id] = piece
+        return piece
+
+    def token_text(self, token_id: int) -> str:
+        if token_id in self._specials:
+            return self._tok.id_to_token(token_id) or ""
+        return self.token_bytes(token_id).decode(errors="replace")
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def chat_template(self) -> str | None:
+        return self._template
+
+    def special_text(self) -> tuple[str, str]:
+        return (self._bos_text or "", self._eos_text or "")
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        ids = [self._tok.token_to_id(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")]
+        return None if any(i is None for i in ids) else (ids[0], ids[1], ids[2])  # type: ignore[return-value]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of bytes to printable characters (what byte-level BPE vocabularies hold)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars), strict=True))
+
+
+_BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):  # transformers' AddedToken serialisation
+        v = v.get("content")
+    return v if isinstance(v, str) else None
 
 
 def _meta_str(model: Any, key: str) -> str | None:

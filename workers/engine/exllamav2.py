@@ -59,7 +59,8 @@ def load_ll_tokenizer(folder: Path, n_vocab: int, eos_ids: list[int]) -> Any:
         return LLTokenizer(text, n_vocab=n_vocab, eos_token=eos_ids)
     from llguidance.hf import from_tokenizer
 
-    return from_tokenizer(AutoTokenizer.from_pretrained(str(folder)), n_vocab=n_vocab, eos_token=eos_ids)
+    hf: Any = AutoTokenizer.from_pretrained(str(folder))  # llguidance accepts the fast tokenizer it returns
+    return from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos_ids)
 
 
 @cache

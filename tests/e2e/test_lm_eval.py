@@ -1,0 +1,115 @@
+"""EleutherAI's lm-evaluation-harness, unchanged, against Spool: `local-completions` with token-array
+prompts and 4 concurrent requests, on a multiple-choice and a generation task of our own (no hub:
+the tasks read local JSON, the tokenizer is made from the bundled GGUF). Every loglikelihood it
+computes must equal the one computed in-process from the same model within 1e-3 nats."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs the `eval` extra (lm_eval, gguf): installed by ops/bootstrap.sh unless SPOOL_SKIP_EVAL=1",
+)
+
+TASKS = Path(__file__).parent / "lm_eval_tasks"
+
+
+def _in_process_loglikelihood(ids: list[int], ctxlen: int) -> float:
+    """Sum of log p(token | everything before it) over the continuation, from llama.cpp's logits."""
+    from llama_cpp import Llama
+
+    from core.registry import smollm2_gguf
+
+    llm = _llm_cache.get("llm")
+    if llm is None:
+        llm = _llm_cache["llm"] = Llama(str(smollm2_gguf()), n_ctx=1024, logits_all=True, verbose=False)
+    llm.reset()
+    llm.eval(ids)
+    scores = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+    total = 0.0
+    for pos in range(ctxlen, len(ids)):
+        row = scores[pos - 1]
+        total += float(row[ids[pos]] - (row.max() + math.log(np.exp(row - row.max()).sum())))
+    return total
+
+
+_llm_cache: dict = {}
+
+
+def test_lm_eval_local_completions_scores_what_the_model_computes(stack, tmp_path):
+    from core.registry import smollm2_gguf
+    from ops.tokenizer_from_gguf import export
+
+    tok_dir = export(smollm2_gguf(), tmp_path / "tokenizer")
+    tasks = tmp_path / "tasks"
+    shutil.copytree(TASKS, tasks)
+    for y in tasks.glob("*.yaml"):
+        y.write_text(y.read_text().replace("__DIR__", str(tasks)))
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OPENAI_API_KEY": stack.keys["alpha"],
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    model_args = ",".join(
+        [
+            f"model={MODEL}",
+            f"base_url={stack.base_url}/v1/completions",
+            "num_concurrent=4",
+            "max_retries=2",
+            "tokenized_requests=True",
+            "tokenizer_backend=huggingface",
+            f"tokenizer={tok_dir}",
+            "max_length=1024",
+        ]
+    )
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+            "--tasks", "spool_mc,spool_gen", "--include_path", str(tasks), "--output_path", str(out),
+            "--log_samples", "--batch_size", "1",
+        ],
+        env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+
+    samples = {p.name.split("_")[1] + "_" + p.name.split("_")[2]: p for p in out.rglob("samples_*.jsonl")}
+    mc = [json.loads(line) for line in next(p for k, p in samples.items() if "spool_mc" in k).read_text().splitlines()]
+    assert len(mc) == 10
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    worst = 0.0
+    for s in mc:
+        for (context, continuation), resp in zip([a for a in (arg for arg in s["arguments"])], s["resps"], strict=True):
+            loglik = resp[0][0]
+            assert loglik < 0, (context, continuation, loglik)  # never 0 (a dropped token) or positive
+            ctx_ids = hf.encode(context, add_special_tokens=False).ids
+            whole = hf.encode(context + continuation, add_special_tokens=False).ids
+            # lm-eval splits context and continuation at the token boundary the same way.
+            cont_ids = hf.encode(continuation, add_special_tokens=False).ids
+            ids = ctx_ids + cont_ids if whole[: len(ctx_ids)] != ctx_ids else whole
+            expected = _in_process_loglikelihood(ids, len(ids) - len(cont_ids))
+            worst = max(worst, abs(loglik - expected))
+            assert abs(loglik - expected) < 1e-3, (context, continuation, loglik, expected)
+    print(f"largest difference from the in-process value: {worst:.2e} nats over {len(mc) * 4} continuations")
+
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    assert results["spool_mc"]["acc,none"] >= 0.5  # the model knows most of these; a broken scorer does not
+    assert "contains,none" in results["spool_gen"]
