@@ -23,6 +23,12 @@ class Settings(BaseSettings):
         "smollm2-135m-instruct",
         description="Comma-separated model ids this deployment serves (see `core/registry.py`).",
     )
+    models_file: str | None = Field(
+        None,
+        description="A TOML model registry (`[[models]]` entries: id, engine, path, tokenizer, aliases, "
+        "chat_template, n_ctx, max_batch; see ops/models.example.toml). When set, it replaces `models`, "
+        "`engine` and `model_path` as the list of served models.",
+    )
     worker_models: str | None = Field(None, description="Model ids a worker loads and consumes; defaults to `models`.")
     model_aliases: dict[str, str] = Field(
         default_factory=dict,
@@ -179,12 +185,17 @@ class Settings(BaseSettings):
 
     @property
     def model_ids(self) -> list[str]:
+        if self.models_file:
+            from core.registry import registry  # the registry reads these settings: imported late
+
+            return list(registry(self))
         return [m.strip() for m in self.models.split(",") if m.strip()]
 
     @property
     def worker_model_ids(self) -> list[str]:
-        raw = self.worker_models or self.models
-        return [m.strip() for m in raw.split(",") if m.strip()]
+        if not self.worker_models:
+            return self.model_ids
+        return [m.strip() for m in self.worker_models.split(",") if m.strip()]
 
     @property
     def webhook_allow_list(self) -> list[str]:

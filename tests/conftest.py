@@ -75,9 +75,11 @@ class Stack:
         assert out.returncode == 0, f"spool {' '.join(args)} failed: {out.stderr[-2000:]}"
         return out.stdout.strip()
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "ab")
-        proc = subprocess.Popen([*SPOOL, *args], env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*SPOOL, *args], env={**self.env, **(env or {})}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
         self.procs[name] = proc
         return proc
 
@@ -134,7 +136,9 @@ def db_url() -> str:
 
 
 @contextmanager
-def running_stack(logdir: Path, db_url: str, redis_url: str, **extra_env: str) -> Iterator[Stack]:
+def running_stack(
+    logdir: Path, db_url: str, redis_url: str, extra_workers: tuple[dict[str, str], ...] = (), **extra_env: str
+) -> Iterator[Stack]:
     """A whole Spool (api + dispatcher + one worker) on its own database and Redis db, with tenants
     alpha, beta and ops and an admin key, all made fresh."""
     from core.infra.dbadmin import drop_database
@@ -170,6 +174,10 @@ def running_stack(logdir: Path, db_url: str, redis_url: str, **extra_env: str) -
         st.start("api", "api")
         st.start("dispatcher", "dispatcher")
         st.start_worker()
+        for i, worker_env in enumerate(extra_workers):  # more workers, e.g. for other models
+            name = f"worker-extra{i + 1}"
+            st.start(name, "worker", env=worker_env)
+            wait_for(lambda n=name: "ready." in st.log(n), 120, f"{name} ready")
 
         def healthy() -> bool:
             try:

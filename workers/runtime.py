@@ -10,7 +10,7 @@ from functools import lru_cache
 from core.config import get_settings
 from core.infra import kv
 from core.infra.db import sync_sessions
-from core.registry import model_path
+from core.registry import model_path, settings_for
 from workers.engine.base import Engine
 from workers.engine.loop import EngineLoop
 from workers.runner import JobRunner
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(model_id: str) -> Engine:
-    s = get_settings()
+    s = settings_for(model_id, get_settings())  # the model's own engine, context, batch and weights
     if s.engine == "llamacpp":
         from workers.engine.llamacpp import LlamaCppEngine
 

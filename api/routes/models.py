@@ -11,7 +11,7 @@ from core.config import Settings
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import workers
 from core.protocol.schemas import ModelList, ModelObject
-from core.registry import aliases, resolve, served_models
+from core.registry import aliases, resolve, served_models, settings_for
 
 router = APIRouter()
 _CREATED = 1735689600  # fixed: the model list is configuration, not a dated object
@@ -25,7 +25,7 @@ async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
         "object": "model",
         "created": _CREATED,
         "owned_by": "spool",
-        "context_length": context_length(tok, settings),
+        "context_length": context_length(tok, settings_for(model_id, settings)),
         "live_workers": len(live),  # 0: synchronous requests for it get a 503 with Retry-After
     }
     if name != model_id:

@@ -33,7 +33,7 @@ from core.jobs import transitions as jobs
 from core.jobs.service import translate
 from core.protocol.errors import from_validation
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
-from core.registry import resolve
+from core.registry import resolve, settings_for
 
 log = logging.getLogger(__name__)
 TRANSIENT = (*REDIS_DOWN, OperationalError, InterfaceError)
@@ -96,7 +96,7 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         raise _LineError("model_not_found", f"The model '{req.model}' does not exist.", "body.model")
     req.model = served
     try:
-        params, prompts, chat = translate(req, settings, tokenizer_for(req.model))
+        params, prompts, chat = translate(req, settings_for(req.model, settings), tokenizer_for(req.model))
     except DomainError as exc:
         raise _LineError(exc.code or "invalid_request", exc.message, exc.param and f"body.{exc.param}") from exc
     # A plain row for COPY (no ORM object): the columns jobs.new_job fills.

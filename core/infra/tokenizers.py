@@ -16,7 +16,7 @@ from core.config import get_settings
 from core.generation.tokenizer import Tokenizer, context_length
 
 __all__ = ["LlamaVocab", "Tokenizer", "context_length", "tokenizer_for"]
-from core.registry import model_path
+from core.registry import tokenizer_source
 
 
 class LlamaVocab:
@@ -236,10 +236,15 @@ def _meta_int(model: Any, key: str) -> int:
 
 @lru_cache
 def tokenizer_for(model_id: str) -> Tokenizer:
-    """The tokenizer of a served model (cached for the process)."""
+    """The tokenizer of a served model (cached for the process): a folder's tokenizer.json, or the
+    vocabulary of a GGUF (loaded vocab-only: a few MB, no weights)."""
     import llama_cpp as llc
 
-    model = _load_vocab_only(str(model_path(get_settings(), model_id)))
+    settings = get_settings()
+    source = tokenizer_source(settings, model_id)
+    if source.is_dir():
+        return HFTokenizer(source)
+    model = _load_vocab_only(str(source))
     # A vocab-only load skips the hyper-parameters; read the context length from the metadata.
     buf = ctypes.create_string_buffer(64)
     llc.llama_model_meta_val_str(model, b"general.architecture", buf, 64)

@@ -30,7 +30,7 @@ from core.jobs.lifecycle import submit
 from core.jobs.stream import HEARTBEAT, follow
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import chat_to_generation, reservation, to_generation
-from core.registry import chat_template_for, resolve
+from core.registry import chat_template_for, resolve, settings_for
 from core.tenancy import ratelimit
 from core.tenancy.admission import admit
 from core.tenancy.keys import Principal
@@ -104,7 +104,8 @@ async def _create(
             headers={"retry-after": "5"},
         )
     tok = await anyio.to_thread.run_sync(tokenizer_for, body.model)
-    params, prompts, chat = await anyio.to_thread.run_sync(translate, body, settings, tok)
+    ms = settings_for(body.model, settings)  # this model's engine, context and batch
+    params, prompts, chat = await anyio.to_thread.run_sync(translate, body, ms, tok)
     tenant = principal.tenant
     job = transitions.new_job(
         tenant_id=tenant.id,
@@ -115,7 +116,7 @@ async def _create(
         stream=bool(body.stream),
         user=body.user,
         priority=body.priority or 0,
-        reserved_tokens=reservation(params, prompts, context_length(tok, settings)),
+        reserved_tokens=reservation(params, prompts, context_length(tok, ms)),
         chat=chat,
     )
     headers |= await admit(rds, principal, job.id, job.reserved_tokens)

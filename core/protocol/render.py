@@ -29,6 +29,7 @@ from core.jobs.events import (
     result_of,
     usage_of,
 )
+from core.registry import RegistryError, settings_for
 
 try:
     _VERSION = version("spool")
@@ -58,7 +59,11 @@ def fingerprint(model: str) -> str:
     """OpenAI's `system_fingerprint`: changes when what serves the model (engine, its settings,
     Spool's version) changes, so a client can tell two answers apart that came from different setups."""
     s = get_settings()
-    raw = f"{model}|{s.engine}|{s.n_ctx}|{s.max_batch}|{s.fast_lane}|{_VERSION}"
+    try:
+        s = settings_for(model, s)
+    except RegistryError:  # a job of a model no longer served
+        pass
+    raw = f"{model}|{s.engine}|{s.n_ctx}|{s.max_batch}|{s.fast_lane}|{s.model_path}|{_VERSION}"
     return "fp_" + hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 
