@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,14 +13,15 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 from sqlalchemy import text
 
 from api import errors
 from api.guard import RequestGuard
-from api.routes import admin, batches, completions, files, jobs, models, tokens, usage, webhooks
+from api.observe import RequestIdentity
+from api.routes import admin, batches, completions, files, jobs, models, tokens, ui, usage, webhooks
 from core.config import get_settings
-from core.infra import kv
+from core.infra import kv, logs
 from core.infra.db import async_engine, sync_sessions
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import workers
@@ -62,9 +64,11 @@ def create_app() -> FastAPI:
     app = FastAPI(
         title="Spool", version="0.1.0", lifespan=lifespan, description="Queue-backed, OpenAI-compatible completions."
     )
+    logs.setup(settings.log_format)
     errors.install(app)
 
     app.add_middleware(RequestGuard, settings=settings)
+    app.add_middleware(RequestIdentity)  # outermost: every response, errors included, carries the id
 
     app.include_router(completions.router)
     app.include_router(jobs.router)
@@ -75,9 +79,14 @@ def create_app() -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(webhooks.router)
+    app.include_router(ui.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # `spool api --workers N`: the sum over processes
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", include_in_schema=False)

@@ -37,7 +37,7 @@ async def current_principal(request: Request) -> Principal:
     known = getattr(request.state, "principal", None)
     if known is not None:
         return known
-    return await authenticate(request.headers.get("authorization"))
+    return await authenticate(request.headers.get("authorization"), request.app.state.redis)
 
 
 async def current_tenant(principal: Annotated[Principal, Depends(current_principal)]) -> Tenant:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError, StatementError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import DomainError, ErrorKind
@@ -123,6 +124,12 @@ def install(app: FastAPI) -> None:
             return _unavailable()
         log.exception("database error")
         return _internal()
+
+    @app.exception_handler(PoolTimeout)
+    async def _pool(_: Request, exc: Exception) -> JSONResponse:
+        # Every database connection busy for the pool's timeout: overload, nothing stored; retry.
+        log.warning("database pool exhausted")
+        return _unavailable()
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)

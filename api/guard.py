@@ -14,29 +14,45 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.cache import SingleFlight
 from api.errors import APIError, error_response
 from core.config import Settings
 from core.errors import DomainError
 from core.infra.db import async_sessions
-from core.tenancy.keys import Principal, lookup_stmt
+from core.tenancy.keys import Principal, hash_key, lookup_stmt, revoked_key
 
+UI_FORMS = frozenset({"/ui/login", "/ui/logout"})
 MISSING_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header using "
     "Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
 )
 
 
-async def authenticate(authorization: str | None) -> Principal:
+# Key lookups are cached for a few seconds (one query per key, not per request); a revocation is
+# seen at once all the same: the revoking side marks the key in Redis, checked on every hit.
+_KEYS: SingleFlight[Principal | None] = SingleFlight(ttl_s=5.0)
+
+
+async def authenticate(authorization: str | None, redis: Any = None) -> Principal:
     """The tenant and key behind a Bearer header, looked up in a short session of its own (a long
     stream must not hold a database connection)."""
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise APIError(401, MISSING_KEY, code="missing_api_key", type_="invalid_request_error")
-    async with async_sessions()() as session:
-        row = (await session.execute(lookup_stmt(key.strip()))).first()
-    if row is None:
+    digest = hash_key(key.strip())
+
+    async def load() -> Principal | None:
+        async with async_sessions()() as session:
+            row = (await session.execute(lookup_stmt(key.strip()))).first()
+        return None if row is None else Principal(row[0], row[1])
+
+    principal = await _KEYS.get(digest, load)
+    if principal is not None and redis is not None and await redis.exists(revoked_key(digest)):
+        _KEYS.forget(digest)
+        principal = await _KEYS.get(digest, load)
+    if principal is None:
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", type_="invalid_request_error")
-    return Principal(row[0], row[1])
+    return principal
 
 
 class RequestGuard:
@@ -53,13 +69,17 @@ class RequestGuard:
             return
         headers = Headers(scope=scope)
         limit = self.limit(scope["path"])
+        if scope["path"] in UI_FORMS:  # the status page's own forms: a tiny body, checked by the route
+            limit = 4096
         length = headers.get("content-length")
         try:
             if length is not None and (not length.isdigit() or int(length) > limit):
                 raise APIError(
                     413, f"Request body too large: {length} bytes (limit {limit}).", code="request_too_large"
                 )
-            scope.setdefault("state", {})["principal"] = await authenticate(headers.get("authorization"))
+            redis = getattr(getattr(scope.get("app"), "state", None), "redis", None)
+            if scope["path"] not in UI_FORMS:
+                scope.setdefault("state", {})["principal"] = await authenticate(headers.get("authorization"), redis)
         except DomainError as exc:
             await error_response(exc)(scope, receive, send)
             return

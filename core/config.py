@@ -157,6 +157,9 @@ class Settings(BaseSettings):
         description="Most messages the dispatcher keeps waiting in a model's Celery queues: the rest wait "
         "in Postgres, where fair ordering still applies.",
     )
+    log_format: Literal["json", "text"] = Field(
+        "json", description="Log lines as JSON (with request, job, tenant, model and attempt ids) or as plain text."
+    )
     metrics_port: int = Field(0, description="Prometheus port of `spool worker` / `spool dispatcher` (0 = off).")
 
     max_file_bytes: int = Field(2 * 1024**3, description="Largest upload to /v1/files (413 above).")

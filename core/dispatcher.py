@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import redis
 from sqlalchemy import func, select
@@ -20,7 +21,7 @@ from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job
-from core.infra.metrics import QUEUED
+from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
 from core.infra.orm import Job, JobState
 from core.jobs import transitions as jobs
 from core.jobs import workers
@@ -66,15 +67,7 @@ class Dispatcher:
             self._next_batches = time.monotonic() + s.dispatcher_interval_s
             with self.sessions() as session:
                 counts["batches_ended"] = batches.advance(session)
-                for model in s.model_ids:  # a count over the backlog: once per interval, not per tick
-                    QUEUED.labels(model).set(
-                        session.scalar(
-                            select(func.count())
-                            .select_from(Job)
-                            .where(Job.state == JobState.queued.value, Job.model == model)
-                        )
-                        or 0
-                    )
+                self._gauges(session)
             # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
             with self.sessions() as session:
                 due = webhooks.claim_due(session, lease_s=s.webhook_timeout_s * 3 + 30)
@@ -88,6 +81,26 @@ class Dispatcher:
         if any(v for k, v in counts.items() if k != "sent"):
             log.info("dispatcher: %s", counts)
         return counts
+
+    def _gauges(self, session: Session) -> None:
+        """Queue depth, oldest queued job and live workers per model: a scan of the backlog, so once
+        per interval, not per tick."""
+        seen: dict[tuple[str, str], tuple[int, Any]] = {
+            (m, k): (0, None) for m in self.settings.model_ids for k in ("interactive", "batch")
+        }
+        rows = session.execute(
+            select(Job.model, Job.kind, func.count(), func.min(Job.created_at))
+            .where(Job.state == JobState.queued.value)
+            .group_by(Job.model, Job.kind)
+        ).all()
+        for model, kind, n, oldest in rows:
+            seen[(model, kind)] = (n, oldest)
+        now = time.time()
+        for (model, kind), (n, oldest) in seen.items():
+            QUEUED.labels(model, kind).set(n)
+            OLDEST.labels(model, kind).set(now - oldest.timestamp() if oldest is not None else 0)
+        for model in self.settings.model_ids:
+            LIVE_WORKERS.labels(model).set(len(workers.live(self.rds, model)))
 
     def _depth(self, model: str) -> int:
         return sum(self.broker.llen(q) for q in queues_for(model))

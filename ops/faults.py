@@ -75,8 +75,11 @@ class OwnPostgres:
         if not versions:
             raise SystemExit("ops.faults needs PostgreSQL's server binaries (Debian: postgresql)")
         self.bin = versions[-1].parent
-        self.port, self.data = free_port(), workdir / "pg"
         self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        # As root the cluster runs as `postgres`, which must reach its folder: a pytest tmp dir (0700,
+        # root's) would not do, so it gets a fresh folder of its own under the system temp dir.
+        base = Path(tempfile.mkdtemp(prefix="spool-faults-pg-")) if self.as_user else workdir
+        self.port, self.data = free_port(), base / "pg"
 
     @property
     def url(self) -> str:
@@ -88,6 +91,7 @@ class OwnPostgres:
     def init(self) -> None:
         self.data.mkdir(parents=True)
         if self.as_user:
+            self.data.parent.chmod(0o755)
             shutil.chown(self.data.parent, "postgres")
             shutil.chown(self.data, "postgres")
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
@@ -99,6 +103,10 @@ class OwnPostgres:
         self._run(
             str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.data / "log"), "-w", "start"
         )
+
+    def remove(self) -> None:
+        if self.as_user:
+            shutil.rmtree(self.data.parent, ignore_errors=True)
 
     def stop(self, mode: str = "fast") -> None:
         subprocess.run(
@@ -451,6 +459,7 @@ def run(
         st.stop_all()
         rd.kill()
         pg.stop("immediate")
+        pg.remove()
     report.seconds = round(time.monotonic() - started, 1)
     return report
 

@@ -23,5 +23,6 @@ if [ "${1:-}" = "unit" ]; then
 fi
 
 bash ops/bootstrap.sh
+bash ops/test-tools.sh
 lint
 exec .venv/bin/python -m pytest tests -p no:cacheprovider -ra "$@"

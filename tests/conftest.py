@@ -65,6 +65,7 @@ class Stack:
     keys: dict[str, str] = field(default_factory=dict)
     _worker_n: int = 0
     worker_name: str = ""
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # process name -> its /metrics port
 
     @property
     def base_url(self) -> str:
@@ -89,7 +90,8 @@ class Stack:
     def start_worker(self) -> subprocess.Popen:
         self._worker_n += 1
         name = f"worker{self._worker_n}"
-        proc = self.start(name, "worker")
+        self.metrics_ports["worker"] = free_port()
+        proc = self.start(name, "worker", env={"SPOOL_METRICS_PORT": str(self.metrics_ports["worker"])})
         wait_for(lambda: "ready." in self.log(name) or proc.poll() is not None, 120, f"{name} ready")
         assert proc.poll() is None, self.log(name)[-3000:]
         self.procs["worker"] = proc
@@ -172,7 +174,8 @@ def running_stack(
     st.keys["admin"] = st.cli("key", "create", "--tenant", "ops", "--scope", "admin").splitlines()[-1]
     try:
         st.start("api", "api")
-        st.start("dispatcher", "dispatcher")
+        st.metrics_ports["dispatcher"] = free_port()
+        st.start("dispatcher", "dispatcher", env={"SPOOL_METRICS_PORT": str(st.metrics_ports["dispatcher"])})
         st.start_worker()
         for i, worker_env in enumerate(extra_workers):  # more workers, e.g. for other models
             name = f"worker-extra{i + 1}"

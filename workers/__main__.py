@@ -14,8 +14,10 @@ from core.infra.broker import WEBHOOK_QUEUE, queues_for
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
+    from core.infra import logs
+
+    logs.setup(s.log_format)
     from workers.runtime import runner
     from workers.tasks import app
 
@@ -54,6 +56,7 @@ def _heartbeat(name: str, s, loop) -> None:
     import time
 
     from core.infra import kv
+    from core.infra.metrics import RUNNING, WAITING
     from core.jobs import workers
 
     rds = kv.client(s.redis_url)
@@ -70,6 +73,9 @@ def _heartbeat(name: str, s, loop) -> None:
                     workers.gone(rds, model, name)
                 finally:
                     os._exit(70)  # a wedged C call cannot be interrupted; exit without waiting for it
+            waiting = loop.waiting_count()
+            RUNNING.labels(model, name).set(max(loop.live_count() - waiting, 0))
+            WAITING.labels(model, name).set(waiting)
             try:
                 workers.beat(rds, model, name, s.max_batch + s.batch_prefetch, s.interactive_slots)
             except Exception:

@@ -20,8 +20,8 @@ from sqlalchemy.orm import sessionmaker
 
 from core.config import Settings
 from core.generation.params import GenerationParams, choice_index
-from core.infra import kv, streams
-from core.infra.metrics import QUEUE_WAIT
+from core.infra import kv, logs, streams
+from core.infra.metrics import ITL, QUEUE_WAIT, TTFT
 from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.events import (
@@ -106,6 +106,7 @@ class _Choice:
     lp_sent: int = 0  # how many of them earlier deltas carried
     sum_lp: float = 0.0
     cached: int = 0
+    last_token_at: float | None = None  # monotonic arrival of its last token (inter-token latency)
 
 
 class JobRunner:
@@ -143,6 +144,14 @@ class JobRunner:
         if job is None:
             log.info("job %s attempt %s: not claimable (duplicate or stale message); skipped", job_id, attempt)
             return "skipped"
+        with logs.bound(
+            request_id=job.request_id, job_id=job.id, tenant_id=job.tenant_id, model=job.model, attempt=job.attempt
+        ):
+            log.info("job %s attempt %s started", job.id, job.attempt)
+            return self._attempt(job)
+
+    def _attempt(self, job: Job) -> str:
+        job_id, attempt = job.id, job.attempt
         try:
             return _Attempt(self, job).run()
         except streams.Fenced:
@@ -191,6 +200,7 @@ class _Attempt:
         self.log: list[tuple[str, str]] = []
         self._stream_checked = 0.0
         self._next_wait_renew = 0.0
+        self._first_token_at: float | None = None
 
     # -- setup ------------------------------------------------------------------------------
     def _build(self) -> list[SeqSpec]:
@@ -282,7 +292,7 @@ class _Attempt:
     def run(self) -> str:
         job = self.job
         if job.started_at is not None and job.created_at is not None:
-            QUEUE_WAIT.labels(job.kind).observe((job.started_at - job.created_at).total_seconds())
+            QUEUE_WAIT.labels(job.model, job.kind).observe((job.started_at - job.created_at).total_seconds())
         specs = self._build()
         if not self.buffered:
             self._publish([ch for ch in self.choices.values() if ch.prefix_ready])
@@ -392,6 +402,14 @@ class _Attempt:
             offset = len(ch.prefix_text) + len(ch.text.text)
             ch.lp.append(TokenScore(id=ev.eos_id, text=name(ev.eos_id), logprob=ev.logprob, offset=offset, top=top))
         if ev.token_id is not None:
+            now = time.monotonic()
+            if self._first_token_at is None:
+                self._first_token_at = now
+                if self.job.created_at is not None:
+                    TTFT.labels(self.job.model, self.job.kind).observe(time.time() - self.job.created_at.timestamp())
+            elif ch.last_token_at is not None:
+                ITL.labels(self.job.model).observe(now - ch.last_token_at)
+            ch.last_token_at = now
             offset = len(ch.prefix_text) + len(ch.text.text)
             ch.text.feed(ev.token_id)
             if ev.logprob is not None:

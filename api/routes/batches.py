@@ -39,7 +39,8 @@ async def create_batch(
     if claim is not None and claim.replay is not None:
         return await service.view(session, await service.get(session, claim.replay, principal.tenant.id))
     try:
-        b = await service.create(session, redis, principal, settings, **body.model_dump(), claim=claim)
+        rid = getattr(request.state, "request_id", None)
+        b = await service.create(session, redis, principal, settings, **body.model_dump(), claim=claim, request_id=rid)
     except BaseException:
         await idempotency.release(claim)
         raise

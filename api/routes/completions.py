@@ -56,7 +56,10 @@ async def _serve(body, endpoint: str, request: Request, principal, redis, settin
     """One flow for both endpoints: create the job, then stream it, wait for it, or answer 202."""
     queued = "respond-async" in request.headers.get("prefer", "")
     key = request.headers.get("idempotency-key")
-    created = await service.create_completion(redis, principal, body, settings, key, endpoint, queued=queued)
+    rid = getattr(request.state, "request_id", None)
+    created = await service.create_completion(
+        redis, principal, body, settings, key, endpoint, queued=queued, request_id=rid
+    )
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
     if queued:
         return _accepted(job, headers)

@@ -6,14 +6,17 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.sse import EventSourceResponse
 
+from api.cache import SingleFlight
 from api.deps import LifecycleDep, RedisDep, TenantDep
 from api.errors import APIError
 from api.streaming import sse_chunks
+from core.infra.orm import Job
 from core.jobs import service
 from core.protocol import render
 from core.protocol.schemas import JobObject
 
 router = APIRouter(prefix="/v1/jobs")
+_EVENT_ROWS: SingleFlight[Job | None] = SingleFlight(ttl_s=2.0)
 
 
 def _not_found(job_id: str) -> APIError:
@@ -46,7 +49,9 @@ async def job_events(
 ) -> EventSourceResponse:
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
     header, or the `last_event_id` query parameter for clients that cannot set headers)."""
-    row = await service.get(job_id, tenant.id)
+    # Many readers of one job share one lookup (what is read here never changes; the stream and the
+    # terminal check read the rest).
+    row = await _EVENT_ROWS.get((job_id, tenant.id), lambda: service.get(job_id, tenant.id))
     if row is None:
         raise _not_found(job_id)
     start = request.headers.get("last-event-id") or last_event_id or "0-0"

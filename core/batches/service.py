@@ -56,6 +56,7 @@ async def create(
     metadata: dict[str, str] | None,
     webhook_url: str | None,
     claim: Claim | None = None,
+    request_id: str | None = None,
 ) -> Batch:
     if endpoint not in ENDPOINTS:
         raise invalid("endpoint", f"Unsupported endpoint '{endpoint}': Spool batches {sorted(ENDPOINTS)}.")
@@ -82,6 +83,7 @@ async def create(
         status=BatchStatus.validating.value,
         meta=metadata,
         webhook_url=webhook_url,
+        request_id=request_id,
         created_at=now,
         expires_at=progress.expires_at(now, completion_window),
         request_counts=dict(EMPTY_COUNTS),

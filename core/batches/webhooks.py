@@ -195,10 +195,12 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
             return "nothing"  # delivered, abandoned, or deleted meanwhile
         secret = secret_for(s, b.tenant_id)
         state = {k: v for k, v in (b.webhook_state or {}).items() if k not in ("next_at", "last_error")}
-        msg_id, url = f"msg_{batch_id}_{b.status}", b.webhook_url
+        msg_id, url, rid = f"msg_{batch_id}_{b.status}", b.webhook_url, b.request_id
     state["attempts"] = state.get("attempts", 0) + 1
     ok = False
     headers = {"content-type": "application/json", **sign(secret, msg_id, body.encode())}
+    if rid:
+        headers["x-request-id"] = rid  # the request that created the batch
     try:
         code = _post(url, body.encode(), headers, settings)
         state["last_status"] = code

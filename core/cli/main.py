@@ -6,7 +6,6 @@ so this module, in the shared package, imports neither api/ nor workers/.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -34,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from core.infra import logs
+
+    logs.setup(get_settings().log_format)
 
 
 def alembic_config():
@@ -59,8 +60,13 @@ def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> 
 
 @app.command()
 def api(host: str | None = None, port: int | None = None, workers: int = 1) -> None:
-    """Run the HTTP API (uvicorn)."""
+    """Run the HTTP API (uvicorn). With --workers N > 1 the processes share their metrics through
+    prometheus_client's multiprocess mode, so /metrics on any of them is the sum over all."""
     s = get_settings()
+    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="spool-metrics-")
     os.execvp(
         sys.executable,
         [

@@ -117,6 +117,7 @@ class Job(Base):
     stream: Mapped[bool] = mapped_column(Boolean, server_default="false")
     # A chat completion: how to render it (tool-call parsing, chat logprobs). NULL: a text completion.
     chat: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    request_id: Mapped[str | None] = mapped_column(String(128))  # the x-request-id that created it
     user: Mapped[str | None] = mapped_column(String(256))
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
@@ -197,6 +198,7 @@ class Batch(Base):
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
     webhook_url: Mapped[str | None] = mapped_column(String(2048))
     webhook_state: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    request_id: Mapped[str | None] = mapped_column(String(128))  # the x-request-id that created it
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # validation in progress
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

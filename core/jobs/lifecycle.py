@@ -28,6 +28,7 @@ from core.config import Settings
 from core.idempotency import Claim
 from core.infra import kv, streams
 from core.infra.broker import send_run_job
+from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode, encode
@@ -170,7 +171,13 @@ class Lifecycle:
 
     def succeed(self, job: Job, result: JobResult, u: Usage, engine_s: float) -> bool:
         stmt = transitions.succeed(job.id, job.attempt, result.model_dump(mode="json"), u.model_dump(mode="json"))
-        return self._end(stmt, "succeeded", Done(attempt=job.attempt, usage=u), u, engine_s) is not None
+        row = self._end(stmt, "succeeded", Done(attempt=job.attempt, usage=u), u, engine_s)
+        if row is not None:
+            PROMPT_TOKENS.labels(row.model).inc(u.prompt_tokens)
+            GENERATION_TOKENS.labels(row.model).inc(u.completion_tokens)
+            if row.finished_at is not None and row.created_at is not None:
+                E2E.labels(row.model, row.kind).observe((row.finished_at - row.created_at).total_seconds())
+        return row is not None
 
     def fail(self, job: Job, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
         stmt = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
@@ -191,11 +198,16 @@ class Lifecycle:
         n = self.settings.max_attempts
         err = worker_lost(n)
         with self.sessions() as s:
-            requeued = len(s.execute(transitions.requeue_lapsed(n)).all())
+            requeued_rows = s.execute(transitions.requeue_lapsed(n)).all()
             failed = s.execute(transitions.fail_lapsed(n, err.model_dump(mode="json"))).scalars().all()
             for row in failed:
                 self._record(s, row, "failed", None, 0.0)
             s.commit()
+        requeued = len(requeued_rows)
+        for r in requeued_rows:
+            REAPED.labels(r.model).inc()
+        for row in failed:
+            REAPED.labels(row.model).inc()
         for row in failed:
             self._announce(row.id, 0, Failed(attempt=row.attempt, error=err))
         return {"requeued": requeued, "failed": len(failed)}

@@ -63,6 +63,7 @@ async def create_completion(
     idempotency_key: str | None = None,
     endpoint: str = "/v1/completions",
     queued: bool = False,
+    request_id: str | None = None,
 ) -> Created:
     """`queued`: the client asked for a 202 and will poll, so it is accepted even while no worker
     serves the model; a request that waits or streams gets a 503 with Retry-After instead."""
@@ -73,7 +74,7 @@ async def create_completion(
         if job is not None:
             return Created(job, {"idempotent-replayed": "true"}, replayed=True)
     try:
-        return await _create(rds, principal, body, settings, claim, queued)
+        return await _create(rds, principal, body, settings, claim, queued, request_id)
     except BaseException:
         await asyncio.shield(idempotency.release(claim))  # nothing stored: the key is free again
         raise
@@ -86,6 +87,7 @@ async def _create(
     settings: Settings,
     claim: Claim | None,
     queued: bool,
+    request_id: str | None = None,
 ) -> Created:
     headers: dict[str, str] = {}
     unknown = body.unknown_fields()
@@ -118,6 +120,7 @@ async def _create(
         priority=body.priority or 0,
         reserved_tokens=reservation(params, prompts, context_length(tok, ms)),
         chat=chat,
+        request_id=request_id,
     )
     headers |= await admit(rds, principal, job.id, job.reserved_tokens)
     try:

@@ -38,9 +38,11 @@ def new_job(
     reserved_tokens: int = 0,
     job_id: str | None = None,
     chat: dict[str, Any] | None = None,
+    request_id: str | None = None,
 ) -> Job:
     return Job(
         chat=chat,
+        request_id=request_id,
         id=job_id or new_job_id(),
         tenant_id=tenant_id,
         key_id=key_id,
@@ -205,7 +207,7 @@ def requeue_lapsed(max_attempts: int) -> Update:
             Job.attempt < max_attempts,
         )
         .values(state=JobState.queued.value, attempt=Job.attempt + 1, lease_until=None, dispatched_at=None)
-        .returning(Job.id, Job.attempt)
+        .returning(Job.id, Job.attempt, Job.model)
     )
 
 

@@ -6,6 +6,7 @@ A limit is a positive integer or None (unlimited): `null` in /admin, `none` on t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Any, TypeVar
@@ -15,12 +16,15 @@ from sqlalchemy import Select, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from core.config import get_settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
+from core.infra import kv
 from core.infra.db import sync_sessions
 from core.infra.orm import ApiKey, Tenant, UsageDaily
 from core.protocol.errors import from_validation
-from core.tenancy.keys import SCOPES, hash_key, new_key
+from core.tenancy.keys import SCOPES, hash_key, new_key, revoked_key
 
+log = logging.getLogger(__name__)
 LIMIT_FIELDS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes")
 PosInt = Annotated[int, Field(ge=1, le=2**31 - 1)] | None  # Postgres integer columns
 BigPosInt = Annotated[int, Field(ge=1, le=2**63 - 1)] | None
@@ -173,6 +177,10 @@ def revoke_key(session: Session, key_id: int) -> ApiKey:
     if k is None:
         raise not_found(f"No key with id {key_id}.", param="key_id", code="key_not_found")
     session.commit()
+    try:  # API processes cache key lookups for seconds: tell them now
+        kv.client(get_settings().redis_url).set(revoked_key(k.key_hash), 1, ex=3600)
+    except kv.TRANSIENT:
+        log.warning("could not announce the revocation of key %s; caches drop it within seconds", key_id)
     return k
 
 

@@ -235,14 +235,14 @@ def test_logit_bias_with_a_non_ascii_digit_is_a_400(stack):
 
 
 def test_a_tenant_cannot_keep_more_files_than_its_storage_quota(stack):
-    key = stack.new_tenant("hoarder", max_storage_bytes=3000)
+    key = stack.new_tenant("hoarder", max_storage_bytes=2500)
     line = (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}) + "\n").encode()
     with stack.http(key) as http:
 
         def upload(n_lines: int) -> httpx.Response:
             return http.post("/v1/files", files={"file": ("f.jsonl", line * n_lines)}, data={"purpose": "batch"})
 
-        first = upload(20)  # ~1.7 kB of 3 kB
+        first = upload(20)  # 1.5 kB of 2.5 kB
         assert first.status_code == 200, first.text
         refused = upload(20)
         assert refused.status_code == 413

@@ -306,6 +306,10 @@ class LlamaCppEngine(VocabEngine):
     def has_work(self) -> bool:
         return any(lane.live or lane.waiting or lane.paused for lane in self._lanes)
 
+    def waiting_count(self) -> int:
+        """Sequences waiting for a slot (never started, or displaced by interactive work)."""
+        return sum(len(lane.waiting) + len(lane.paused) for lane in self._lanes)
+
     @property
     def preemptions(self) -> int:
         return sum(lane.preemptions for lane in self._lanes)

@@ -41,6 +41,14 @@ class EngineLoop:
         for key in keys:
             self._inbox.put(("cancel", key, None))
 
+    def live_count(self) -> int:
+        """Sequences in the engine now (decoding, or waiting there for a slot)."""
+        return len(self._sinks)
+
+    def waiting_count(self) -> int:
+        counter = getattr(self.engine, "waiting_count", None)
+        return int(counter()) if callable(counter) else 0
+
     def stalled_for(self) -> float:
         """Seconds the engine has been inside one call (0 when idle or between calls). A healthy step
         takes milliseconds to a few seconds (a long prefill); minutes means the engine is wedged."""

@@ -1,0 +1,135 @@
+"""The status page at /ui, for admin keys: models and their live workers and queues, running jobs,
+batches with a progress bar and ETA, per-tenant usage over the last 24 hours. Server-rendered
+(Jinja, inline SVG charts): no JavaScript, nothing fetched from a CDN; it refreshes itself.
+
+Login: an admin key posted once becomes a random session id in an HttpOnly, SameSite=Strict cookie;
+the key stays server-side in Redis (8 h) and is checked on every view, so a revoked key is out at
+once."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from api.deps import RedisDep, SettingsDep
+from api.guard import authenticate
+from core.errors import DomainError
+from core.infra.db import sync_sessions
+from core.infra.kv import client as redis_client
+from core.status import Snapshot, snapshot
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+COOKIE = "spool_ui"
+SESSION_S = 8 * 3600
+PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d"]
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+_env = Environment(
+    loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(default=True), trim_blocks=True, lstrip_blocks=True
+)
+
+
+def _session_key(token: str) -> str:
+    return f"ui:session:{token}"
+
+
+async def _admin_key(request: Request, redis) -> str | None:
+    token = request.cookies.get(COOKIE)
+    if not token or len(token) > 64:
+        return None
+    key = await redis.get(_session_key(token))
+    if key is None:
+        return None
+    key = key if isinstance(key, str) else key.decode()
+    try:
+        principal = await authenticate(f"Bearer {key}", redis)
+    except DomainError:
+        return None
+    return key if principal.key.scope == "admin" else None
+
+
+@router.get("", response_class=HTMLResponse)
+async def page(request: Request, redis: RedisDep, settings: SettingsDep) -> Response:
+    if await _admin_key(request, redis) is None:
+        return HTMLResponse(_env.get_template("login.html").render(error=request.query_params.get("error")))
+    snap = await anyio.to_thread.run_sync(_snapshot, settings)
+    page = _env.get_template("status.html")
+    return HTMLResponse(page.render(s=snap, chart=usage_chart(snap), fmt=_fmt, refresh=5))
+
+
+@router.get("/style.css")
+async def style() -> Response:
+    return Response((TEMPLATES / "style.css").read_text(), media_type="text/css")
+
+
+def _snapshot(settings) -> Snapshot:
+    with sync_sessions()() as session:
+        return snapshot(session, redis_client(settings.redis_url), settings.model_ids)
+
+
+@router.post("/login")
+async def login(redis: RedisDep, key: str = Form(..., max_length=256)) -> Response:
+    try:
+        principal = await authenticate(f"Bearer {key}", redis)
+    except DomainError:
+        principal = None
+    if principal is None or principal.key.scope != "admin":
+        return RedirectResponse("/ui?error=1", status_code=303)
+    token = secrets.token_urlsafe(32)
+    await redis.set(_session_key(token), key, ex=SESSION_S)
+    resp = RedirectResponse("/ui", status_code=303)
+    resp.set_cookie(COOKIE, token, max_age=SESSION_S, httponly=True, samesite="strict", path="/ui")
+    return resp
+
+
+@router.post("/logout")
+async def logout(request: Request, redis: RedisDep) -> Response:
+    token = request.cookies.get(COOKIE)
+    if token:
+        await redis.delete(_session_key(token))
+    resp = RedirectResponse("/ui", status_code=303)
+    resp.delete_cookie(COOKIE, path="/ui")
+    return resp
+
+
+def _fmt(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    s = int(seconds)
+    return f"{s // 3600}h {s % 3600 // 60}m" if s >= 3600 else f"{s // 60}m {s % 60}s" if s >= 60 else f"{s}s"
+
+
+def usage_chart(snap: Snapshot, width: int = 720, height: int = 180) -> dict[str, Any]:
+    """Stacked bars of tokens per hour per tenant, as SVG geometry the template draws."""
+    totals = [sum(v[i] for v in snap.usage.values()) for i in range(len(snap.hours))]
+    peak = max(totals, default=0) or 1
+    bar_w = width / max(len(snap.hours), 1)
+    bars: list[dict[str, Any]] = []
+    legend = []
+    base = [0.0] * len(snap.hours)
+    for n, (tenant, series) in enumerate(sorted(snap.usage.items())):
+        color = PALETTE[n % len(PALETTE)]
+        legend.append({"tenant": tenant, "color": color, "total": sum(series)})
+        for i, v in enumerate(series):
+            if not v:
+                continue
+            h = v / peak * (height - 20)
+            base[i] += h
+            bars.append(
+                {
+                    "x": i * bar_w + 1,
+                    "y": height - base[i],
+                    "w": bar_w - 2,
+                    "h": h,
+                    "color": color,
+                    "title": f"{tenant}: {v}",
+                }
+            )
+    ticks = [{"x": i * bar_w, "label": h.strftime("%H:%M")} for i, h in enumerate(snap.hours) if i % 4 == 0]
+    return {"width": width, "height": height, "bars": bars, "legend": legend, "ticks": ticks, "peak": peak}

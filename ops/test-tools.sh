@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Tools only the test suite needs, from Debian's packages: headless Chromium and its driver (the
+# status-page test) and promtool (checks the alert rules). promtool is taken out of the `prometheus`
+# package without installing it, so no Prometheus service is set up. Safe to run again; where apt
+# is missing it says so, and the tests that need these skip with that reason.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+command -v apt-get >/dev/null || { echo "test-tools: no apt-get; chromium/promtool tests will skip" >&2; exit 0; }
+
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+fi
+
+if [ ! -x .venv/bin/promtool ] && ! command -v promtool >/dev/null; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download prometheus >/dev/null 2>&1 || { $SUDO apt-get update -qq && apt-get download prometheus >/dev/null; })
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"
+  cp "$tmp/x/usr/bin/promtool" .venv/bin/promtool
+  rm -rf "$tmp"
+fi

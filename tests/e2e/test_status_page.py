@@ -1,0 +1,88 @@
+"""The /ui status page in a real headless browser (Debian's chromium, driven by Selenium): sign in
+with an admin key, see a running batch with its progress bar and a usage chart; the screenshot is
+kept under artifacts/ (SPOOL_ARTIFACTS_DIR) for CI."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MODEL, ROOT, wait_for
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("chromium") is None or shutil.which("chromedriver") is None,
+    reason="needs Debian's chromium and chromium-driver (ops/bootstrap.sh installs them)",
+)
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or ""
+    for flag in (
+        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1200,1400",
+    ):  # fmt: skip
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def test_status_page_shows_a_running_batch_and_usage(stack, browser):
+    from selenium.webdriver.common.by import By
+
+    client = stack.openai("beta")
+    client.completions.create(model=MODEL, prompt="Warm up", max_tokens=8)  # some usage in the last hour
+    lines = [
+        {"custom_id": f"ui-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 60, "ignore_eos": True, "temperature": 0}}
+        for i in range(40)
+    ]  # fmt: skip
+    f = client.files.create(file=("ui.jsonl", io.BytesIO("\n".join(map(json.dumps, lines)).encode())), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    wait_for(lambda: (x := client.batches.retrieve(b.id)).status == "in_progress" and x.request_counts.completed, 120,
+             "the batch under way")  # fmt: skip
+
+    browser.get(stack.base_url + "/ui")
+    browser.find_element(By.ID, "key").send_keys("sk-spool-not-a-key")
+    browser.find_element(By.ID, "sign-in").click()
+    assert browser.find_elements(By.ID, "login-error")  # a wrong key does not get in
+    browser.find_element(By.ID, "key").send_keys(stack.keys["beta"])  # a user key does not either
+    browser.find_element(By.ID, "sign-in").click()
+    assert browser.find_elements(By.ID, "login-error")
+    browser.find_element(By.ID, "key").send_keys(stack.keys["admin"])
+    browser.find_element(By.ID, "sign-in").click()
+
+    row = browser.find_element(By.XPATH, f"//tr[@class='batch'][td[1]='{b.id}']")
+    assert row.get_attribute("data-status") == "in_progress"
+    bar = row.find_element(By.CSS_SELECTOR, "[role=progressbar]")
+    assert 0 < float(bar.get_attribute("aria-valuenow")) < 100
+    models = browser.find_element(By.ID, "models").text
+    assert MODEL in models
+    chart = browser.find_element(By.ID, "usage-chart")
+    assert chart.find_elements(By.TAG_NAME, "rect")  # bars were drawn
+    assert "beta" in browser.find_element(By.ID, "usage-legend").text
+
+    out = Path(os.environ.get("SPOOL_ARTIFACTS_DIR", ROOT / "artifacts"))
+    out.mkdir(parents=True, exist_ok=True)
+    shot = out / "status-page.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    client.batches.cancel(b.id)
+
+
+def test_status_page_needs_an_admin_session(stack):
+    with stack.http() as http:
+        r = http.get("/ui")
+        assert r.status_code == 200 and 'name="key"' in r.text and "Batches" not in r.text
+        r = http.get("/ui", cookies={"spool_ui": "forged"})
+        assert "Batches" not in r.text
