@@ -104,6 +104,7 @@ def test_with_two_api_processes_the_counters_are_the_sum(stack):
     proc = subprocess.Popen([*SPOOL, "api", "--workers", "2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
+
         def up() -> bool:
             try:
                 return httpx.get(base + "/health", timeout=2).status_code == 200
