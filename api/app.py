@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     settings = get_settings()
-    app.state.redis = kv.async_client(settings.redis_url, decode_responses=True)
+    app.state.redis = kv.async_client(
+        settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections
+    )
     # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
     app.state.lifecycle = Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
     _drain_on_sigterm(app)

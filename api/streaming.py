@@ -11,7 +11,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi.sse import format_sse_event
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from api.cache import SingleFlight
 from core.infra.db import async_sessions
 from core.jobs import transitions
 from core.jobs.events import TerminalRow
@@ -28,16 +30,22 @@ def sse_comment(text: str) -> bytes:
     return format_sse_event(comment=text)
 
 
+_TERMINAL: SingleFlight[TerminalRow | None] = SingleFlight(ttl_s=1.0)
+
+
 def terminal_row_check(job_id: str, tenant_id: int):
     """Asked when the stream is silent: the job's row if it has ended (its stream may be gone)."""
 
-    async def check() -> TerminalRow | None:
-        try:
-            async with async_sessions()() as session:
-                row = (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
-        except (OperationalError, InterfaceError):
-            return None  # Postgres is restarting: the stream goes on; we ask again at the next silence
+    async def load() -> TerminalRow | None:
+        async with async_sessions()() as session:
+            row = (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
         return row if row is not None and transitions.is_terminal(row.state) else None
+
+    async def check() -> TerminalRow | None:
+        try:  # every reader of a job that falls silent at once shares one query
+            return await _TERMINAL.get((job_id, tenant_id), load)
+        except (OperationalError, InterfaceError, PoolTimeout):
+            return None  # Postgres is restarting or busy: the stream goes on; we ask again at the next silence
 
     return check
 

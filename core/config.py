@@ -17,6 +17,12 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of the Postgres ledger (psycopg 3 driver).",
     )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job event streams.")
+    redis_max_connections: int = Field(
+        4096,
+        description="Redis connections one API process may open: every open event stream holds one while it "
+        "waits for news (XREAD BLOCK), so this bounds the streams one process serves (Redis allows 10,000 "
+        "clients by default).",
+    )
     broker_url: str | None = Field(None, description="Celery broker URL; defaults to `redis_url`.")
 
     models: str = Field(

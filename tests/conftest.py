@@ -66,6 +66,7 @@ class Stack:
     _worker_n: int = 0
     worker_name: str = ""
     metrics_ports: dict[str, int] = field(default_factory=dict)  # process name -> its /metrics port
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> its env overrides
 
     @property
     def base_url(self) -> str:
@@ -77,9 +78,13 @@ class Stack:
         return out.stdout.strip()
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        # A process restarted under the same name (a test killed it) gets the same overrides again.
+        if env is not None:
+            self.envs[name] = env
+        env = self.envs.get(name, {})
         log = open(self.logdir / f"{name}.log", "ab")
         proc = subprocess.Popen(
-            [*SPOOL, *args], env={**self.env, **(env or {})}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            [*SPOOL, *args], env={**self.env, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
         )
         self.procs[name] = proc
         return proc

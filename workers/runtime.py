@@ -48,6 +48,11 @@ def build_engine(model_id: str) -> Engine:
         from workers.engine.null import NullEngine
 
         return NullEngine(model_id, n_ctx=s.n_ctx, max_batch=s.max_batch)
+    if s.engine == "exllamav3":
+        raise ValueError(
+            "the exllamav3 engine is not built yet (only its parameter mapping, workers/engine/exl3_mapping.py): "
+            "serve this model with exllamav2 or llamacpp; see docs/gpu.md"
+        )
     raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2` or `null`")
 
 

@@ -59,6 +59,18 @@ def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> 
 
 
 @app.command()
+def init(tenant: str = typer.Option("admin", help="Tenant that gets the first admin key.")) -> None:
+    """Migrate, then create a first admin key and print it once (none is made if the tenant has keys):
+    what `docker compose`'s `migrate` service runs."""
+    migrate("head")
+    key = _ensure_first_key(tenant)
+    if key:
+        typer.echo(f"First admin API key for tenant '{tenant}' (shown once, keep it): {key}")
+    else:
+        typer.echo(f"Tenant '{tenant}' already has keys; none created.")
+
+
+@app.command()
 def api(host: str | None = None, port: int | None = None, workers: int = 1) -> None:
     """Run the HTTP API (uvicorn). With --workers N > 1 the processes share their metrics through
     prometheus_client's multiprocess mode, so /metrics on any of them is the sum over all."""

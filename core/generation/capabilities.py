@@ -15,4 +15,14 @@ def unsupported(engine: str, p: GenerationParams) -> list[str]:
         bad += [name for name, on in (("grammar", p.grammar), ("prompt_logprobs", p.prompt_logprobs is not None)) if on]
     if engine == "exllamav2" and p.penalty_last_n is not None:
         bad.append("repeat_last_n")  # its penalty range is not mapped (the whole sequence only)
+    if engine == "exllamav3":  # its sampler stack has no typical-p, Mirostat or DRY
+        bad += [
+            name
+            for name, on in (
+                ("typical_p", p.typical_p != 1.0),
+                ("mirostat", p.mirostat != 0),
+                ("dry_multiplier", p.dry_multiplier > 0),
+            )
+            if on
+        ]
     return bad

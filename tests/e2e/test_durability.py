@@ -107,17 +107,18 @@ def test_tokens_read_before_a_cancel_are_billed(stack, db):
 
 def test_a_thousand_event_readers_on_one_api_process(stack, db):
     """1,000 open event streams on one API process with its default pool (60 Postgres connections):
-    every reader gets the whole job, and ordinary requests are still answered meanwhile."""
+    every reader gets the whole job, and ordinary requests are still answered meanwhile. The job waits
+    behind another of its tenant's (concurrency cap 1) until all readers are attached."""
     import asyncio
 
     n = 1000
-    with stack.http(stack.keys["alpha"]) as http:
-        r = http.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "Count:", "max_tokens": 600, "ignore_eos": True, "temperature": 0},
-            headers={"Prefer": "respond-async"},
-        )
-        job_id = r.json()["id"]
+    key = stack.new_tenant("crowd", max_concurrent=1)
+    body = {"model": MODEL, "ignore_eos": True, "temperature": 0}
+    with stack.http(key) as http:
+        async_ = {"Prefer": "respond-async"}
+        blocker = http.post("/v1/completions", json={**body, "prompt": "Wait:", "max_tokens": 1000}, headers=async_)
+        r = http.post("/v1/completions", json={**body, "prompt": "Count:", "max_tokens": 120}, headers=async_)
+        blocker_id, job_id = blocker.json()["id"], r.json()["id"]
     open_now = peak = 0
     all_open = asyncio.Event()
 
@@ -143,7 +144,7 @@ def test_a_thousand_event_readers_on_one_api_process(stack, db):
 
     async def main() -> tuple[set[str], list[int]]:
         limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
-        headers = {"Authorization": f"Bearer {stack.keys['alpha']}"}
+        headers = {"Authorization": f"Bearer {key}"}
         async with httpx.AsyncClient(base_url=stack.base_url, headers=headers, limits=limits, timeout=300) as c:
             readers = [asyncio.create_task(read(c)) for _ in range(n)]
             await asyncio.wait([asyncio.create_task(all_open.wait()), *readers], return_when=asyncio.FIRST_COMPLETED)
@@ -152,6 +153,8 @@ def test_a_thousand_event_readers_on_one_api_process(stack, db):
                 (await c.get(f"/v1/jobs/{job_id}")).status_code,
                 (await c.get("/v1/usage")).status_code,
             ]
+            assert (await c.get(f"/v1/jobs/{job_id}")).json()["status"] in ("queued", "dispatched")
+            await c.post(f"/v1/jobs/{blocker_id}/cancel")  # now the job runs, to 1,000 readers
             return set(await asyncio.gather(*readers)), statuses
 
     texts, statuses = asyncio.run(main())

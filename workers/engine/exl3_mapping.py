@@ -1,0 +1,70 @@
+"""ExLlamaV3 without a GPU: GenerationParams and SeqSpec as exllamav3's `ComboSampler` and `Job`
+arguments. Plain data in, plain data out, unit-tested in CI where neither torch nor exllamav3 is
+installed; the adapter that drives `exllamav3.Generator` with them needs a CUDA machine (issue 15).
+
+Names and semantics are those of exllamav3's `generator/sampler/presets.py: ComboSampler` (logit
+bias, then repetition penalty, then presence/frequency penalties over the last `rep_sustain_range`
+tokens, then temperature, min-p, top-k, top-p, sample; `temperature == 0` or `top_k == 1` is argmax)
+and `generator/job.py: Job` (`max_new_tokens`, `min_new_tokens`, `seed`, `stop_conditions`,
+`return_top_tokens`, `identifier`). Its sampler has no typical-p, Mirostat or DRY: those are refused
+at the edge (core/generation/capabilities.py), and asked again here so an adapter cannot ignore them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+from core.generation import capabilities
+from core.generation.params import GenerationParams
+from workers.engine.base import SeqSpec
+
+WHOLE_SEQUENCE = int(10e7)  # ComboSampler's default rep_sustain_range: every past token
+
+
+class Unsupported(ValueError):
+    pass
+
+
+def sampler_args(p: GenerationParams) -> dict[str, Any]:
+    """Keyword arguments of `ComboSampler` for these parameters (every field set explicitly: its
+    defaults are not OpenAI's, e.g. it has no notion of "unset")."""
+    refused = capabilities.unsupported("exllamav3", p)
+    if refused:
+        raise Unsupported(f"exllamav3 cannot honour {refused}")
+    window = WHOLE_SEQUENCE if p.penalty_last_n is None else p.penalty_last_n
+    off = window == 0  # llama.cpp's `repeat_last_n: 0`: penalties off (exllamav3 has no empty window)
+    greedy = p.temperature == 0.0
+    return {
+        "rep_p": 1.0 if off else p.repetition_penalty,
+        "freq_p": 0.0 if off else p.frequency_penalty,
+        "pres_p": 0.0 if off else p.presence_penalty,
+        "rep_sustain_range": max(window, 1),
+        "rep_decay_range": 0,
+        "temperature": 0.0 if greedy else p.temperature,
+        "min_p": p.min_p,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "temp_last": False,
+        "logit_bias": dict(p.logit_bias) or None,
+    }
+
+
+def job_args(spec: SeqSpec, eos_ids: Iterable[int], filters: list[Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments of `exllamav3.Job`, except `input_ids` and `sampler` (torch objects)."""
+    p = spec.params
+    return {
+        "max_new_tokens": spec.max_new_tokens,
+        "min_new_tokens": max(p.min_tokens - spec.prior, 0),
+        "seed": spec.seed % 2**31,  # torch generator seeds are 64-bit, exllamav3 stores them in 32
+        "stop_conditions": [] if p.ignore_eos else sorted(set(eos_ids)),
+        "return_top_tokens": p.logprobs or 0,
+        "return_logits": p.logprobs is not None,  # our logprobs are of the raw distribution
+        "identifier": spec.key,
+        "filters": filters or [],
+        "decode_special_tokens": False,
+    }
+
+
+def identifier(result: dict[str, Any]) -> Hashable:
+    return result["identifier"]
