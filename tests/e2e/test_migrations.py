@@ -40,3 +40,33 @@ def test_upgrade_downgrade_upgrade_and_no_drift(monkeypatch):
         engine.dispose()
         get_settings.cache_clear()
         drop_database(SCRATCH)
+
+
+def test_spool_init_migrates_and_prints_a_first_admin_key_once():
+    """What compose's `migrate` service runs on a fresh database."""
+    import os
+    import subprocess
+
+    from sqlalchemy import text
+
+    from tests.conftest import ROOT, SPOOL
+
+    url = make_url(TEST_DB).set(database="spool_init_test").render_as_string(hide_password=False)
+    drop_database(url)
+    env = {**os.environ, "SPOOL_DATABASE_URL": url}
+    try:
+        first = subprocess.run([*SPOOL, "init"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert first.returncode == 0, first.stderr[-2000:]
+        key = first.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+        assert key.startswith("sk-spool-")
+        again = subprocess.run([*SPOOL, "init"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and "sk-spool-" not in again.stdout  # shown once
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT k.scope, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id")
+            ).all()
+        engine.dispose()
+        assert [tuple(r) for r in rows] == [("admin", "admin")]
+    finally:
+        drop_database(url)
