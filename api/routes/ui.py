@@ -60,7 +60,9 @@ async def page(request: Request, redis: RedisDep, settings: SettingsDep) -> Resp
         return HTMLResponse(_env.get_template("login.html").render(error=request.query_params.get("error")))
     snap = await anyio.to_thread.run_sync(_snapshot, settings)
     page = _env.get_template("status.html")
-    return HTMLResponse(page.render(s=snap, chart=usage_chart(snap), fmt=_fmt, refresh=5))
+    refresh = request.query_params.get("refresh", "5")  # seconds; 0 = no self-refresh
+    every = min(int(refresh), 3600) if refresh.isdigit() else 5
+    return HTMLResponse(page.render(s=snap, chart=usage_chart(snap), fmt=_fmt, refresh=every))
 
 
 @router.get("/style.css")

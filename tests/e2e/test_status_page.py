@@ -40,6 +40,8 @@ def browser():
 
 def test_status_page_shows_a_running_batch_and_usage(stack, browser):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
 
     client = stack.openai("beta")
     client.completions.create(model=MODEL, prompt="Warm up", max_tokens=8)  # some usage in the last hour
@@ -53,15 +55,20 @@ def test_status_page_shows_a_running_batch_and_usage(stack, browser):
     wait_for(lambda: (x := client.batches.retrieve(b.id)).status == "in_progress" and x.request_counts.completed, 120,
              "the batch under way")  # fmt: skip
 
+    def sign_in(key: str, then: str) -> None:
+        old = browser.find_element(By.TAG_NAME, "html")
+        browser.find_element(By.ID, "key").send_keys(key)
+        browser.find_element(By.ID, "sign-in").click()
+        wait = WebDriverWait(browser, 30)
+        wait.until(expected_conditions.staleness_of(old))  # the form posted and a new page loaded
+        wait.until(expected_conditions.presence_of_element_located((By.ID, then)))
+
     browser.get(stack.base_url + "/ui")
-    browser.find_element(By.ID, "key").send_keys("sk-spool-not-a-key")
-    browser.find_element(By.ID, "sign-in").click()
-    assert browser.find_elements(By.ID, "login-error")  # a wrong key does not get in
-    browser.find_element(By.ID, "key").send_keys(stack.keys["beta"])  # a user key does not either
-    browser.find_element(By.ID, "sign-in").click()
-    assert browser.find_elements(By.ID, "login-error")
-    browser.find_element(By.ID, "key").send_keys(stack.keys["admin"])
-    browser.find_element(By.ID, "sign-in").click()
+    sign_in("sk-spool-not-a-key", "login-error")  # a wrong key does not get in
+    sign_in(stack.keys["beta"], "login-error")  # a user key does not either
+    sign_in(stack.keys["admin"], "batches")
+    assert browser.find_elements(By.CSS_SELECTOR, "meta[http-equiv=refresh]")  # it refreshes itself
+    browser.get(stack.base_url + "/ui?refresh=0")  # hold still while the test reads it
 
     row = browser.find_element(By.XPATH, f"//tr[@class='batch'][td[1]='{b.id}']")
     assert row.get_attribute("data-status") == "in_progress"
