@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,6 @@ class ModelSpec:
     n_ctx: int | None = None
     max_batch: int | None = None
     owned_by: str = "spool"
-    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 class RegistryError(ValueError):
@@ -61,7 +60,7 @@ def _from_file(path: str) -> dict[str, ModelSpec]:
     for i, entry in enumerate(data.get("models", [])):
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
             raise RegistryError(f"{path}: models[{i}] needs an 'id'")
-        known = {f for f in ModelSpec.__dataclass_fields__ if f != "extra"}
+        known = set(ModelSpec.__dataclass_fields__)
         unknown = set(entry) - known
         if unknown:
             raise RegistryError(f"{path}: models[{i}] has unknown keys {sorted(unknown)}")

@@ -21,7 +21,6 @@ from api.deps import RedisDep, SettingsDep
 from api.guard import authenticate
 from core.errors import DomainError
 from core.infra.db import sync_sessions
-from core.infra.kv import client as redis_client
 from core.status import Snapshot, snapshot
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -58,7 +57,7 @@ async def _admin_key(request: Request, redis) -> str | None:
 async def page(request: Request, redis: RedisDep, settings: SettingsDep) -> Response:
     if await _admin_key(request, redis) is None:
         return HTMLResponse(_env.get_template("login.html").render(error=request.query_params.get("error")))
-    snap = await anyio.to_thread.run_sync(_snapshot, settings)
+    snap = await anyio.to_thread.run_sync(_snapshot, settings, request.app.state.lifecycle.redis)
     page = _env.get_template("status.html")
     refresh = request.query_params.get("refresh", "5")  # seconds; 0 = no self-refresh
     every = min(int(refresh), 3600) if refresh.isdigit() else 5
@@ -70,9 +69,9 @@ async def style() -> Response:
     return Response((TEMPLATES / "style.css").read_text(), media_type="text/css")
 
 
-def _snapshot(settings) -> Snapshot:
+def _snapshot(settings, rds) -> Snapshot:
     with sync_sessions()() as session:
-        return snapshot(session, redis_client(settings.redis_url), settings.model_ids)
+        return snapshot(session, rds, settings.model_ids)
 
 
 @router.post("/login")

@@ -4,49 +4,18 @@ latency, never a job, a cancelled stream, a wrong text or a 5xx."""
 from __future__ import annotations
 
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.conftest import MODEL, TEST_DB, Stack, free_port, running_stack, wait_for
+from ops.faults import OwnRedis
+from tests.conftest import MODEL, TEST_DB, Stack, running_stack, wait_for
 from tests.sse import events
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-
-
-class OwnRedis:
-    def __init__(self, workdir: Path) -> None:
-        self.port, self.workdir, self.proc = free_port(), workdir, None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            cwd=self.workdir,
-            stdout=subprocess.DEVNULL,
-        )
-        wait_for(
-            lambda: (
-                subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout.strip()
-                == b"PONG"
-            ),
-            10,
-            "redis up",
-        )
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

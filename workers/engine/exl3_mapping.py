@@ -12,7 +12,7 @@ at the edge (core/generation/capabilities.py), and asked again here so an adapte
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from core.generation import capabilities
@@ -64,7 +64,3 @@ def job_args(spec: SeqSpec, eos_ids: Iterable[int], filters: list[Any] | None = 
         "filters": filters or [],
         "decode_special_tokens": False,
     }
-
-
-def identifier(result: dict[str, Any]) -> Hashable:
-    return result["identifier"]
