@@ -113,7 +113,9 @@ def test_no_live_worker_is_a_503_for_waiting_requests_and_a_202_for_queued_ones(
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] and time.monotonic() - t0 < 5
             assert r.json()["error"]["code"] == "model_not_loaded"
-            assert httpx.get(stack.base_url + "/ready").status_code == 503
+            ready = httpx.get(stack.base_url + "/ready")
+            assert ready.status_code == 503
+            assert f"no live worker for model '{MODEL}'" in ready.json()["problems"]  # the reason, named
             queued = http.post(
                 "/v1/completions",
                 json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
