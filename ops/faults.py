@@ -440,6 +440,7 @@ def run(
     rng = random.Random(seed)
     started = time.monotonic()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="spool-faults-"))
+    workdir.mkdir(parents=True, exist_ok=True)  # logs and Redis's folder (Postgres may live elsewhere)
     print(f"logs and data in {workdir}", flush=True)
     pg, rd = OwnPostgres(workdir), OwnRedis(workdir)
     pg.init()
