@@ -120,11 +120,6 @@ class Settings(BaseSettings):
         "busy too, an interactive sequence displaces a batch one, which continues later with the same output.",
     )
     n_ctx: int = Field(2048, description="Context length per sequence (both engines; capped by the model's).")
-    fast_lane: bool = Field(
-        True,
-        description="CPU engine: run sampled requests without a seed on a shared-KV context that batches "
-        "~1.5-2x faster; seeded, greedy and scoring requests always take the exact path, which replays bit for bit.",
-    )
     n_threads: int | None = Field(None, description="CPU threads for llama.cpp (default: all cores).")
     exl2_cache_tokens: int | None = Field(
         None,

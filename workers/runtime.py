@@ -29,7 +29,6 @@ def build_engine(model_id: str) -> Engine:
             n_ctx=s.n_ctx,
             max_batch=s.max_batch,
             n_threads=s.n_threads,
-            fast_lane=s.fast_lane,
             interactive_slots=s.interactive_slots,
         )
     if s.engine == "exllamav2":

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict
 DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
 
 
+_RETIRED = frozenset({"reproducible"})
+
+
 class GenerationParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -56,16 +59,14 @@ class GenerationParams(BaseModel):
     grammar: str | None = None
     # Prefix reuse across requests
     cache_prompt: bool = True
-    # Must replay bit for bit (an explicit seed, greedy, or scoring): engines may run such
-    # sequences on a slower exact path (workers/engine/llamacpp.py: lanes).
-    reproducible: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerationParams:
-        return cls.model_validate(data)
+        # Jobs stored before the CPU engine had one lane carry the lane choice it no longer needs.
+        return cls.model_validate({k: v for k, v in data.items() if k not in _RETIRED})
 
     @property
     def candidates(self) -> int:

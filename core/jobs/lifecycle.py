@@ -49,21 +49,17 @@ def worker_lost(max_attempts: int) -> ErrorInfo:
 
 
 async def submit(session: AsyncSession, job: Job, cap: int | None = None, claim: Claim | None = None) -> None:
-    """Persist, then enqueue: commit the job (and the Idempotency-Key that names it, in the same
-    transaction), then hand it to Celery if its tenant has room. The row exists before any message
-    can name it; if the send fails the dispatcher sends it later."""
+    """Persist, then enqueue: commit the job (and the Idempotency-Key that names it), already
+    `dispatched` if its tenant has room, in one transaction; then hand it to Celery. The row exists
+    before any message can name it; if the send fails the dispatcher sends it later."""
     session.add(job)
     await idempotency.record(claim, job.id, session)
-    await session.commit()
-    if job.kind != "interactive":
-        return  # batch lines always go through the fair dispatcher
-    try:
+    moved = None
+    if job.kind == "interactive":  # batch lines always go through the fair dispatcher
+        await session.flush()
         moved = (await session.execute(transitions.dispatch_now(job.id, job.attempt, job.tenant_id, cap))).first()
-        await session.commit()
-    except Exception:  # stored already: an outage now costs the dispatcher's pickup, never an error
-        log.warning("could not mark job %s dispatched; leaving it to the dispatcher", job.id, exc_info=True)
-        return
-    if moved is None:  # over the cap (or cancelled already): the dispatcher will send it
+    await session.commit()
+    if moved is None:  # a batch line, over the cap (or cancelled already): the dispatcher will send it
         return
     try:
         await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model, job.kind)

@@ -63,7 +63,7 @@ def fingerprint(model: str) -> str:
         s = settings_for(model, s)
     except RegistryError:  # a job of a model no longer served
         pass
-    raw = f"{model}|{s.engine}|{s.n_ctx}|{s.max_batch}|{s.fast_lane}|{s.model_path}|{_VERSION}"
+    raw = f"{model}|{s.engine}|{s.n_ctx}|{s.max_batch}|{s.model_path}|{_VERSION}"
     return "fp_" + hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 

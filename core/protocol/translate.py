@@ -231,12 +231,6 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
         prompt_logprobs=req.prompt_logprobs,
         grammar=grammar,
         cache_prompt=True if req.cache_prompt is None else req.cache_prompt,
-        reproducible=seeded
-        or req.temperature == 0
-        or logprobs is not None
-        or bool(req.echo)
-        or req.prompt_logprobs is not None
-        or best_of > n,
     )
     for name in capabilities.unsupported(settings.engine, params):
         raise bad(

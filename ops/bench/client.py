@@ -45,6 +45,13 @@ class BenchConfig(BaseModel):
     max_tokens: int = 128
     ignore_eos: bool = True
     temperature: float = 0.0
+    # Sent explicitly to every server so that all do the same work: llama-server's own defaults
+    # (top_k 40, top_p 0.95, min_p 0.05) differ from OpenAI's (no truncation), and a reused prompt
+    # cache would measure the prompts' overlap rather than the engine.
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    cache_prompt: bool = False
     prompt: str | None = None
     prompts_file: str | None = None
     seed: int = 0
@@ -128,6 +135,10 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str) -> Requ
         "prompt": prompt,
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "min_p": cfg.min_p,
+        "cache_prompt": cfg.cache_prompt,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -22,13 +22,15 @@ from workers.runtime import build_engine
 
 
 def _client(loop: EngineLoop, cfg: BenchConfig, todo: queue.SimpleQueue, out: list[RequestResult]) -> None:
-    # The same lane choice the API makes for these requests (no seed is sent over HTTP either).
     params = GenerationParams(
         max_tokens=cfg.max_tokens,
         temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        cache_prompt=cfg.cache_prompt,
         ignore_eos=cfg.ignore_eos,
         seed=cfg.seed,
-        reproducible=cfg.temperature == 0,
     )
     while True:
         try:

@@ -22,7 +22,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engine() -> LlamaCppEngine:
     # Two batch slots and no reserved ones: any interactive arrival while both are busy must displace.
-    return LlamaCppEngine("smollm2", smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0, fast_lane=False)
+    return LlamaCppEngine("smollm2", smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0)
 
 
 def spec(engine, key, prompt: str, n: int, interactive: bool, temperature: float = 0.0, seed: int = 7) -> SeqSpec:

@@ -123,6 +123,7 @@ class _Seq:
     last: int | None = None  # the token to feed next step
     grammar: GrammarMask | None = None
     want_logprobs: bool = False
+    argmax: bool = False  # plain greedy (no bias or penalties): numpy's argmax instead of the chain
     top_k: int = 0
     prompt_lp: list[tuple[float | None, int | None, list | None]] | None = None
     fed: list[int] = field(default_factory=list)  # every token now in this slot's KV, in order
@@ -133,13 +134,13 @@ class _Seq:
 
 
 class _Lane:
-    """One llama.cpp context (its own KV cache and slots) that decodes its sequences together.
+    """The llama.cpp context (its KV cache and slots) that decodes every live sequence together.
 
-    `exact` lanes keep a KV stream per sequence: a sequence's arithmetic is then independent of
-    what else is cached or batched, so a seed replays bit for bit, but llama.cpp gains nothing from
-    batching them on CPU. The `fast` lane shares one KV buffer: measured ~1.5-2x the throughput at
-    16 streams on 2 cores, but attention sums run over a layout that depends on the other
-    sequences, so sampled text can drift between identical requests (see BENCHMARKS.md).
+    Each slot is its own KV stream (`kv_unified = false`), as in llama-server: a sequence's
+    arithmetic is then independent of what else is cached or batched, so a seed replays bit for bit,
+    and one `llama_decode` still covers every sequence as long as the batch lists them by slot and
+    live slots stay packed (see `pick_slot`). A shared KV buffer measured slower at 16 sequences on
+    2 cores and let sampled text drift between identical requests, so there is no second lane.
     """
 
     def __init__(
@@ -189,9 +190,17 @@ class _Lane:
 
     def pick_slot(self, tokens: list[int], reuse: bool, scope: Hashable = None) -> tuple[int, int]:
         """A free slot and how many of `tokens` its cache already holds (only a slot last used in the
-        same scope counts: one tenant never reuses, nor learns the length of, another's prefix).
-        Without a match, the free slot caching the least, so a displaced sequence's KV survives."""
-        best, best_len = min(self.free, key=lambda s: len(self.slot_tokens[s])), 0
+        same scope counts: one tenant never reuses, nor learns the length of, another's prefix)."""
+        # Without a match: llama.cpp splits a step over per-sequence KV streams into one compute per
+        # run of consecutive slot ids, so a slot next to a live one (no new run) comes first, then the
+        # one caching least (a displaced sequence's or another prompt's prefix survives).
+        live = {q.slot for q in self.live.values()}
+
+        def cost(slot: int) -> tuple[bool, int, int]:
+            joins = not live or slot - 1 in live or slot + 1 in live
+            return (not joins, len(self.slot_tokens[slot]), slot)
+
+        best, best_len = min(self.free, key=cost), 0
         if reuse:
             for slot in self.free:
                 if self.slot_scope.get(slot) != scope:
@@ -252,7 +261,6 @@ class LlamaCppEngine(VocabEngine):
         max_batch: int = 16,
         n_batch: int = 512,
         n_threads: int | None = None,
-        fast_lane: bool = True,
         interactive_slots: int = 4,
     ) -> None:
         self.model_id = model_id
@@ -268,17 +276,10 @@ class LlamaCppEngine(VocabEngine):
         self._eog = np.array(sorted(self.vocab.eog_tokens), dtype=np.int64)
         threads = n_threads or os.cpu_count() or 1
         lane = dict(n_ctx=self.n_ctx, max_batch=max_batch, reserved=interactive_slots, n_batch=n_batch, threads=threads)
-        self._exact = _Lane(self._model, "exact", unified=False, **lane)
-        self._fast = _Lane(self._model, "fast", unified=True, **lane) if fast_lane else self._exact
-        self._lanes = [self._exact] if self._fast is self._exact else [self._exact, self._fast]
+        self._lanes = [_Lane(self._model, "main", unified=False, **lane)]
         self._ll_tokenizer: Any = None
         log.info(
-            "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads, lanes %s",
-            path.name,
-            self.n_ctx,
-            max_batch,
-            threads,
-            [ln.name for ln in self._lanes],
+            "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads", path.name, self.n_ctx, max_batch, threads
         )
 
     # -- tokenizer (tokenize, token_bytes, token_text: VocabEngine) ---------------------------
@@ -293,7 +294,7 @@ class LlamaCppEngine(VocabEngine):
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
         check_spec(spec, self.n_ctx, self.n_vocab)
-        (self._exact if spec.params.reproducible else self._fast).waiting.append(spec)
+        self._lanes[0].waiting.append(spec)
 
     def cancel(self, key: Hashable) -> None:
         for lane in self._lanes:
@@ -374,6 +375,7 @@ class LlamaCppEngine(VocabEngine):
             pos=keep,
             cached=keep,
             want_logprobs=p.needs_token_logprobs,
+            argmax=plan == [("greedy", ())],
             top_k=p.logprobs or 0,
             fed=list(spec.prompt_ids[:keep]),
         )
@@ -397,7 +399,11 @@ class LlamaCppEngine(VocabEngine):
         n = 0
         samplers: list[tuple[_Seq, int]] = []  # sequences sampling this step, and their logits row
         scorers: list[tuple[_Seq, int, int]] = []  # (seq, row, prompt index the row predicts)
-        for s in lane.live.values():
+        # In slot order: llama.cpp runs a batch over per-sequence KV streams as one compute per run of
+        # consecutive sequence ids in batch order (llama_batch_allocr::split_equal); unsorted or
+        # scattered ids cost one forward pass each, which made the exact lane flat in batch size.
+        ordered = sorted(lane.live.values(), key=lambda q: q.slot)
+        for s in ordered:
             if s.pending:
                 continue
             self._put(b, n, s.last, s.pos, s.slot, True)
@@ -405,7 +411,7 @@ class LlamaCppEngine(VocabEngine):
             s.pos += 1
             samplers.append((s, n))
             n += 1
-        for s in lane.live.values():  # prompt chunks fill the rest of the batch
+        for s in ordered:  # prompt chunks fill the rest of the batch
             if not s.pending or n >= lane.n_batch:
                 continue
             take = min(len(s.pending), lane.n_batch - n)
@@ -457,10 +463,12 @@ class LlamaCppEngine(VocabEngine):
             logits[self._eog] = -np.inf
         if s.grammar is not None:
             s.grammar.apply(logits)
-        if not np.isfinite(logits).any():  # nothing allowed: the grammar is complete
-            self._finish(s)
-            return TokenEvent(s.spec.key, None, None, "stop", t=now)
-        tok = int(llc.llama_sampler_sample(s.chain, s.lane.ctx, row))
+            if not np.isfinite(logits).any():  # nothing allowed: the grammar is complete
+                self._finish(s)
+                return TokenEvent(s.spec.key, None, None, "stop", t=now)
+        # llama.cpp's greedy sampler copies the whole row into a candidate array first; argmax over
+        # the row in place picks the same token (the first maximum) for a fraction of the time.
+        tok = int(np.argmax(logits)) if s.argmax else int(llc.llama_sampler_sample(s.chain, s.lane.ctx, row))
         lp = float(logp[tok]) if logp is not None else None
         top = top_logprobs(logp, s.top_k) if logp is not None and s.top_k else None
         if self.vocab.is_eog(tok):
