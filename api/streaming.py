@@ -67,8 +67,10 @@ async def sse_chunks(
     chunks = chunks_for(job, include_usage)
     key = readers_key(job.id)
     try:
-        await rds.incr(key)
-        await rds.expire(key, 3600)
+        pipe = rds.pipeline(transaction=False)
+        pipe.incr(key)
+        pipe.expire(key, 3600)
+        await pipe.execute()
     except Exception:  # counting readers is best effort: a Redis outage must not end the stream
         key = ""
     try:

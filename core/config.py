@@ -114,6 +114,12 @@ class Settings(BaseSettings):
         description="Batch lines a worker holds beyond its `max_batch` slots, waiting in its engine, so a slot "
         "that frees is refilled without a round trip to the dispatcher.",
     )
+    batch_group: int = Field(
+        8,
+        ge=1,
+        description="Batch lines the dispatcher puts in one Celery message; the worker claims them in one "
+        "statement and runs them side by side (each keeps its own lease, fence and result).",
+    )
     interactive_slots: int = Field(
         4,
         description="CPU engine: slots beyond `max_batch` only interactive sequences may take; with all of them "

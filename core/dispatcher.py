@@ -20,7 +20,7 @@ from core import retention
 from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
-from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job
+from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
 from core.infra.orm import Job, JobState
 from core.jobs import transitions as jobs
@@ -106,14 +106,32 @@ class Dispatcher:
         return sum(self.broker.llen(q) for q in queues_for(model))
 
     def _send(self, session: Session, rows: list) -> int:
-        sent = 0
+        """One message per interactive job; batch lines of a model `batch_group` to a message (one
+        Celery round trip and one claim for all of them)."""
+        messages: list[tuple[str, str, list[tuple[str, int]]]] = []
+        open_groups: dict[str, list[tuple[str, int]]] = {}
         for job_id, attempt, model, kind in rows:
+            if kind != "batch":
+                messages.append((model, kind, [(job_id, attempt)]))
+                continue
+            group = open_groups.setdefault(model, [])
+            if not group:
+                messages.append((model, kind, group))
+            group.append((job_id, attempt))
+            if len(group) == self.settings.batch_group:
+                del open_groups[model]
+        sent = 0
+        for model, kind, pairs in messages:
             try:
-                send_run_job(job_id, attempt, model, kind)
-                sent += 1
+                if kind == "batch":
+                    send_run_jobs(pairs, model)
+                else:
+                    send_run_job(pairs[0][0], pairs[0][1], model, kind)
+                sent += len(pairs)
             except Exception:
-                log.warning("send failed for %s; back to queued", job_id, exc_info=True)
-                session.execute(jobs.undispatch(job_id, attempt))
+                log.warning("send failed for %d jobs; back to queued", len(pairs), exc_info=True)
+                for job_id, attempt in pairs:
+                    session.execute(jobs.undispatch(job_id, attempt))
                 session.commit()
         return sent
 

@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     from core.jobs import workers
 
     r.batch_slot_wake = lambda: workers.slot_freed(r.redis)
+    # Celery's "received" and "succeeded in" lines repeat ours (which carry job and request ids) for
+    # every job: at hundreds of jobs a second their formatting alone is a noticeable share of a core.
+    for name in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if s.metrics_port:
         from prometheus_client import start_http_server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from core.batches import webhooks
 from core.config import get_settings
-from core.infra.broker import DELIVER_WEBHOOK, RUN_JOB, celery_app
+from core.infra.broker import DELIVER_WEBHOOK, RUN_JOB, RUN_JOBS, celery_app
 from workers.runtime import runner
 
 app = celery_app()
@@ -13,6 +13,11 @@ app = celery_app()
 @app.task(name=RUN_JOB)
 def run_job(job_id: str, attempt: int) -> str:
     return runner().run(job_id, attempt)
+
+
+@app.task(name=RUN_JOBS)
+def run_jobs(pairs: list[list]) -> list[str]:
+    return runner().run_group([(str(job_id), int(attempt)) for job_id, attempt in pairs])
 
 
 @app.task(name=DELIVER_WEBHOOK)

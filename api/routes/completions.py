@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 
 from api.deps import LifecycleDep, PrincipalDep, RedisDep, SettingsDep
-from api.streaming import readers, sse_chunks
+from api.streaming import readers, sse, sse_chunks
 from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
 from core.protocol import render
@@ -88,12 +88,15 @@ async def _cancel_if_abandoned(stream, job_id: str, tenant_id: int, lifecycle: L
     unless another reader (a reconnect with Last-Event-ID) follows it by then. A stream that ended
     because this server is shutting down, or because of an error on our side, cancels nothing: the
     job goes on, and its client can re-attach to /v1/jobs/{id}/events."""
-    abandoned = False
+    abandoned = ended = False
     try:
         async for chunk in stream:
+            # A client that closes right after the final `[DONE]` has read everything: nothing to cancel
+            # (and the job has ended anyway).
+            ended = chunk.startswith(_DONE)
             yield chunk
     except (GeneratorExit, asyncio.CancelledError):
-        abandoned = True
+        abandoned = not ended
         raise
     finally:
         if abandoned and settings.cancel_on_disconnect and not getattr(state, "draining", False):
@@ -104,6 +107,7 @@ async def _cancel_if_abandoned(stream, job_id: str, tenant_id: int, lifecycle: L
             task.add_done_callback(_PENDING.discard)
 
 
+_DONE = sse(render.DONE)
 _PENDING: set[asyncio.Task] = set()  # keeps grace-period tasks alive until they finish
 
 

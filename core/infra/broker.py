@@ -13,6 +13,7 @@ from celery import Celery
 from core.config import get_settings
 
 RUN_JOB = "spool.run_job"
+RUN_JOBS = "spool.run_jobs"  # several batch lines in one message: one claim, one Celery round trip
 DELIVER_WEBHOOK = "spool.deliver_webhook"
 WEBHOOK_QUEUE = "spool.webhooks"  # every worker consumes it after its model's queues
 
@@ -59,6 +60,11 @@ def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive
     celery_app().send_task(RUN_JOB, args=[job_id, attempt], queue=queue_for(model, kind))
 
 
+def send_run_jobs(pairs: list[tuple[str, int]], model: str) -> None:
+    """Publish one `run_jobs([[job_id, attempt], ...])` message (batch lines of one model)."""
+    celery_app().send_task(RUN_JOBS, args=[[list(p) for p in pairs]], queue=queue_for(model, "batch"))
+
+
 def send_deliver_webhook(batch_id: str, body: str) -> None:
     celery_app().send_task(DELIVER_WEBHOOK, args=[batch_id, body], queue=WEBHOOK_QUEUE)
 
@@ -72,7 +78,8 @@ def queued_jobs(broker: Any, model: str, limit: int = 10_000) -> set[tuple[str, 
             try:
                 msg = json.loads(raw)
                 args = json.loads(base64.b64decode(msg["body"]))[0]
-                out.add((str(args[0]), int(args[1])))
+                pairs = args[0] if isinstance(args[0], list) else [args]  # run_jobs or run_job
+                out.update((str(job_id), int(attempt)) for job_id, attempt in pairs)
             except (ValueError, KeyError, IndexError, TypeError):
                 continue  # not one of ours
     return out

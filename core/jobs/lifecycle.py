@@ -135,11 +135,14 @@ class Lifecycle:
         ev: Done | Failed | Cancelled,
         u: Usage | Callable[[Job], Usage] | None = None,
         engine_s: float = 0.0,
-    ) -> Job | None:
+    ) -> Any:
         """The transition and the usage row in one transaction, then settle and announce. `u` may be
-        computed from the row the transition returns (a cancel bills what was already produced)."""
+        computed from the row the transition returns (a cancel bills what was already produced).
+        Returns that row (None when the transition lost)."""
         with self.sessions() as s:
-            row = s.execute(stmt).scalar()
+            found = s.execute(stmt).first()
+            # A cancel returns the whole Job (the API renders it); succeed and fail only transitions.ENDED.
+            row: Any = None if found is None else found[0] if len(found) == 1 else found
             if row is not None:
                 if callable(u):
                     u = u(row)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Update, func, select, update
+from sqlalchemy import Update, func, select, tuple_, update
 
 from core.infra.orm import TERMINAL_STATES, Job, JobState
 
@@ -65,17 +65,17 @@ def _transition(
     cond = [Job.id == job_id, Job.state.in_([s.value for s in from_states])]
     if attempt is not None:
         cond.append(Job.attempt == attempt)
-    return update(Job).where(*cond).values(state=to.value, **values).returning(Job)
+    return update(Job).where(*cond).values(state=to.value, **values)
 
 
 def mark_dispatched(job_id: str, attempt: int) -> Update:
     """queued -> dispatched, just before its message is sent."""
-    return _transition(job_id, [JobState.queued], JobState.dispatched, attempt, dispatched_at=func.now())
+    return _transition(job_id, [JobState.queued], JobState.dispatched, attempt, dispatched_at=func.now()).returning(Job)
 
 
 def undispatch(job_id: str, attempt: int) -> Update:
     """dispatched -> queued, when sending its message failed; the dispatcher will try again."""
-    return _transition(job_id, [JobState.dispatched], JobState.queued, attempt, dispatched_at=None)
+    return _transition(job_id, [JobState.dispatched], JobState.queued, attempt, dispatched_at=None).returning(Job)
 
 
 def claim(job_id: str, attempt: int, worker: str, lease_s: float) -> Update:
@@ -88,6 +88,22 @@ def claim(job_id: str, attempt: int, worker: str, lease_s: float) -> Update:
         worker=worker,
         started_at=func.now(),
         lease_until=func.now() + timedelta(seconds=lease_s),
+    ).returning(Job)
+
+
+def claim_many(pairs: list[tuple[str, int]], worker: str, lease_s: float) -> Update:
+    """`claim` for several jobs at once (a group message of batch lines): each row still needs its
+    own state and attempt to match, so a stale pair in the group claims nothing."""
+    return (
+        update(Job)
+        .where(Job.state == JobState.dispatched.value, tuple_(Job.id, Job.attempt).in_(pairs))
+        .values(
+            state=JobState.running.value,
+            worker=worker,
+            started_at=func.now(),
+            lease_until=func.now() + timedelta(seconds=lease_s),
+        )
+        .returning(Job)
     )
 
 
@@ -101,6 +117,11 @@ def renew_lease(job_id: str, attempt: int, lease_s: float) -> Update:
     )
 
 
+# What ending a job needs back (usage row, metrics, announcement): not the prompts, params and result,
+# which the ORM would otherwise parse back out of JSONB for every finished job.
+ENDED = (Job.id, Job.tenant_id, Job.key_id, Job.model, Job.kind, Job.created_at, Job.finished_at)
+
+
 def succeed(job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, Any]) -> Update:
     return _transition(
         job_id,
@@ -111,7 +132,7 @@ def succeed(job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, 
         usage=usage,
         finished_at=func.now(),
         lease_until=None,
-    )
+    ).returning(*ENDED)
 
 
 def fail(job_id: str, attempt: int, error: dict[str, Any]) -> Update:
@@ -123,12 +144,14 @@ def fail(job_id: str, attempt: int, error: dict[str, Any]) -> Update:
         error=error,
         finished_at=func.now(),
         lease_until=None,
-    )
+    ).returning(*ENDED)
 
 
 def cancel(job_id: str, tenant_id: int, error: dict[str, Any]) -> Update:
     """Any live state -> cancelled. Only the owner can; a second cancel matches nothing."""
-    stmt = _transition(job_id, ACTIVE_STATES, JobState.cancelled, finished_at=func.now(), lease_until=None, error=error)
+    stmt = _transition(
+        job_id, ACTIVE_STATES, JobState.cancelled, finished_at=func.now(), lease_until=None, error=error
+    ).returning(Job)
     return stmt.where(Job.tenant_id == tenant_id)
 
 
