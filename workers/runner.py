@@ -124,37 +124,31 @@ class JobRunner:
 
     # -- entrypoint -------------------------------------------------------------------------
     def run(self, job_id: str, attempt: int) -> str:
-        kind: list[str] = []  # the claimed job's kind, when the claim succeeds
         try:
-            return self._run(job_id, attempt, kind)
-        finally:
-            # Only a batch line frees a slot the dispatcher fills; waking it after every interactive
-            # job made it run a full tick per request (a third of a core at 60 requests/s).
-            if self.batch_slot_wake is not None and kind != ["interactive"]:
-                self.batch_slot_wake()
+            job = retrying(self.settings, f"claim {job_id}", self._claim, job_id, attempt)
+        except Abandoned:
+            log.warning("job %s attempt %s: could not claim; the dispatcher re-sends it", job_id, attempt)
+            return "abandoned"
+        if job is None:
+            log.info("job %s attempt %s: not claimable (duplicate or stale message); skipped", job_id, attempt)
+            return "skipped"
+        return self._run_claimed(job)
 
     def run_group(self, pairs: list[tuple[str, int]]) -> list[str]:
         """Several batch lines from one message: claimed in one statement, then run side by side,
         each an ordinary attempt (its own lease, fence, events and settlement)."""
         try:
-            try:
-                jobs = retrying(self.settings, f"claim {len(pairs)} jobs", self._claim_many, pairs)
-            except Abandoned:
-                log.warning("could not claim %d jobs; the dispatcher re-sends them", len(pairs))
-                return ["abandoned"] * len(pairs)
-            if len(jobs) < len(pairs):
-                log.info(
-                    "%d of %d jobs not claimable (duplicate or stale message); skipped",
-                    len(pairs) - len(jobs),
-                    len(pairs),
-                )
-            if len(jobs) <= 1:
-                return [self._run_claimed(j) for j in jobs]
-            with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="group") as pool:
-                return list(pool.map(self._run_claimed, jobs))
-        finally:
-            if self.batch_slot_wake is not None:
-                self.batch_slot_wake()
+            jobs = retrying(self.settings, f"claim {len(pairs)} jobs", self._claim_many, pairs)
+        except Abandoned:
+            log.warning("could not claim %d jobs; the dispatcher re-sends them", len(pairs))
+            return ["abandoned"] * len(pairs)
+        if len(jobs) < len(pairs):
+            skipped = len(pairs) - len(jobs)
+            log.info("%d of %d jobs not claimable (duplicate or stale message); skipped", skipped, len(pairs))
+        if len(jobs) <= 1:
+            return [self._run_claimed(j) for j in jobs]
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="group") as pool:
+            return list(pool.map(self._run_claimed, jobs))
 
     def _claim_many(self, pairs: list[tuple[str, int]]) -> list[Job]:
         with self.sessions() as s:
@@ -168,24 +162,18 @@ class JobRunner:
             s.commit()
         return job
 
-    def _run(self, job_id: str, attempt: int, kind: list[str]) -> str:
-        try:
-            job = retrying(self.settings, f"claim {job_id}", self._claim, job_id, attempt)
-        except Abandoned:
-            log.warning("job %s attempt %s: could not claim; the dispatcher re-sends it", job_id, attempt)
-            return "abandoned"
-        if job is None:
-            log.info("job %s attempt %s: not claimable (duplicate or stale message); skipped", job_id, attempt)
-            return "skipped"
-        kind.append(job.kind)
-        return self._run_claimed(job)
-
     def _run_claimed(self, job: Job) -> str:
-        with logs.bound(
-            request_id=job.request_id, job_id=job.id, tenant_id=job.tenant_id, model=job.model, attempt=job.attempt
-        ):
-            log.info("job %s attempt %s started", job.id, job.attempt)
-            return self._attempt(job)
+        try:
+            with logs.bound(
+                request_id=job.request_id, job_id=job.id, tenant_id=job.tenant_id, model=job.model, attempt=job.attempt
+            ):
+                log.info("job %s attempt %s started", job.id, job.attempt)
+                return self._attempt(job)
+        finally:
+            # A batch line's end frees a slot the dispatcher fills at once. Interactive jobs do not
+            # wake it: that made it run a full tick per request (a third of a core at 60 requests/s).
+            if job.kind == "batch" and self.batch_slot_wake is not None:
+                self.batch_slot_wake()
 
     def _attempt(self, job: Job) -> str:
         job_id, attempt = job.id, job.attempt
