@@ -100,6 +100,7 @@ class Lifecycle:
     def _record(session: Session, job: Any, outcome: str, u: Usage | None, engine_s: float) -> None:
         u = u or Usage()
         session.execute(
+            usage.UPSERT,
             usage.record(
                 tenant_id=job.tenant_id,
                 key_id=job.key_id,
@@ -108,7 +109,7 @@ class Lifecycle:
                 completion_tokens=u.completion_tokens,
                 gpu_seconds=engine_s,
                 outcome=outcome,
-            )
+            ),
         )
 
     def _announce(self, job_id: str, billable: int, ev: Done | Failed | Cancelled) -> None:
@@ -130,7 +131,7 @@ class Lifecycle:
 
     def _end(
         self,
-        stmt: Update,
+        stmt: Update | tuple[Update, dict[str, Any]],
         outcome: str,
         ev: Done | Failed | Cancelled,
         u: Usage | Callable[[Job], Usage] | None = None,
@@ -140,7 +141,7 @@ class Lifecycle:
         computed from the row the transition returns (a cancel bills what was already produced).
         Returns that row (None when the transition lost)."""
         with self.sessions() as s:
-            found = s.execute(stmt).first()
+            found = (s.execute(*stmt) if isinstance(stmt, tuple) else s.execute(stmt)).first()
             # A cancel returns the whole Job (the API renders it); succeed and fail only transitions.ENDED.
             row: Any = None if found is None else found[0] if len(found) == 1 else found
             if row is not None:

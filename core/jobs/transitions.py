@@ -11,9 +11,9 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Update, func, select, tuple_, update
+from sqlalchemy import Table, Update, bindparam, func, select, tuple_, update
 
 from core.infra.orm import TERMINAL_STATES, Job, JobState
 
@@ -119,32 +119,38 @@ def renew_lease(job_id: str, attempt: int, lease_s: float) -> Update:
 
 # What ending a job needs back (usage row, metrics, announcement): not the prompts, params and result,
 # which the ORM would otherwise parse back out of JSONB for every finished job.
-ENDED = (Job.id, Job.tenant_id, Job.key_id, Job.model, Job.kind, Job.created_at, Job.finished_at)
+_JOBS = cast(Table, Job.__table__)
+ENDED = tuple(_JOBS.c[n] for n in ("id", "tenant_id", "key_id", "model", "kind", "created_at", "finished_at"))
 
 
-def succeed(job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, Any]) -> Update:
-    return _transition(
-        job_id,
-        [JobState.running],
-        JobState.succeeded,
-        attempt,
-        result=result,
-        usage=usage,
-        finished_at=func.now(),
-        lease_until=None,
-    ).returning(*ENDED)
+def _ending(to: JobState, *fields: str) -> Update:
+    """running -> an end, built once with bound parameters (b_job_id, b_attempt, and b_ + each of `fields`), on the table
+    rather than the ORM class: building an ORM-enabled UPDATE per finished job cost a worker a
+    noticeable share of its CPU, and nothing here needs an ORM object back."""
+    c = _JOBS.c
+    return (
+        update(_JOBS)
+        .where(c.id == bindparam("b_job_id"), c.state == JobState.running.value, c.attempt == bindparam("b_attempt"))
+        .values(
+            state=to.value,
+            finished_at=func.now(),
+            lease_until=None,
+            **{f: bindparam(f"b_{f}", type_=c[f].type) for f in fields},
+        )
+        .returning(*ENDED)
+    )
 
 
-def fail(job_id: str, attempt: int, error: dict[str, Any]) -> Update:
-    return _transition(
-        job_id,
-        [JobState.running],
-        JobState.failed,
-        attempt,
-        error=error,
-        finished_at=func.now(),
-        lease_until=None,
-    ).returning(*ENDED)
+SUCCEED = _ending(JobState.succeeded, "result", "usage")
+FAIL = _ending(JobState.failed, "error")
+
+
+def succeed(job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, Any]) -> tuple[Update, dict[str, Any]]:
+    return SUCCEED, {"b_job_id": job_id, "b_attempt": attempt, "b_result": result, "b_usage": usage}
+
+
+def fail(job_id: str, attempt: int, error: dict[str, Any]) -> tuple[Update, dict[str, Any]]:
+    return FAIL, {"b_job_id": job_id, "b_attempt": attempt, "b_error": error}
 
 
 def cancel(job_id: str, tenant_id: int, error: dict[str, Any]) -> Update:

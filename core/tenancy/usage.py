@@ -6,11 +6,44 @@ API cancel, dispatcher reaper), so billing and job state cannot disagree.
 
 from __future__ import annotations
 
-from sqlalchemy import Insert, func
+from typing import Any, cast
+
+from sqlalchemy import Insert, Table, bindparam, func
 from sqlalchemy.dialects.postgresql import insert
 
 from core.infra.metrics import REQUESTS, SECONDS, TOKENS
 from core.infra.orm import UsageDaily
+
+
+def _upsert() -> Insert:
+    # Built once, on the table (not the ORM class), with bound parameters: building this statement and
+    # going through the ORM's bulk-insert path per finished job was a sixth of a worker's CPU.
+    t = cast(Table, UsageDaily.__table__)
+    stmt = insert(t).values(
+        day=func.date(func.timezone("utc", func.now())),
+        tenant_id=bindparam("tenant_id"),
+        key_id=bindparam("key_id"),
+        model=bindparam("model"),
+        requests=1,
+        failed=bindparam("failed"),
+        prompt_tokens=bindparam("prompt_tokens"),
+        completion_tokens=bindparam("completion_tokens"),
+        gpu_seconds=bindparam("gpu_seconds"),
+    )
+    ex = stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.day, t.c.tenant_id, t.c.key_id, t.c.model],
+        set_={
+            "requests": t.c.requests + ex.requests,
+            "failed": t.c.failed + ex.failed,
+            "prompt_tokens": t.c.prompt_tokens + ex.prompt_tokens,
+            "completion_tokens": t.c.completion_tokens + ex.completion_tokens,
+            "gpu_seconds": t.c.gpu_seconds + ex.gpu_seconds,
+        },
+    )
+
+
+UPSERT = _upsert()
 
 
 def record(
@@ -22,31 +55,18 @@ def record(
     completion_tokens: int = 0,
     gpu_seconds: float = 0.0,
     outcome: str = "succeeded",
-) -> Insert:
-    failed = 0 if outcome == "succeeded" else 1
+) -> dict[str, Any]:
+    """Count the job in the metrics; returns the parameters of `UPSERT` for its usage row."""
     REQUESTS.labels(str(tenant_id), model, outcome).inc()
     TOKENS.labels(str(tenant_id), model, "prompt").inc(prompt_tokens)
     TOKENS.labels(str(tenant_id), model, "completion").inc(completion_tokens)
     SECONDS.labels(str(tenant_id), model).inc(gpu_seconds)
-    stmt = insert(UsageDaily).values(
-        day=func.date(func.timezone("utc", func.now())),
-        tenant_id=tenant_id,
-        key_id=key_id or 0,
-        model=model,
-        requests=1,
-        failed=failed,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        gpu_seconds=gpu_seconds,
-    )
-    ex = stmt.excluded
-    return stmt.on_conflict_do_update(
-        index_elements=[UsageDaily.day, UsageDaily.tenant_id, UsageDaily.key_id, UsageDaily.model],
-        set_={
-            "requests": UsageDaily.requests + ex.requests,
-            "failed": UsageDaily.failed + ex.failed,
-            "prompt_tokens": UsageDaily.prompt_tokens + ex.prompt_tokens,
-            "completion_tokens": UsageDaily.completion_tokens + ex.completion_tokens,
-            "gpu_seconds": UsageDaily.gpu_seconds + ex.gpu_seconds,
-        },
-    )
+    return {
+        "tenant_id": tenant_id,
+        "key_id": key_id or 0,
+        "model": model,
+        "failed": 0 if outcome == "succeeded" else 1,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "gpu_seconds": gpu_seconds,
+    }
