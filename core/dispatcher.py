@@ -38,21 +38,30 @@ class Dispatcher:
         self.lifecycle = Lifecycle(sessions, rds, settings)
         self._next_batches = 0.0
         self._next_sweep = 0.0
+        self._next_upkeep = 0.0
 
     def tick(self) -> dict[str, int]:
         """One pass. Returns counts for logs and tests."""
         s = self.settings
-        counts = self.lifecycle.reap()
+        # Lapsed leases and lost messages are looked for once per interval; the ticks a freed batch
+        # slot triggers in between (hundreds a second with short lines) only refill the queues.
+        upkeep = time.monotonic() >= self._next_upkeep
+        counts: dict[str, int] = {}
+        lost: list = []
         with self.sessions() as session:
-            # A job dispatched but unclaimed past the timeout: re-send it unless its message is still
-            # waiting in its queue (slow, not lost). Under any backlog a lost message is found.
-            stale = session.execute(
-                jobs.touch_stale_dispatched(s.dispatch_timeout_s, s.dispatcher_batch, s.model_ids)
-            ).all()
-            session.commit()
-            waiting = set().union(*(queued_jobs(self.broker, m) for m in {row.model for row in stale}))
-            lost = [row for row in stale if (row.id, row.attempt) not in waiting]
-            sent = self._send(session, lost)
+            sent = 0
+            if upkeep:
+                self._next_upkeep = time.monotonic() + s.dispatcher_interval_s
+                counts = self.lifecycle.reap()
+                # A job dispatched but unclaimed past the timeout: re-send it unless its message is
+                # still waiting in its queue (slow, not lost). Under any backlog a lost message is found.
+                stale = session.execute(
+                    jobs.touch_stale_dispatched(s.dispatch_timeout_s, s.dispatcher_batch, s.model_ids)
+                ).all()
+                session.commit()
+                waiting = set().union(*(queued_jobs(self.broker, m) for m in {row.model for row in stale}))
+                lost = [row for row in stale if (row.id, row.attempt) not in waiting]
+                sent = self._send(session, lost)
 
             for model in s.model_ids:
                 room = min(s.queue_depth - self._depth(model), s.dispatcher_batch)

@@ -124,8 +124,8 @@ ENDED = tuple(_JOBS.c[n] for n in ("id", "tenant_id", "key_id", "model", "kind",
 
 
 def _ending(to: JobState, *fields: str) -> Update:
-    """running -> an end, built once with bound parameters (b_job_id, b_attempt, and b_ + each of `fields`), on the table
-    rather than the ORM class: building an ORM-enabled UPDATE per finished job cost a worker a
+    """running -> an end, built once with bound parameters (b_job_id, b_attempt, b_<field>), on the
+    table rather than the ORM class: building an ORM-enabled UPDATE per finished job cost a worker a
     noticeable share of its CPU, and nothing here needs an ORM object back."""
     c = _JOBS.c
     return (
