@@ -6,6 +6,7 @@ from sqlalchemy import select
 
 from core.infra import streams
 from core.infra.orm import Job, JobState, UsageDaily
+from core.jobs import transitions
 from core.jobs.events import Cancelled, ChoiceResult, Done, ErrorInfo, Failed, JobResult, Usage, decode
 from core.jobs.lifecycle import Lifecycle
 from core.tenancy import ratelimit
@@ -94,3 +95,24 @@ def test_reaper_requeues_then_fails_with_the_one_worker_lost_error(session, sess
     assert f.state == "failed" and f.error["code"] == "worker_lost"
     (ev,) = _events(rds, last.id)
     assert isinstance(ev, Failed) and ev.error.message == f.error["message"]
+
+
+def test_a_group_claim_takes_only_pairs_still_dispatched_at_that_attempt(session, sessions, it_settings):
+    """A group message of batch lines: each line is claimed by its own compare-and-set inside one
+    statement, so a stale pair (older attempt, or no longer dispatched) claims nothing, and a
+    duplicate delivery of the whole message claims nothing at all."""
+    t = factories.tenant(session)
+    a = factories.job(session, t, state=JobState.dispatched, kind="batch")
+    b = factories.job(session, t, state=JobState.dispatched, kind="batch", attempt=2)
+    queued = factories.job(session, t, state=JobState.queued, kind="batch")
+    newer = factories.job(session, t, state=JobState.dispatched, kind="batch", attempt=3)
+    pairs = [(a.id, 1), (b.id, 2), (queued.id, 1), (newer.id, 2)]
+    for expected in ({a.id, b.id}, set()):  # the message, then its duplicate
+        with sessions() as s:
+            got = s.execute(transitions.claim_many(pairs, "w-group", 60)).scalars().all()
+            s.commit()
+        assert {j.id for j in got} == expected
+    for job, state in ((a, "running"), (b, "running"), (queued, "queued"), (newer, "dispatched")):
+        row = session.get(Job, job.id, populate_existing=True)
+        assert row.state == state
+        assert (row.worker == "w-group") == (state == "running")
