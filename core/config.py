@@ -120,6 +120,12 @@ class Settings(BaseSettings):
         description="Batch lines the dispatcher puts in one Celery message; the worker claims them in one "
         "statement and runs them side by side (each keeps its own lease, fence and result).",
     )
+    batch_publish_s: float = Field(
+        0.5,
+        ge=0,
+        description="A batch line appends its progress to its event stream at most this often (and when it "
+        "ends); interactive jobs publish every token. A resumed line continues from the last published progress.",
+    )
     interactive_slots: int = Field(
         4,
         description="CPU engine: slots beyond `max_batch` only interactive sequences may take; with all of them "

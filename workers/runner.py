@@ -327,6 +327,9 @@ class _Attempt:
         by_key: dict[Hashable, _Choice] = {ch.key: ch for ch in self.choices.values()}
         next_control = time.monotonic() + 0.5
         next_renew = time.monotonic() + self.settings.lease_s / 3
+        unsent: dict[_Choice, None] = {}  # touched since the last publish, in arrival order
+        publish_every = self.settings.batch_publish_s if job.kind == "batch" else 0.0
+        next_publish = 0.0
         try:
             while live:
                 try:
@@ -338,10 +341,15 @@ class _Attempt:
                         batch.append(inbox.get_nowait())
                     except queue.Empty:
                         break
-                touched = [self._accept(by_key[ev.key], ev, live) for ev in batch]
-                if touched and not self.buffered:
-                    self._publish(touched)
+                for ev in batch:
+                    unsent[self._accept(by_key[ev.key], ev, live)] = None
                 now = time.monotonic()
+                # A stream reader wants every token at once; a batch line's progress is only read to
+                # resume it, and publishing it per token took CPU from the decode on small hosts.
+                if unsent and not self.buffered and (now >= next_publish or any(ch.done for ch in unsent)):
+                    self._publish(list(unsent))
+                    unsent.clear()
+                    next_publish = now + publish_every
                 if now >= next_control:
                     next_control = now + 0.5
                     if self._cancelled():
