@@ -133,6 +133,10 @@ class _Seq:
         return self.fed + ([self.last] if self.last is not None else self.pending)
 
 
+# The shortest cached prefix worth opening a new run of slots for (see `_Lane.pick_slot`).
+_FAR_PREFIX = 256
+
+
 class _Lane:
     """The llama.cpp context (its KV cache and slots) that decodes every live sequence together.
 
@@ -191,27 +195,32 @@ class _Lane:
     def pick_slot(self, tokens: list[int], reuse: bool, scope: Hashable = None) -> tuple[int, int]:
         """A free slot and how many of `tokens` its cache already holds (only a slot last used in the
         same scope counts: one tenant never reuses, nor learns the length of, another's prefix)."""
-        # Without a match: llama.cpp splits a step over per-sequence KV streams into one compute per
-        # run of consecutive slot ids, so a slot next to a live one (no new run) comes first, then the
-        # one caching least (a displaced sequence's or another prompt's prefix survives).
+        # llama.cpp splits a step over per-sequence KV streams into one compute per run of consecutive
+        # slot ids, so a slot next to a live one (no new run) comes first; among those, the one caching
+        # least (a displaced sequence's or another prompt's prefix survives). A cached prefix in a slot
+        # that would start a new run is taken only when it is long: the extra compute per step for
+        # the sequence's whole life costs more than prefilling a short prefix again.
         live = {q.slot for q in self.live.values()}
 
-        def cost(slot: int) -> tuple[bool, int, int]:
-            joins = not live or slot - 1 in live or slot + 1 in live
-            return (not joins, len(self.slot_tokens[slot]), slot)
+        def joins(slot: int) -> bool:
+            return not live or slot - 1 in live or slot + 1 in live
 
-        best, best_len = min(self.free, key=cost), 0
-        if reuse:
-            for slot in self.free:
-                if self.slot_scope.get(slot) != scope:
-                    continue
-                n = 0
-                for a, b in zip(self.slot_tokens[slot], tokens, strict=False):
-                    if a != b:
-                        break
-                    n += 1
-                if n > best_len:
-                    best, best_len = slot, n
+        def cached(slot: int) -> int:
+            if not reuse or self.slot_scope.get(slot) != scope:
+                return 0
+            n = 0
+            for a, b in zip(self.slot_tokens[slot], tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        matches = {slot: cached(slot) for slot in self.free}
+        best = min(self.free, key=lambda s: (not joins(s), -matches[s], len(self.slot_tokens[s]), s))
+        far = max(self.free, key=lambda s: (matches[s], -s))
+        if not joins(far) and matches[far] >= max(_FAR_PREFIX, 2 * matches[best]):
+            best = far
+        best_len = matches[best]
         self.free.remove(best)
         self.slot_scope[best] = scope
         # Always decode at least the last token: its logits start (or continue) generation.
