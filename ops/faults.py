@@ -539,8 +539,22 @@ def _load_and_faults(
         time.sleep(3)
         pg.start()
 
+    def streaming_jobs() -> int:
+        with db.connect() as conn:
+            q = (
+                "SELECT count(*) FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
+                " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
+            )
+            return conn.scalar(text(q)) or 0
+
     def api(sig: int) -> Callable[[], None]:
         def go() -> None:
+            # Cut streams mid-flight, as the worker kills cut jobs mid-generation: a faster engine
+            # finishes short streams before a blind kill lands, and then nothing re-attaches.
+            try:
+                wait_for(streaming_jobs, 20, "a stream mid-generation")
+            except TimeoutError:
+                report.problems.append("no stream was running when an API kill was due")
             st.signal("api", sig)
             st.start_api()
 
