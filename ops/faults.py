@@ -253,14 +253,16 @@ class Client:
         self.tally, self.give_up_s = tally, give_up_s
 
     def _post(self, path: str, out: Outcome, **kw: Any) -> httpx.Response:
-        """POST with one Idempotency-Key, retried on connection errors and 503s until answered."""
+        """POST with one Idempotency-Key, retried on connection errors, 503s and 409s until answered,
+        as the `openai` SDK does. A 409 is the same key still in progress: an API killed between
+        taking the key and storing the job leaves it so until the key is stale and taken over."""
         headers = {"Idempotency-Key": uuid.uuid4().hex, **kw.pop("headers", {})}
         deadline = time.monotonic() + self.give_up_s
         while True:
             try:
                 r = self.http.post(path, headers=headers, **kw)
                 self.tally.saw(r)
-                if r.status_code not in (503, 502, 504) or time.monotonic() > deadline:
+                if r.status_code not in (409, 503, 502, 504) or time.monotonic() > deadline:
                     return r
             except RETRYABLE:
                 if time.monotonic() > deadline:
