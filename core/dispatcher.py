@@ -118,17 +118,15 @@ class Dispatcher:
         """One message per interactive job; batch lines of a model `batch_group` to a message (one
         Celery round trip and one claim for all of them)."""
         messages: list[tuple[str, str, list[tuple[str, int]]]] = []
-        open_groups: dict[str, list[tuple[str, int]]] = {}
+        batch: dict[str, list[tuple[str, int]]] = {}
         for job_id, attempt, model, kind in rows:
-            if kind != "batch":
+            if kind == "batch":
+                batch.setdefault(model, []).append((job_id, attempt))
+            else:
                 messages.append((model, kind, [(job_id, attempt)]))
-                continue
-            group = open_groups.setdefault(model, [])
-            if not group:
-                messages.append((model, kind, group))
-            group.append((job_id, attempt))
-            if len(group) == self.settings.batch_group:
-                del open_groups[model]
+        n = self.settings.batch_group
+        for model, pairs in batch.items():
+            messages += [(model, "batch", pairs[i : i + n]) for i in range(0, len(pairs), n)]
         sent = 0
         for model, kind, pairs in messages:
             try:

@@ -80,20 +80,12 @@ def undispatch(job_id: str, attempt: int) -> Update:
 
 def claim(job_id: str, attempt: int, worker: str, lease_s: float) -> Update:
     """dispatched -> running, by the worker that got attempt `attempt`'s message. One winner."""
-    return _transition(
-        job_id,
-        [JobState.dispatched],
-        JobState.running,
-        attempt,
-        worker=worker,
-        started_at=func.now(),
-        lease_until=func.now() + timedelta(seconds=lease_s),
-    ).returning(Job)
+    return claim_many([(job_id, attempt)], worker, lease_s)
 
 
 def claim_many(pairs: list[tuple[str, int]], worker: str, lease_s: float) -> Update:
-    """`claim` for several jobs at once (a group message of batch lines): each row still needs its
-    own state and attempt to match, so a stale pair in the group claims nothing."""
+    """`claim` for one job or several (a group message of batch lines) in one statement: each row
+    still needs its own state and attempt to match, so a stale pair in the group claims nothing."""
     return (
         update(Job)
         .where(Job.state == JobState.dispatched.value, tuple_(Job.id, Job.attempt).in_(pairs))

@@ -150,23 +150,20 @@ class _Lane:
     def __init__(
         self,
         model: Any,
-        name: str,
         *,
-        unified: bool,
         n_ctx: int,
         max_batch: int,
         reserved: int,
         n_batch: int,
         threads: int,
     ) -> None:
-        self.name = name
         # Batch sequences may hold `max_batch` slots; `reserved` more are for interactive ones only, so
         # an interactive request starts at once however much bulk work is running.
         slots = max_batch + reserved
         self.batch_cap = max_batch
         cparams = llc.llama_context_default_params()
         cparams.n_seq_max = slots
-        cparams.kv_unified = unified
+        cparams.kv_unified = False
         cparams.n_ctx = n_ctx * slots
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
@@ -285,7 +282,7 @@ class LlamaCppEngine(VocabEngine):
         self._eog = np.array(sorted(self.vocab.eog_tokens), dtype=np.int64)
         threads = n_threads or os.cpu_count() or 1
         lane = dict(n_ctx=self.n_ctx, max_batch=max_batch, reserved=interactive_slots, n_batch=n_batch, threads=threads)
-        self._lanes = [_Lane(self._model, "main", unified=False, **lane)]
+        self._lane = _Lane(self._model, **lane)
         self._ll_tokenizer: Any = None
         log.info(
             "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads", path.name, self.n_ctx, max_batch, threads
@@ -303,26 +300,27 @@ class LlamaCppEngine(VocabEngine):
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
         check_spec(spec, self.n_ctx, self.n_vocab)
-        self._lanes[0].waiting.append(spec)
+        self._lane.waiting.append(spec)
 
     def cancel(self, key: Hashable) -> None:
-        for lane in self._lanes:
-            seq = lane.live.get(key) or next((p for p in lane.paused if p.spec.key == key), None)
-            if seq is not None:
-                lane.release(seq)
-                return
-            lane.waiting = collections.deque(s for s in lane.waiting if s.key != key)
+        lane = self._lane
+        seq = lane.live.get(key) or next((p for p in lane.paused if p.spec.key == key), None)
+        if seq is not None:
+            lane.release(seq)
+            return
+        lane.waiting = collections.deque(s for s in lane.waiting if s.key != key)
 
     def has_work(self) -> bool:
-        return any(lane.live or lane.waiting or lane.paused for lane in self._lanes)
+        lane = self._lane
+        return bool(lane.live or lane.waiting or lane.paused)
 
     def waiting_count(self) -> int:
         """Sequences waiting for a slot (never started, or displaced by interactive work)."""
-        return sum(len(lane.waiting) + len(lane.paused) for lane in self._lanes)
+        return len(self._lane.waiting) + len(self._lane.paused)
 
     @property
     def preemptions(self) -> int:
-        return sum(lane.preemptions for lane in self._lanes)
+        return self._lane.preemptions
 
     def _admit(self, lane: _Lane) -> list[TokenEvent]:
         """Move waiting sequences into free slots, interactive first: an interactive sequence takes a
@@ -396,11 +394,9 @@ class LlamaCppEngine(VocabEngine):
 
     # -- one decode step --------------------------------------------------------------------
     def step(self) -> list[TokenEvent | PromptEvent]:
-        out: list[TokenEvent | PromptEvent] = []
-        for lane in self._lanes:
-            out += self._admit(lane)
-            if lane.live:
-                out += self._step_lane(lane)
+        out: list[TokenEvent | PromptEvent] = list(self._admit(self._lane))
+        if self._lane.live:
+            out += self._step_lane(self._lane)
         return out
 
     def _step_lane(self, lane: _Lane) -> list[TokenEvent | PromptEvent]:
