@@ -152,13 +152,13 @@ class JobRunner:
 
     def _claim_many(self, pairs: list[tuple[str, int]]) -> list[Job]:
         with self.sessions() as s:
-            jobs = list(s.execute(transitions.claim_many(pairs, self.worker_name, self.settings.lease_s)).scalars())
+            jobs = list(s.execute(*transitions.claim_many(pairs, self.worker_name, self.settings.lease_s)).scalars())
             s.commit()
         return jobs
 
     def _claim(self, job_id: str, attempt: int) -> Job | None:
         with self.sessions() as s:
-            job = s.execute(transitions.claim(job_id, attempt, self.worker_name, self.settings.lease_s)).scalar()
+            job = s.execute(*transitions.claim(job_id, attempt, self.worker_name, self.settings.lease_s)).scalar()
             s.commit()
         return job
 

@@ -29,7 +29,7 @@ from core.idempotency import Claim
 from core.infra import kv, streams
 from core.infra.broker import send_run_job
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
-from core.infra.orm import Job
+from core.infra.orm import Job, JobState
 from core.jobs import transitions
 from core.jobs.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode, encode
 from core.tenancy import ratelimit, usage
@@ -52,14 +52,12 @@ async def submit(session: AsyncSession, job: Job, cap: int | None = None, claim:
     """Persist, then enqueue: commit the job (and the Idempotency-Key that names it), already
     `dispatched` if its tenant has room, in one transaction; then hand it to Celery. The row exists
     before any message can name it; if the send fails the dispatcher sends it later."""
-    session.add(job)
+    # Interactive jobs only: batch lines always go through the fair dispatcher.
+    row = (await session.execute(*transitions.insert_new(job, cap, dispatch=job.kind == "interactive"))).one()
+    job.state, job.created_at, job.dispatched_at = row.state, row.created_at, row.dispatched_at
     await idempotency.record(claim, job.id, session)
-    moved = None
-    if job.kind == "interactive":  # batch lines always go through the fair dispatcher
-        await session.flush()
-        moved = (await session.execute(transitions.dispatch_now(job.id, job.attempt, job.tenant_id, cap))).first()
     await session.commit()
-    if moved is None:  # a batch line, over the cap (or cancelled already): the dispatcher will send it
+    if job.state != JobState.dispatched.value:  # over the cap: the dispatcher will send it
         return
     try:
         await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model, job.kind)

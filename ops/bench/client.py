@@ -52,6 +52,9 @@ class BenchConfig(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     cache_prompt: bool = False
+    # False: plain JSON responses (what batch-style clients and evaluation harnesses send); TTFT and
+    # ITL are then not measured, only end-to-end latency and throughput.
+    stream: bool = True
     prompt: str | None = None
     prompts_file: str | None = None
     seed: int = 0
@@ -139,11 +142,14 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str) -> Requ
         "top_k": cfg.top_k,
         "min_p": cfg.min_p,
         "cache_prompt": cfg.cache_prompt,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": cfg.stream,
     }
+    if cfg.stream:
+        body["stream_options"] = {"include_usage": True}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if not cfg.stream:
+        return await _one_json(client, body)
     start = time.perf_counter()
     first = last = None
     chunks = 0
@@ -176,6 +182,19 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str) -> Requ
     return RequestResult(
         True, ttft=(first - start) if first is not None else None, itl=itl, e2e=end - start, output_tokens=tokens
     )
+
+
+async def _one_json(client: httpx.AsyncClient, body: dict) -> RequestResult:
+    start = time.perf_counter()
+    try:
+        resp = await client.post("/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        return RequestResult(False, error=repr(exc)[:200])
+    end = time.perf_counter()
+    if resp.status_code != 200:
+        return RequestResult(False, error=f"HTTP {resp.status_code}: {resp.content[:200]!r}")
+    usage = resp.json().get("usage") or {}
+    return RequestResult(True, e2e=end - start, output_tokens=int(usage.get("completion_tokens", 0)))
 
 
 async def run_http(cfg: BenchConfig, conc: int | None) -> tuple[list[RequestResult], float]:

@@ -109,10 +109,37 @@ def test_a_group_claim_takes_only_pairs_still_dispatched_at_that_attempt(session
     pairs = [(a.id, 1), (b.id, 2), (queued.id, 1), (newer.id, 2)]
     for expected in ({a.id, b.id}, set()):  # the message, then its duplicate
         with sessions() as s:
-            got = s.execute(transitions.claim_many(pairs, "w-group", 60)).scalars().all()
+            got = s.execute(*transitions.claim_many(pairs, "w-group", 60)).scalars().all()
             s.commit()
         assert {j.id for j in got} == expected
     for job, state in ((a, "running"), (b, "running"), (queued, "queued"), (newer, "dispatched")):
         row = session.get(Job, job.id, populate_existing=True)
         assert row.state == state
         assert (row.worker == "w-group") == (state == "running")
+
+
+def test_a_new_job_is_stored_dispatched_only_while_its_tenant_is_under_its_cap(session, sessions):
+    """The API's one-statement INSERT: `dispatched` (with its time) while the tenant has fewer than
+    `cap` jobs dispatched or running, `queued` for the fair dispatcher otherwise, and always `queued`
+    when not asked to dispatch (a batch line)."""
+    t = factories.tenant(session)
+    factories.job(session, t, state=JobState.running)
+
+    def store(cap: int | None, dispatch: bool = True) -> tuple[str, bool]:
+        job = transitions.new_job(tenant_id=t.id, model="m", params={}, prompts=[[1, 2]], stream=False)
+        with sessions() as s:
+            state, created_at, dispatched_at = s.execute(*transitions.insert_new(job, cap, dispatch)).one()
+            s.commit()
+        row = session.get(Job, job.id, populate_existing=True)
+        assert (row.state, row.created_at, row.dispatched_at, row.prompts) == (
+            state,
+            created_at,
+            dispatched_at,
+            [[1, 2]],
+        )
+        return state, dispatched_at is not None
+
+    assert store(cap=2) == ("dispatched", True)  # one running + this one: at the cap now
+    assert store(cap=2) == ("queued", False)
+    assert store(cap=None) == ("dispatched", True)  # no cap
+    assert store(cap=None, dispatch=False) == ("queued", False)
