@@ -80,8 +80,8 @@ class RequestGuard:
             redis = getattr(getattr(scope.get("app"), "state", None), "redis", None)
             if scope["path"] not in UI_FORMS:
                 scope.setdefault("state", {})["principal"] = await authenticate(headers.get("authorization"), redis)
-        except DomainError as exc:
-            await error_response(exc)(scope, receive, send)
+        except DomainError as refused:
+            await error_response(refused)(scope, receive, send)
             return
 
         seen = 0
@@ -107,5 +107,5 @@ class RequestGuard:
             if not too_large:
                 raise
         if too_large:
-            exc: Any = APIError(413, f"Request body too large (limit {limit} bytes).", code="request_too_large")
-            await error_response(exc)(scope, receive, send)
+            too_big = APIError(413, f"Request body too large (limit {limit} bytes).", code="request_too_large")
+            await error_response(too_big)(scope, receive, send)

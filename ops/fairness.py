@@ -21,9 +21,11 @@ import json
 import statistics
 import time
 import uuid
+from datetime import timedelta
+from typing import Any, cast
 
 import httpx
-from sqlalchemy import Engine, create_engine, func, select, update
+from sqlalchemy import Engine, create_engine, func, insert, select, update
 
 from core.generation.params import GenerationParams
 from core.infra.orm import Job, JobState, Tenant
@@ -57,7 +59,7 @@ def insert_backlog(
         )
         rows.append({c.key: getattr(job, c.key) for c in Job.__table__.columns if getattr(job, c.key) is not None})
     with db.begin() as conn:
-        conn.execute(Job.__table__.insert(), rows)
+        conn.execute(insert(Job), rows)
     return [r["id"] for r in rows]
 
 
@@ -80,7 +82,7 @@ def interactive_waits(url: str, key: str, db: Engine, n: int = 8) -> list[float]
             ids.append(r.json()["id"])
     with db.connect() as conn:
         rows = conn.execute(select(Job.started_at - Job.created_at).where(Job.id.in_(ids))).scalars().all()
-    return [d.total_seconds() for d in rows]
+    return [cast(timedelta, d).total_seconds() for d in rows]  # started_at - created_at: an interval
 
 
 def done_count(db: Engine, tenant_id: int) -> int:
@@ -114,7 +116,7 @@ def backlog_scenario(url: str, admin_key: str, db: Engine, backlogs: list[int], 
     """Tenant A's batch backlog grows; tenant B's interactive queue wait is measured at each size."""
     a, _ = make_tenant(url, admin_key, f"bulk{suffix}")
     _, b_key = make_tenant(url, admin_key, f"interactive{suffix}")
-    out = [{"backlog": 0, "waits": interactive_waits(url, b_key, db)}]
+    out: list[dict[str, Any]] = [{"backlog": 0, "waits": interactive_waits(url, b_key, db)}]
     queued = 0
     for size in backlogs:
         insert_backlog(db, a, size - queued)

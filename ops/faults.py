@@ -53,6 +53,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _can_connect(port: int) -> bool:
+    socket.create_connection(("127.0.0.1", port), 1).close()
+    return True
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -130,7 +135,7 @@ class OwnRedis:
             cwd=self.workdir,
             stdout=subprocess.DEVNULL,
         )
-        wait_for(lambda: socket.create_connection(("127.0.0.1", self.port), 1).close() or True, 10, "redis")
+        wait_for(lambda: _can_connect(self.port), 10, "redis")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -288,7 +293,7 @@ class Client:
                     )
                 else:
                     out.reattached += 1
-                    headers = {"Last-Event-ID": last_id} if last_id else {}
+                    headers: dict[str, str] = {"Last-Event-ID": last_id} if last_id else {}
                     ctx = self.http.stream("GET", f"/v1/jobs/{out.job_id}/events", headers=headers)
                 with ctx as resp:
                     if resp.status_code != 200:
@@ -350,7 +355,7 @@ class Client:
             time.sleep(0.5)
         return out
 
-    def batch(self, prompts: list[str], max_tokens: int) -> tuple[str | None, dict[str, list[str]]]:
+    def batch(self, prompts: list[str], max_tokens: int) -> tuple[str | None, dict[str, list[str | None]]]:
         """Submit a batch of greedy lines; returns (batch id, custom_id -> every text the output held)."""
         lines = [
             json.dumps(
@@ -383,7 +388,7 @@ class Client:
             except RETRYABLE:
                 pass
             time.sleep(1.0)
-        texts: dict[str, list[str]] = {}
+        texts: dict[str, list[str | None]] = {}
         if body and body.get("output_file_id"):
             content = self.http.get(f"/v1/files/{body['output_file_id']}/content")
             self.tally.saw(content)
@@ -395,7 +400,8 @@ class Client:
 
 
 def _sse(resp: httpx.Response) -> Iterator[tuple[str | None, str]]:
-    ev_id, data = None, []
+    ev_id: str | None = None
+    data: list[str] = []
     for line in resp.iter_lines():
         if line == "":
             if data:

@@ -43,7 +43,10 @@ def export(gguf_path: Path, out: Path) -> Path:
     toks = r.fields["tokenizer.ggml.tokens"]
     tokens = [bytes(toks.parts[i]).decode() for i in toks.data]
     mf = r.fields["tokenizer.ggml.merges"]
-    merges = [tuple(bytes(mf.parts[i]).decode().split(" ", 1)) for i in mf.data]
+    merges: list[tuple[str, str]] = []
+    for i in mf.data:
+        left, right = bytes(mf.parts[i]).decode().split(" ", 1)
+        merges.append((left, right))
     tf = r.fields["tokenizer.ggml.token_type"]
     types = [int(tf.parts[i][0]) for i in tf.data]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import APIError
@@ -50,12 +50,12 @@ async def upload(
         if f is not None:
             return files.file_json(f)
     try:
-        f = await anyio.to_thread.run_sync(store, file.file, file.filename, tenant.id, purpose, settings)
+        stored = await anyio.to_thread.run_sync(store, file.file, file.filename, tenant.id, purpose, settings)
     except BaseException:
         await idempotency.release(claim)
         raise
-    await idempotency.record(claim, f.id)
-    return files.file_json(f)
+    await idempotency.record(claim, stored.id)
+    return files.file_json(stored)
 
 
 @router.get("", response_model=FileList)
@@ -115,6 +115,6 @@ async def delete_file(file_id: str, tenant: TenantDep, session: SessionDep) -> d
     if f is None:
         raise _not_found(file_id)
     f.deleted = True  # the row stays for batches that name it; its content goes
-    await session.execute(files.FileChunk.__table__.delete().where(files.FileChunk.file_id == file_id))
+    await session.execute(delete(files.FileChunk).where(files.FileChunk.file_id == file_id))
     await session.commit()
     return {"id": file_id, "object": "file", "deleted": True}

@@ -67,7 +67,7 @@ def _client(loop: EngineLoop, cfg: BenchConfig, todo: queue.SimpleQueue, out: li
             RequestResult(
                 ok,
                 ttft=(first - start) if first else None,
-                itl=(last - first) / (n - 1) if n > 1 else None,
+                itl=(last - first) / (n - 1) if n > 1 and first is not None and last is not None else None,
                 e2e=end - start,
                 output_tokens=n,
                 error=ev.error,
