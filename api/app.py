@@ -21,7 +21,7 @@ from api.guard import RequestGuard
 from api.observe import RequestIdentity
 from api.routes import admin, batches, completions, files, jobs, models, tokens, ui, usage, webhooks
 from core.config import get_settings
-from core.infra import kv, logs
+from core.infra import kv, logs, streams
 from core.infra.db import async_engine, sync_sessions
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import workers
@@ -36,12 +36,15 @@ async def lifespan(app: FastAPI):
     app.state.redis = kv.async_client(
         settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections
     )
+    # Every event stream this process follows, read by one blocking XREAD (core/infra/streams.Hub).
+    app.state.hub = streams.Hub(app.state.redis)
     # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
     app.state.lifecycle = Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
     _drain_on_sigterm(app)
     for model in settings.model_ids:  # load tokenizers now, not on the first request
         await anyio.to_thread.run_sync(tokenizer_for, model)
     yield
+    await app.state.hub.aclose()
     await app.state.redis.aclose()
     await async_engine().dispose()
 

@@ -14,6 +14,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from api.cache import SingleFlight
+from core.infra import streams
 from core.infra.db import async_sessions
 from core.jobs import transitions
 from core.jobs.events import TerminalRow
@@ -60,7 +61,13 @@ async def readers(rds: aioredis.Redis, job_id: str) -> int:
 
 
 async def sse_chunks(
-    job: JobRecord, tenant_id: int, rds: aioredis.Redis, *, include_usage: bool, last_id: str = "0-0"
+    job: JobRecord,
+    tenant_id: int,
+    rds: aioredis.Redis,
+    reader: streams.Reader,
+    *,
+    include_usage: bool,
+    last_id: str = "0-0",
 ) -> AsyncIterator[bytes]:
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
     stream is silent; ends after the terminal event."""
@@ -74,7 +81,7 @@ async def sse_chunks(
     except Exception:  # counting readers is best effort: a Redis outage must not end the stream
         key = ""
     try:
-        async for item in follow(rds, job.id, terminal_row_check(job.id, tenant_id), last_id=last_id):
+        async for item in follow(reader, job.id, terminal_row_check(job.id, tenant_id), last_id=last_id):
             if item is HEARTBEAT:
                 yield sse_comment("keep-alive")
                 continue

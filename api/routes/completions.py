@@ -65,10 +65,10 @@ async def _serve(body, endpoint: str, request: Request, principal, redis, settin
         return _accepted(job, headers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = sse_chunks(job, tenant_id, redis, include_usage=include_usage)
+        stream = sse_chunks(job, tenant_id, redis, request.app.state.hub, include_usage=include_usage)
         guarded = _cancel_if_abandoned(stream, job.id, tenant_id, lifecycle, settings, request.app.state)
         return EventSourceResponse(guarded, headers=headers)
-    row = await service.wait(redis, job.id, tenant_id, settings.wait_timeout_s)
+    row = await service.wait(request.app.state.hub, job.id, tenant_id, settings.wait_timeout_s)
     if row is None:
         return _accepted(job, headers)
     if row.state == "succeeded":

@@ -57,7 +57,8 @@ async def job_events(
     start = request.headers.get("last-event-id") or last_event_id or "0-0"
     if not _valid_stream_id(start):
         raise APIError(400, f"Invalid Last-Event-ID '{start}'.", param="Last-Event-ID", code="invalid_value")
-    return EventSourceResponse(sse_chunks(row, tenant.id, redis, include_usage=True, last_id=start))
+    hub = request.app.state.hub
+    return EventSourceResponse(sse_chunks(row, tenant.id, redis, hub, include_usage=True, last_id=start))
 
 
 def _valid_stream_id(value: str) -> bool:

@@ -8,9 +8,11 @@ module only moves payloads; what they mean is core/jobs/events.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from core.infra.kv import TRANSIENT
 
@@ -35,6 +37,14 @@ def _text(v: Any) -> str:
 def payload(fields: dict[Any, Any]) -> str:
     raw = fields.get(FIELD) if FIELD in fields else fields.get(FIELD.encode())
     return _text(raw)
+
+
+def _payload_or_none(fields: dict[Any, Any]) -> str | None:
+    """An entry that is not ours (written by hand, say) is skipped, not allowed to stop the shared read."""
+    try:
+        return payload(fields)
+    except (AttributeError, UnicodeDecodeError):
+        return None
 
 
 def fence_key(job_id: str) -> str:
@@ -118,24 +128,123 @@ def entries(redis: Any, job_id: str) -> list[tuple[str, str]]:
     return [(_text(i), payload(f)) for i, f in redis.xrange(stream_key(job_id))]
 
 
-async def read(redis: Any, job_id: str, last_id: str, block_ms: int) -> AsyncIterator[tuple[str, str] | None]:
-    """(entry id, payload) after `last_id`, forever; None whenever `block_ms` passes in silence, or
-    while Redis is unreachable (retried with a bounded backoff: the caller consults Postgres meanwhile)."""
-    key = stream_key(job_id)
-    backoff = 0.2
-    while True:
+class Reader(Protocol):
+    """What follows a job's stream (a `Hub`): entries after `last_id`, forever; None whenever
+    `block_ms` passes in silence."""
+
+    def read(self, job_id: str, last_id: str, block_ms: int) -> AsyncIterator[tuple[str, str] | None]: ...
+
+
+def _order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class _Follower:
+    __slots__ = ("delivered", "inbox", "key")
+
+    def __init__(self, key: str, last_id: str) -> None:
+        self.key, self.delivered = key, last_id
+        self.inbox: asyncio.Queue[list[tuple[str, str]]] = asyncio.Queue()
+
+
+class Hub:
+    """Every stream one API process follows, read by one blocking XREAD over all of them (asyncio).
+
+    One stream per blocking XREAD cost a Redis connection per open stream and a round trip per
+    stream per event: about 40 % of the API's CPU per streamed token. Here one call returns the news
+    of every stream at once. A follower joins with the entry id it has seen; when the shared read is
+    already blocked, the follower wakes it (an XADD to this process's own wake stream, read from the
+    last wake it saw, so a wake is never missed) and the next read includes the new stream. Readers
+    of one job at different positions share the read from the earliest of them.
+    """
+
+    def __init__(self, redis: Any, block_ms: int = 5000, wake_ttl_s: int = 3600) -> None:
+        self.redis, self.block_ms, self.wake_ttl_s = redis, block_ms, wake_ttl_s
+        self._followers: dict[str, set[_Follower]] = {}
+        self._wake_key = f"spool:hub:{uuid.uuid4().hex}"
+        self._wake_last = "0-0"
+        self._blocked = False
+        self._news = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def read(self, job_id: str, last_id: str, block_ms: int) -> AsyncIterator[tuple[str, str] | None]:
+        """(entry id, payload) after `last_id`, forever; None whenever `block_ms` passes in silence
+        (Redis away included: the caller consults Postgres meanwhile)."""
+        f = _Follower(stream_key(job_id), last_id)
+        self._followers.setdefault(f.key, set()).add(f)
+        self._news.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        elif self._blocked:
+            await self._wake()
         try:
-            resp = await redis.xread({key: last_id}, block=block_ms, count=1000)
+            while True:
+                try:
+                    async with asyncio.timeout(block_ms / 1000):
+                        entries = await f.inbox.get()
+                except TimeoutError:
+                    yield None
+                    continue
+                for item in entries:
+                    yield item
+        finally:
+            peers = self._followers.get(f.key)
+            if peers is not None:
+                peers.discard(f)
+                if not peers:
+                    del self._followers[f.key]
+
+    async def _wake(self) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self._wake_key, {"w": 1}, maxlen=10, approximate=True)
+            pipe.expire(self._wake_key, self.wake_ttl_s)
+            await pipe.execute()
         except TRANSIENT:
-            log.warning("redis unavailable while following %s; retrying in %.1fs", job_id, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-            yield None
-            continue
+            pass  # Redis away: the shared read fails too, and includes this stream when it retries
+
+    async def _run(self) -> None:
         backoff = 0.2
-        if not resp:
-            yield None
-            continue
-        for entry_id, fields in resp[0][1]:
-            last_id = _text(entry_id)
-            yield last_id, payload(fields)
+        while True:
+            if not self._followers:
+                self._news.clear()
+                await self._news.wait()
+            try:
+                await self._read_once()
+                backoff = 0.2
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away or restarting: followers hear silence meanwhile
+                if not isinstance(exc, TRANSIENT):
+                    log.exception("stream hub read failed; retrying")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _read_once(self) -> None:
+        # Each stream from the earliest position any of its followers has been given.
+        wanted = {k: min((f.delivered for f in fs), key=_order) for k, fs in self._followers.items()}
+        wanted[self._wake_key] = self._wake_last
+        self._blocked = True
+        try:
+            resp = await self.redis.xread(wanted, block=self.block_ms, count=1000)
+        finally:
+            self._blocked = False
+        for raw_key, raw_entries in resp or []:
+            key = _text(raw_key)
+            if key == self._wake_key:
+                self._wake_last = _text(raw_entries[-1][0])
+                continue
+            entries = [(_text(i), p) for i, fields in raw_entries if (p := _payload_or_none(fields)) is not None]
+            for f in self._followers.get(key, ()):
+                after = _order(f.delivered)
+                mine = [e for e in entries if _order(e[0]) > after]
+                if mine:
+                    f.delivered = mine[-1][0]
+                    f.inbox.put_nowait(mine)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

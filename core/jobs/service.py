@@ -20,6 +20,7 @@ from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.generation.params import GenerationParams
 from core.generation.tokenizer import Tokenizer
 from core.idempotency import Claim
+from core.infra import streams
 from core.infra.db import async_sessions
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
@@ -155,7 +156,7 @@ async def get(job_id: str, tenant_id: int) -> Job | None:
         return (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
 
 
-async def wait(rds: aioredis.Redis, job_id: str, tenant_id: int, timeout_s: float) -> Job | None:
+async def wait(reader: streams.Reader, job_id: str, tenant_id: int, timeout_s: float) -> Job | None:
     """The job's row once it has ended; None if it is still running after `timeout_s`."""
 
     async def ended() -> Any:
@@ -167,7 +168,7 @@ async def wait(rds: aioredis.Redis, job_id: str, tenant_id: int, timeout_s: floa
 
     try:
         async with asyncio.timeout(timeout_s):
-            async for item in follow(rds, job_id, ended):
+            async for item in follow(reader, job_id, ended):
                 if item is not HEARTBEAT and is_terminal(item[1]):  # type: ignore[index]
                     break
             # The job is stored: an outage now must cost a wait (or a 202 to poll), never a 5xx.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from core.infra import streams
 from core.jobs.events import Delta, Event, TerminalRow, decode, from_row, is_terminal
@@ -13,13 +12,13 @@ HEARTBEAT = object()
 
 
 async def follow(
-    redis: Any, job_id: str, check_row: RowCheck, last_id: str = "0-0", block_ms: int = 2000
+    reader: streams.Reader, job_id: str, check_row: RowCheck, last_id: str = "0-0", block_ms: int = 2000
 ) -> AsyncIterator[tuple[str | None, Event] | object]:
     """Yield (entry id, event) from `last_id` on until a terminal event. When the stream is silent,
     yield HEARTBEAT and consult Postgres, which answers if the stream expired or was never written
     (a job that failed before its worker started, say)."""
     seen: dict[int, tuple[int, int, bool]] = {}  # per choice: text chars, scores, prompt part delivered
-    async for item in streams.read(redis, job_id, last_id, block_ms):
+    async for item in reader.read(job_id, last_id, block_ms):
         if item is None:
             row = await check_row()
             if row is not None:
