@@ -19,9 +19,8 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job event streams.")
     redis_max_connections: int = Field(
         4096,
-        description="Redis connections one API process may open: every open event stream holds one while it "
-        "waits for news (XREAD BLOCK), so this bounds the streams one process serves (Redis allows 10,000 "
-        "clients by default).",
+        description="Redis connections one API process may open for its commands (admission, limits, stream "
+        "readers). Open event streams do not hold one each: one blocking XREAD per process follows them all.",
     )
     broker_url: str | None = Field(None, description="Celery broker URL; defaults to `redis_url`.")
 
