@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from api.errors import APIError
 from api.guard import authenticate
 from core.config import Settings, get_settings
+from core.infra import streams
 from core.infra.db import async_sessions
 from core.infra.orm import Tenant
 from core.jobs.lifecycle import Lifecycle
@@ -25,6 +26,10 @@ async def db_session() -> AsyncIterator[AsyncSession]:
 
 def redis_client(request: Request) -> aioredis.Redis:
     return request.app.state.redis
+
+
+def stream_hub(request: Request) -> streams.Hub:
+    return request.app.state.hub
 
 
 def lifecycle(request: Request) -> Lifecycle:
@@ -54,6 +59,7 @@ async def admin_principal(principal: Annotated[Principal, Depends(current_princi
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[AsyncSession, Depends(db_session)]
 RedisDep = Annotated[aioredis.Redis, Depends(redis_client)]
+HubDep = Annotated[streams.Hub, Depends(stream_hub)]
 LifecycleDep = Annotated[Lifecycle, Depends(lifecycle)]
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 TenantDep = Annotated[Tenant, Depends(current_tenant)]

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 
-from api.deps import LifecycleDep, PrincipalDep, RedisDep, SettingsDep
+from api.deps import HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
 from api.streaming import readers, sse, sse_chunks
 from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
@@ -33,10 +33,11 @@ async def create_completion(
     request: Request,
     principal: PrincipalDep,
     redis: RedisDep,
+    hub: HubDep,
     settings: SettingsDep,
     lifecycle: LifecycleDep,
 ):
-    return await _serve(body, "/v1/completions", request, principal, redis, settings, lifecycle)
+    return await _serve(body, "/v1/completions", request, principal, redis, hub, settings, lifecycle)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -46,13 +47,14 @@ async def create_chat_completion(
     request: Request,
     principal: PrincipalDep,
     redis: RedisDep,
+    hub: HubDep,
     settings: SettingsDep,
     lifecycle: LifecycleDep,
 ):
-    return await _serve(body, "/v1/chat/completions", request, principal, redis, settings, lifecycle)
+    return await _serve(body, "/v1/chat/completions", request, principal, redis, hub, settings, lifecycle)
 
 
-async def _serve(body, endpoint: str, request: Request, principal, redis, settings, lifecycle: Lifecycle):
+async def _serve(body, endpoint: str, request: Request, principal, redis, hub, settings, lifecycle: Lifecycle):
     """One flow for both endpoints: create the job, then stream it, wait for it, or answer 202."""
     queued = "respond-async" in request.headers.get("prefer", "")
     key = request.headers.get("idempotency-key")
@@ -65,10 +67,10 @@ async def _serve(body, endpoint: str, request: Request, principal, redis, settin
         return _accepted(job, headers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = sse_chunks(job, tenant_id, redis, request.app.state.hub, include_usage=include_usage)
+        stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage)
         guarded = _cancel_if_abandoned(stream, job.id, tenant_id, lifecycle, settings, request.app.state)
         return EventSourceResponse(guarded, headers=headers)
-    row = await service.wait(request.app.state.hub, job.id, tenant_id, settings.wait_timeout_s)
+    row = await service.wait(hub, job.id, tenant_id, settings.wait_timeout_s)
     if row is None:
         return _accepted(job, headers)
     if row.state == "succeeded":

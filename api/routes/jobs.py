@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.sse import EventSourceResponse
 
 from api.cache import SingleFlight
-from api.deps import LifecycleDep, RedisDep, TenantDep
+from api.deps import HubDep, LifecycleDep, RedisDep, TenantDep
 from api.errors import APIError
 from api.streaming import sse_chunks
 from core.infra.orm import Job
@@ -45,7 +45,12 @@ async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep) -> dic
     responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}},
 )
 async def job_events(
-    job_id: str, request: Request, tenant: TenantDep, redis: RedisDep, last_event_id: str | None = None
+    job_id: str,
+    request: Request,
+    tenant: TenantDep,
+    redis: RedisDep,
+    hub: HubDep,
+    last_event_id: str | None = None,
 ) -> EventSourceResponse:
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
     header, or the `last_event_id` query parameter for clients that cannot set headers)."""
@@ -57,7 +62,6 @@ async def job_events(
     start = request.headers.get("last-event-id") or last_event_id or "0-0"
     if not _valid_stream_id(start):
         raise APIError(400, f"Invalid Last-Event-ID '{start}'.", param="Last-Event-ID", code="invalid_value")
-    hub = request.app.state.hub
     return EventSourceResponse(sse_chunks(row, tenant.id, redis, hub, include_usage=True, last_id=start))
 
 

@@ -57,7 +57,7 @@ async def submit(session: AsyncSession, job: Job, cap: int | None = None, claim:
     job.state, job.created_at, job.dispatched_at = row.state, row.created_at, row.dispatched_at
     await idempotency.record(claim, job.id, session)
     await session.commit()
-    if job.state != JobState.dispatched.value:  # over the cap: the dispatcher will send it
+    if job.state != JobState.dispatched.value:  # a batch line, or over the cap: the dispatcher sends it
         return
     try:
         await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model, job.kind)

@@ -77,23 +77,6 @@ def new_job(
     )
 
 
-def _insert() -> Insert:
-    c = _JOBS.c
-    tenant_id = bindparam("b_tenant_id", type_=c.tenant_id.type)
-    cap = bindparam("b_cap", type_=Integer)
-    in_flight = (
-        select(func.count())
-        .select_from(_JOBS)
-        .where(c.tenant_id == tenant_id, c.state.in_([JobState.dispatched.value, JobState.running.value]))
-        .scalar_subquery()
-    )
-    room = and_(bindparam("b_dispatch", type_=Boolean), or_(cap.is_(None), in_flight < cap))
-    values: dict[str, Any] = {n: bindparam(f"b_{n}", type_=c[n].type) for n in _NEW}
-    values["state"] = case((room, JobState.dispatched.value), else_=JobState.queued.value)
-    values["dispatched_at"] = case((room, func.now()), else_=null())
-    return insert(_JOBS).values(values).returning(c.state, c.created_at, c.dispatched_at)
-
-
 # What a new job's INSERT writes: the columns `new_job` sets (the rest are server defaults or NULL).
 _NEW = (
     "id",
@@ -111,6 +94,30 @@ _NEW = (
     "user",
     "attempt",
 )
+
+
+def in_flight(tenant_id: Any):
+    """How many of a tenant's jobs are dispatched or running (its concurrency); `tenant_id` may be a
+    bound parameter."""
+    return (
+        select(func.count())
+        .select_from(Job)
+        .where(Job.tenant_id == tenant_id, Job.state.in_([JobState.dispatched.value, JobState.running.value]))
+        .scalar_subquery()
+    )
+
+
+def _insert() -> Insert:
+    c = _JOBS.c
+    cap = bindparam("b_cap", type_=Integer)
+    in_flight_now = in_flight(bindparam("b_tenant_id", type_=c.tenant_id.type))
+    room = and_(bindparam("b_dispatch", type_=Boolean), or_(cap.is_(None), in_flight_now < cap))
+    values: dict[str, Any] = {n: bindparam(f"b_{n}", type_=c[n].type) for n in _NEW}
+    values["state"] = case((room, JobState.dispatched.value), else_=JobState.queued.value)
+    values["dispatched_at"] = case((room, func.now()), else_=null())
+    return insert(_JOBS).values(values).returning(c.state, c.created_at, c.dispatched_at)
+
+
 INSERT = _insert()
 
 
@@ -223,16 +230,6 @@ def cancel(job_id: str, tenant_id: int, error: dict[str, Any]) -> Update:
         job_id, ACTIVE_STATES, JobState.cancelled, finished_at=func.now(), lease_until=None, error=error
     ).returning(Job)
     return stmt.where(Job.tenant_id == tenant_id)
-
-
-def in_flight(tenant_id: int):
-    """How many of a tenant's jobs are dispatched or running (its concurrency)."""
-    return (
-        select(func.count())
-        .select_from(Job)
-        .where(Job.tenant_id == tenant_id, Job.state.in_([JobState.dispatched.value, JobState.running.value]))
-        .scalar_subquery()
-    )
 
 
 def batch_in_flight(model: str):
