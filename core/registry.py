@@ -30,7 +30,7 @@ from typing import Any
 
 from core.config import Settings
 
-ENGINES = ("llamacpp", "exllamav2", "exllamav3", "null")
+ENGINES = ("llamacpp", "exllamav2", "exllamav3", "null", "paced")
 BUNDLED = "smollm2-135m-instruct"
 
 

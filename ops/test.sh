@@ -17,12 +17,15 @@ lint() {
 
 if [ "${1:-}" = "unit" ]; then
   shift
-  [ -x .venv/bin/python ] || bash ops/bootstrap.sh
+  [ -x .venv/bin/python ] || SPOOL_EXTRAS=cpu,test,bench,eval bash ops/bootstrap.sh
   lint
   exec .venv/bin/python -m pytest tests/unit -p no:cacheprovider -q "$@"
 fi
 
-bash ops/bootstrap.sh
+EXTRAS=cpu,test,bench,eval
+# A host with a CUDA device also installs the GPU engines, and tests/gpu then runs instead of skipping.
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="$EXTRAS,gpu"; fi
+SPOOL_EXTRAS=$EXTRAS bash ops/bootstrap.sh
 bash ops/test-tools.sh
 lint
 exec .venv/bin/python -m pytest tests -p no:cacheprovider -ra "$@"

@@ -171,6 +171,9 @@ def test_min_tokens_hold_eos_back_then_eos_stops_unreleased(engine):
     s = spec(engine, "eos", 20, temperature=0, min_tokens=3, logit_bias={filler: 100.0, 2: 200.0})
     out = run(engine, [s])["eos"]
     assert tokens(out) == [filler] * 3 and finish(out) == "stop"
+    with_lp = run(engine, [dataclasses.replace(s, key="eos-lp", params=dataclasses.replace(s.params, logprobs=2))])
+    last = with_lp["eos-lp"][-1]
+    assert last.eos_id == 2 and last.logprob is not None  # the stop token's logprob is reported
 
 
 def test_held_partial_characters_are_all_delivered(engine):

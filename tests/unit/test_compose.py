@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
 from pathlib import Path
 
 import yaml
+
+from core.config import Settings
+from core.registry import ENGINES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -45,3 +50,68 @@ def test_env_example_and_dockerignore():
         assert f"{var}=" in env
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".env" in ignored and "models" in ignored
+
+
+# -- one name per setting, and defaults that serve (issue 23) ------------------------------------------
+
+SETTINGS = {f"SPOOL_{name.upper()}" for name in Settings.model_fields}
+# Variables docker compose itself interpolates (never read by Spool): named in .env.example and docs.
+COMPOSE_VARS = {"SPOOL_REGISTRY", "SPOOL_MODEL_DIR", "SPOOL_PORT", "SPOOL_CPU_MODELS", "SPOOL_GPU_MODEL"}
+COMPOSE_VARS |= {"SPOOL_GPU_WORKER_CONCURRENCY"}
+# Read by the `spool` client commands (typer envvar=) and the scripts, not by the service.
+CLI_VARS = {"SPOOL_URL", "SPOOL_API_KEY", "SPOOL_KEY", "SPOOL_EXTRAS", "SPOOL_SKIP_EVAL"}
+
+
+def _env_example() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / ".env.example").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def test_every_spool_variable_compose_passes_is_a_setting():
+    for name, svc in S.items():
+        for var in svc.get("environment", {}) or {}:
+            if var.startswith("SPOOL_"):
+                assert var in SETTINGS, f"{name} passes {var}, which no setting reads"
+
+
+def test_every_variable_compose_interpolates_is_documented_in_env_example_or_a_setting():
+    text = (ROOT / "docker-compose.yml").read_text()
+    used = set(re.findall(r"\$\{(SPOOL_[A-Z0-9_]+)", text))
+    env = _env_example()
+    for var in used:
+        assert var in COMPOSE_VARS | SETTINGS, f"compose interpolates {var}, which nothing documents"
+        assert var in env or var in SETTINGS or f"{var}=" in (ROOT / "docs/gpu.md").read_text(), var
+
+
+def test_docs_name_only_settings_that_exist():
+    for doc in ("docs/gpu.md", "README.md", "docs/operations.md"):
+        named = set(re.findall(r"\bSPOOL_[A-Z0-9_]*[A-Z0-9]\b", (ROOT / doc).read_text()))
+        unknown = sorted(named - SETTINGS - COMPOSE_VARS - CLI_VARS)
+        assert not unknown, f"{doc} names {unknown}, which no setting reads"
+
+
+def test_the_gpu_default_is_an_entry_an_engine_serves():
+    registry = tomllib.loads((ROOT / "ops/models.example.toml").read_text())["models"]
+    by_id = {m["id"]: m for m in registry}
+    gpu_default = _env_example()["SPOOL_GPU_MODEL"]
+    compose_default = re.search(r"\$\{SPOOL_GPU_MODEL:-([^}]+)\}", (ROOT / "docker-compose.yml").read_text())
+    assert compose_default and compose_default.group(1) == gpu_default
+    entry = by_id[gpu_default]
+    assert entry["engine"] in ("exllamav2", "exllamav3") and entry["engine"] in ENGINES
+    assert entry["path"].startswith("/models/")  # under the folder compose mounts
+    # The example registry carries one entry per GPU engine, each with a real `hf download` line.
+    assert {m["engine"] for m in registry} >= {"exllamav2", "exllamav3"}
+    text = (ROOT / "ops/models.example.toml").read_text()
+    for m in registry:
+        if m["engine"].startswith("exllama"):
+            folder = m["path"].removeprefix("/models/")
+            assert f"--local-dir models/{folder}" in text, m["id"]
+
+
+def test_the_cpu_default_is_the_bundled_model():
+    assert S["worker"]["environment"]["SPOOL_WORKER_MODELS"] == "${SPOOL_CPU_MODELS:-smollm2-135m-instruct}"
+    assert _env_example()["SPOOL_CPU_MODELS"] == "smollm2-135m-instruct"

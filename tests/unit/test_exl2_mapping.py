@@ -236,10 +236,12 @@ def test_stop_token_is_not_released_but_earlier_held_tokens_are():
     r = streaming([], eos=True, eos_reason="stop_token", eos_triggering_token_id=2)
     r["held"] = {"token_ids": np.array([[6, 2]])}
     evs = events_from_result(r, st, n_vocab=V)
-    assert [(e.token_id, e.finish_reason) for e in evs] == [(6, "stop")]
+    # The stop token ends the sequence as a token-less event naming it (eos_id), as the CPU engine does.
+    assert [(e.token_id, e.finish_reason, e.eos_id) for e in evs] == [(6, None, None), (None, "stop", 2)]
     bare = streaming([], eos=True, eos_reason="stop_token")
     bare["held"] = {"token_ids": np.array([[2]])}
-    assert [(e.token_id, e.finish_reason) for e in events_from_result(bare, st, n_vocab=V)] == [(None, "stop")]
+    evs = events_from_result(bare, st, n_vocab=V)
+    assert [(e.token_id, e.finish_reason, e.eos_id) for e in evs] == [(None, "stop", 2)]
 
 
 def test_end_filter_is_stop_and_grammar_error_is_an_error():
@@ -267,12 +269,15 @@ def test_logprobs_come_from_the_returned_logits_without_head_padding():
 
 def test_logprobs_without_alternatives_and_for_a_stop_tokens_held_rows():
     rows = np.zeros((2, V), dtype=np.float32)
+    rows[1, 2] = 3.0  # the stop token's own row: its logprob is reported, not dropped
     st = states(prompt_sent=True, want_logprobs=True, top_k=0)
     r = streaming([], eos=True, eos_reason="stop_token")
     r["held"] = {"token_ids": np.array([[4, 2]]), "logits": rows[None]}
-    (ev,) = events_from_result(r, st, n_vocab=V)
-    assert (ev.token_id, ev.top, ev.finish_reason) == (4, None, "stop")
+    ev, stop = events_from_result(r, st, n_vocab=V)
+    assert (ev.token_id, ev.top, ev.finish_reason) == (4, None, None)
     assert ev.logprob == pytest.approx(-np.log(V))
+    assert (stop.token_id, stop.eos_id, stop.finish_reason) == (None, 2, "stop")
+    assert stop.logprob == pytest.approx(3.0 - np.log(np.exp(3.0) + V - 1))
 
 
 def test_no_logprobs_unless_asked():

@@ -16,6 +16,7 @@ def test_every_sampler_field_is_set_explicitly():
     assert args == {
         "rep_p": 1.1, "freq_p": 0.25, "pres_p": 0.5, "rep_sustain_range": WHOLE_SEQUENCE, "rep_decay_range": 0,
         "temperature": 0.7, "min_p": 0.05, "top_k": 40, "top_p": 0.9, "temp_last": False, "logit_bias": {7: -100.0},
+        "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_range": 0, "dry_sequence_breakers": None,
     }  # fmt: skip
 
 
@@ -29,12 +30,20 @@ def test_windows_greedy_and_penalties_off():
 
 @pytest.mark.parametrize(
     ("kw", "name"),
-    [({"typical_p": 0.9}, "typical_p"), ({"mirostat": 2}, "mirostat"), ({"dry_multiplier": 0.8}, "dry_multiplier")],
+    [({"typical_p": 0.9}, "typical_p"), ({"mirostat": 2}, "mirostat")],
 )
 def test_what_exllamav3_lacks_is_refused_at_the_edge_and_here(kw, name):
     assert capabilities.unsupported("exllamav3", params(**kw)) == [name]
     with pytest.raises(Unsupported):
         sampler_args(params(**kw))
+
+
+def test_dry_is_passed_with_breakers_as_token_ids():
+    """exllamav3 1.6.5's ComboSampler has DRY (SS_DRY): mapped, not refused."""
+    args = sampler_args(params(temperature=1.0, dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=3), frozenset({5}))
+    assert capabilities.unsupported("exllamav3", params(dry_multiplier=0.8)) == []
+    assert (args["dry_multiplier"], args["dry_base"], args["dry_allowed_length"]) == (0.8, 2.0, 3)
+    assert args["dry_sequence_breakers"] == frozenset({5}) and args["dry_range"] == 0
 
 
 def test_job_arguments():

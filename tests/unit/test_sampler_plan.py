@@ -66,3 +66,18 @@ def test_arguments_carry_the_values():
     assert plan["output_penalties"] == (V, CTX, 1.0, 0.5, -0.5)
     assert plan["dry"] == (2.0, 1.5, 3, CTX, ("\n",))
     assert plan["dist"] == (1,)
+
+
+def test_a_penalty_window_is_never_larger_than_the_context():
+    """llama.cpp allocates the window as a ring buffer per sampler: 250M tokens would be gigabytes."""
+    plan = dict(
+        sampler_plan(
+            GenerationParams(repetition_penalty=1.1, frequency_penalty=0.5, penalty_last_n=250_000_000, temperature=0),
+            7,
+            V,
+            CTX,
+        )
+    )
+    assert plan["penalties"][1] == CTX and plan["output_penalties"][1] == CTX
+    small = dict(sampler_plan(GenerationParams(repetition_penalty=1.1, penalty_last_n=64), 7, V, CTX))
+    assert small["penalties"][1] == 64

@@ -79,7 +79,7 @@ def unsupported(p: GenerationParams) -> list[str]:
 
     exllamav2 has one Mirostat, and it is 2.0: `mirostat_pre_cpu` keeps the tokens whose surprise is
     under mu and `mirostat_post_cpu` moves mu by eta; there is no v1 (Zipf-estimated k). The table
-    itself lives in core/capabilities.py so the API refuses these before anything is stored.
+    itself lives in core/generation/capabilities.py so the API refuses these before anything is stored.
     """
     return capabilities.unsupported("exllamav2", p)
 
@@ -291,11 +291,12 @@ def finish_reason(result: Mapping[str, Any], state: SeqState) -> tuple[str | Non
     return FINISH.get(result.get("eos_reason", ""), "stop"), None
 
 
-def _tokens_and_logits(result: Mapping[str, Any]) -> tuple[list[int], np.ndarray | None]:
+def _tokens_and_logits(result: Mapping[str, Any]) -> tuple[list[int], np.ndarray | None, tuple[int, Any] | None]:
     """The tokens a result releases, and their logits rows when the job returns logits.
 
     A stop token is not released: its result carries, under "held", the tokens held back so far
-    (text waiting for a complete UTF-8 character) followed by the stop token itself.
+    (text waiting for a complete UTF-8 character) followed by the stop token itself, returned apart
+    as (id, logits row or None) so its logprob is still reported.
     """
     src: Mapping[str, Any] = result
     drop_last = False
@@ -308,10 +309,12 @@ def _tokens_and_logits(result: Mapping[str, Any]) -> tuple[list[int], np.ndarray
     if raw_logits is not None:
         arr = np.asarray(raw_logits, dtype=np.float32)
         logits = arr.reshape(-1, arr.shape[-1])
+    eos = None
     if drop_last and ids:
+        eos = (ids[-1], logits[len(ids) - 1] if logits is not None and len(logits) >= len(ids) else None)
         ids = ids[:-1]
-        logits = logits[:-1] if logits is not None else None
-    return ids, logits
+        logits = logits[: len(ids)] if logits is not None else None
+    return ids, logits, eos
 
 
 def events_from_result(
@@ -328,17 +331,23 @@ def events_from_result(
     if not state.prompt_sent:
         state.prompt_sent = True
         out.append(PromptEvent(key, cached_tokens(result.get("job")), state.prompt_entries))
-    ids, logits = _tokens_and_logits(result)
+    ids, logits, eos = _tokens_and_logits(result)
     finish, error = finish_reason(result, state)
+
+    def scored(tok: int, row: Any) -> tuple[float | None, TopList | None]:
+        if not state.want_logprobs or row is None:
+            return None, None
+        logp = log_softmax(row[:n_vocab])  # the padded head's extra columns are not tokens
+        return float(logp[tok]), (top_logprobs(logp, state.top_k) if state.top_k else None)
+
     for i, tok in enumerate(ids):
-        lp, top = None, None
-        if state.want_logprobs and logits is not None and i < len(logits):
-            logp = log_softmax(logits[i, :n_vocab])  # the padded head's extra columns are not tokens
-            lp = float(logp[tok])
-            top = top_logprobs(logp, state.top_k) if state.top_k else None
-        last = i == len(ids) - 1
+        lp, top = scored(tok, logits[i] if logits is not None and i < len(logits) else None)
+        last = i == len(ids) - 1 and eos is None
         out.append(TokenEvent(key, tok, lp, finish if last else None, top, now, error=error if last else None))
-    if (finish or error) and not ids:
+    if eos is not None:  # the stop token: no text, but its logprob (as the CPU engine reports it)
+        lp, top = scored(eos[0], eos[1])
+        out.append(TokenEvent(key, None, lp, finish, top, now, error=error, eos_id=eos[0]))
+    elif (finish or error) and not ids:
         out.append(TokenEvent(key, None, None, finish, t=now, error=error))
     return out
 

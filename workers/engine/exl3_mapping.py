@@ -6,7 +6,8 @@ Names and semantics are those of exllamav3's `generator/sampler/presets.py: Comb
 bias, then repetition penalty, then presence/frequency penalties over the last `rep_sustain_range`
 tokens, then temperature, min-p, top-k, top-p, sample; `temperature == 0` or `top_k == 1` is argmax)
 and `generator/job.py: Job` (`max_new_tokens`, `min_new_tokens`, `seed`, `stop_conditions`,
-`return_top_tokens`, `identifier`). Its sampler has no typical-p, Mirostat or DRY: those are refused
+`return_top_tokens`, `identifier`). DRY is its `SS_DRY` step (1.6.5; breakers as token ids, range 0 =
+the whole context). Its sampler has no typical-p or Mirostat: those are refused
 at the edge (core/generation/capabilities.py), and asked again here so an adapter cannot ignore them.
 """
 
@@ -26,9 +27,10 @@ class Unsupported(ValueError):
     pass
 
 
-def sampler_args(p: GenerationParams) -> dict[str, Any]:
+def sampler_args(p: GenerationParams, dry_breakers: frozenset[int] | None = None) -> dict[str, Any]:
     """Keyword arguments of `ComboSampler` for these parameters (every field set explicitly: its
-    defaults are not OpenAI's, e.g. it has no notion of "unset")."""
+    defaults are not OpenAI's, e.g. it has no notion of "unset"). `dry_breakers`: the breakers as
+    token ids (exl2_mapping.dry_breaker_ids); None lets exllamav3 derive its default set."""
     refused = capabilities.unsupported("exllamav3", p)
     if refused:
         raise Unsupported(f"exllamav3 cannot honour {refused}")
@@ -47,6 +49,11 @@ def sampler_args(p: GenerationParams) -> dict[str, Any]:
         "top_p": p.top_p,
         "temp_last": False,
         "logit_bias": dict(p.logit_bias) or None,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_range": 0,
+        "dry_sequence_breakers": dry_breakers if p.dry_multiplier > 0 else None,
     }
 
 

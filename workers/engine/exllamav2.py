@@ -16,6 +16,7 @@ exllamav2 compiles or loads a CUDA extension at import, which fails on a machine
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
 from collections.abc import Hashable
@@ -36,10 +37,14 @@ from workers.engine.exl2_mapping import (
     job_arguments,
     logit_bias_pairs,
     prompt_entries,
+    round_up,
     sampler_settings,
     stop_token_ids,
     unsupported,
 )
+from workers.engine.gpu_plan import clamp_chunk, kv_bytes_per_token, plan_cache, weights_bytes
+
+KV_BYTES = {"fp16": 2, "q8": 1, "q6": 1, "q4": 1}  # bytes per cached K/V value, rounded up (scales included)
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +174,19 @@ class ExLlamaV2Engine:
             )
         self.max_batch = max_batch if paged else 1
         size = cache_tokens(self.n_ctx, self.max_batch, cache_size, paged)
+        if paged:  # what was asked for, capped by free GPU memory (DoesNotFit with the numbers)
+            free, _total = torch.cuda.mem_get_info()
+            plan = plan_cache(
+                free_bytes=free,
+                weights_bytes=weights_bytes(Path(path)),
+                kv_bytes_per_token=kv_bytes_per_token(
+                    json.loads((Path(path) / "config.json").read_text()), KV_BYTES[cache_quant]
+                ),
+                n_ctx=self.n_ctx,
+                max_batch=self.max_batch,
+                requested_tokens=size,
+            )
+            size, self.max_batch = plan.cache_tokens, plan.max_batch
         self._load(config, CACHE_CLASSES[cache_quant], size, paged)
         if warmup:
             self._gen.warmup()  # kernel autotuning happens here rather than in the first request
@@ -195,6 +213,8 @@ class ExLlamaV2Engine:
         config = ExLlamaV2Config(str(path))
         config.arch_compat_overrides()
         self.n_ctx = min(n_ctx, config.max_seq_len)
+        # A chunk beyond the context would trip the generator's assert at start (n_ctx < 2048).
+        self._chunk = clamp_chunk(self._chunk, self.n_ctx, round_up(self.n_ctx))
         config.max_seq_len = self.n_ctx
         config.max_input_len = self._chunk  # the generator's prefill chunk may not exceed it
         config.max_attention_size = self._chunk**2

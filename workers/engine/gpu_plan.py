@@ -1,0 +1,136 @@
+"""Pure arithmetic shared by the GPU engines (exllamav2, exllamav3): page-hash salting per tenant,
+prefill chunk clamping and cache/batch sizing from free GPU memory. No torch, no CUDA: unit-tested
+on CPU (tests/unit/test_gpu_plan.py).
+
+Both libraries key their prefix cache by a chain of 16-byte blake2b hashes over 256-token pages,
+the first page hashed with no predecessor (`prev_hash=None`). Any job whose first pages match reuses
+them, whoever sent them. Seeding the chain with a per-tenant salt instead of None makes equal
+prompts of two tenants hash apart at every page, so neither reuse nor `cached_tokens` crosses tenants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PAGE_SIZE = 256  # exllamav2's and exllamav3's page (tokens)
+
+
+def scope_salt(scope: Hashable) -> bytes | None:
+    """The predecessor hash of a tenant's first page; None (the libraries' own) when unscoped."""
+    if scope is None:
+        return None
+    return hashlib.blake2b(repr(scope).encode(), digest_size=16, person=b"spool-scope").digest()
+
+
+def page_checksum(page: bytes, prev_hash: bytes | None) -> bytes:
+    """The libraries' `_tensor_blake2b_checksum` over a page's int64 token bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    if prev_hash is not None:
+        h.update(prev_hash)
+    h.update(page)
+    return h.digest()
+
+
+def page_hashes(ids: Sequence[int], scope: Hashable, page_size: int = PAGE_SIZE) -> list[bytes]:
+    """The hash chain of a prompt's full pages as the engine keys them (the cache-key mapping)."""
+    import array
+
+    prev = scope_salt(scope)
+    out: list[bytes] = []
+    for a in range(0, len(ids) - len(ids) % page_size, page_size):
+        prev = page_checksum(array.array("q", ids[a : a + page_size]).tobytes(), prev)
+        out.append(prev)
+    return out
+
+
+def reused_tokens(cached: set[bytes], ids: Sequence[int], scope: Hashable, page_size: int = PAGE_SIZE) -> int:
+    """Prompt tokens a sequence would reuse from pages already cached (leading matching pages)."""
+    n = 0
+    for h in page_hashes(ids, scope, page_size):
+        if h not in cached:
+            break
+        n += page_size
+    return n
+
+
+def clamp_chunk(requested: int, n_ctx: int, cache_tokens: int, page_size: int = PAGE_SIZE) -> int:
+    """Prefill chunk: a positive multiple of the page size no larger than the context (rounded up to
+    a page) nor the cache. exllamav2 asserts `max_chunk_size <= max_input_len` and a page multiple;
+    a model with n_ctx below the default 2048 chunk must start rather than assert."""
+    if requested < page_size:
+        raise ValueError(f"prefill chunk size must be at least {page_size}, not {requested}")
+    ceiling = min(_round_up(n_ctx, page_size), cache_tokens - cache_tokens % page_size)
+    return max(page_size, min(requested - requested % page_size, ceiling))
+
+
+def _round_up(n: int, page_size: int = PAGE_SIZE) -> int:
+    return -(-n // page_size) * page_size
+
+
+class DoesNotFit(RuntimeError):
+    """The model cannot be served on this GPU: the message says what is short and by how much."""
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    cache_tokens: int
+    max_batch: int
+
+
+GiB = 1024**3
+
+
+def plan_cache(
+    *,
+    free_bytes: int,
+    weights_bytes: int,
+    kv_bytes_per_token: int,
+    n_ctx: int,
+    max_batch: int,
+    requested_tokens: int | None = None,
+    reserve_bytes: int = 2 * GiB,
+    page_size: int = PAGE_SIZE,
+) -> CachePlan:
+    """Cache size and batch from free GPU memory, before anything is loaded.
+
+    After the weights and a reserve (activations, the prefill chunk's attention, CUDA context) the
+    rest may hold KV pages; the cache is what was asked for (`requested_tokens`, else n_ctx x
+    max_batch) capped by that room, and at least one full-length sequence. max_batch is cut so that
+    every running sequence can reach the full context only if the cache holds it: the paged
+    generator would otherwise start sequences it has to stall. Raises DoesNotFit when not even one
+    sequence of n_ctx fits.
+    """
+    if kv_bytes_per_token <= 0 or n_ctx <= 0 or max_batch <= 0:
+        raise ValueError("kv_bytes_per_token, n_ctx and max_batch must be positive")
+    one = _round_up(n_ctx, page_size)
+    room = free_bytes - weights_bytes - reserve_bytes
+    fits = max(room, 0) // kv_bytes_per_token
+    fits -= fits % page_size
+    if fits < one:
+        need = weights_bytes + reserve_bytes + one * kv_bytes_per_token
+        raise DoesNotFit(
+            f"the model does not fit this GPU: weights {weights_bytes / GiB:.1f} GiB + reserve "
+            f"{reserve_bytes / GiB:.1f} GiB + one {n_ctx}-token sequence's cache "
+            f"{one * kv_bytes_per_token / GiB:.2f} GiB = {need / GiB:.1f} GiB, but {free_bytes / GiB:.1f} GiB "
+            "is free; lower n_ctx, quantize the cache, or use a smaller quantization"
+        )
+    want = _round_up(requested_tokens if requested_tokens else n_ctx * max_batch, page_size)
+    tokens = max(min(want, fits), one)
+    return CachePlan(cache_tokens=tokens, max_batch=max(1, min(max_batch, tokens // one)))
+
+
+def kv_bytes_per_token(config: dict[str, Any], bytes_per_value: int = 2) -> int:
+    """K and V of every layer for one token (fp16 cache unless quantized), from config.json."""
+    text = config.get("text_config", config)
+    layers = int(text["num_hidden_layers"])
+    heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    return 2 * layers * heads * head_dim * bytes_per_value
+
+
+def weights_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
