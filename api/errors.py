@@ -94,6 +94,19 @@ def _unavailable() -> JSONResponse:
     )
 
 
+def is_unavailable(exc: BaseException) -> bool:
+    """Postgres or Redis unreachable (or every pooled connection busy): the client may retry."""
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | PoolTimeout):
+        return True
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, StatementError) and bool(getattr(exc, "connection_invalidated", False))
+
+
+def unavailable_response() -> JSONResponse:
+    return _unavailable()
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(DomainError)
     async def _domain(_: Request, exc: DomainError) -> JSONResponse:

@@ -9,17 +9,20 @@ application reads them, answering 413 the moment the limit is passed.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.cache import SingleFlight
-from api.errors import APIError, error_response
+from api.errors import APIError, error_response, is_unavailable, unavailable_response
 from core.config import Settings
 from core.errors import DomainError
 from core.infra.db import async_sessions
 from core.tenancy.keys import Principal, hash_key, lookup_stmt, revoked_key
+
+log = logging.getLogger(__name__)
 
 UI_FORMS = frozenset({"/ui/login", "/ui/logout"})
 MISSING_KEY = (
@@ -83,6 +86,14 @@ class RequestGuard:
         except DomainError as refused:
             await error_response(refused)(scope, receive, send)
             return
+        except Exception as exc:
+            # Authentication outside the routes' exception handlers: a database or Redis outage longer
+            # than the key cache must still be the 503 + Retry-After every route answers, not a 500.
+            if not is_unavailable(exc):
+                raise
+            log.warning("authentication unavailable: %s", type(exc).__name__)
+            await unavailable_response()(scope, receive, send)
+            return
 
         seen = 0
         too_large = False
@@ -101,10 +112,23 @@ class RequestGuard:
             if not too_large:  # once over the limit, the answer is ours
                 await send(msg)
 
+        started = False
+
+        async def tracked_send(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await guarded_send(msg)
+
         try:
-            await self.app(scope, bounded, guarded_send)
-        except Exception:
-            if not too_large:
+            await self.app(scope, bounded, tracked_send)
+        except Exception as exc:
+            if too_large:
+                pass
+            elif is_unavailable(exc) and not started:  # raised by a middleware inside this one
+                log.warning("request unavailable: %s", type(exc).__name__)
+                await unavailable_response()(scope, receive, send)
+                return
+            else:
                 raise
         if too_large:
             too_big = APIError(413, f"Request body too large (limit {limit} bytes).", code="request_too_large")

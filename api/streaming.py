@@ -28,7 +28,12 @@ def sse(data: dict[str, Any] | str, event_id: str | None = None) -> bytes:
 
 
 def sse_comment(text: str) -> bytes:
-    return format_sse_event(comment=text)
+    """A comment line alone, with no blank line after it. The blank line that ends an event block
+    makes some decoders dispatch an event even when the block held only a comment: the openai SDK's
+    keeps the last `id:` across events, emits an event with empty data and fails to parse it as JSON.
+    A comment line is all a proxy needs to keep the connection open (WHATWG SSE: lines starting with
+    ':' are ignored, and the next event's fields simply follow it)."""
+    return b": " + text.encode() + b"\n"
 
 
 _TERMINAL: SingleFlight[TerminalRow | None] = SingleFlight(ttl_s=1.0)
@@ -72,15 +77,13 @@ async def sse_chunks(
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
     stream is silent; ends after the terminal event."""
     chunks = chunks_for(job, include_usage)
-    key = readers_key(job.id)
+    # This reader is counted while it follows the job (a disconnected stream's job is cancelled only
+    # when nobody follows it). The count goes up and back down in tasks of their own: a stream
+    # cancelled at any moment, even while its increment is in flight, still takes back exactly what
+    # it added, so a client that hangs up at once does not leave a phantom reader behind.
+    counted = asyncio.ensure_future(_count_reader(rds, job.id))
     try:
-        pipe = rds.pipeline(transaction=False)
-        pipe.incr(key)
-        pipe.expire(key, 3600)
-        await pipe.execute()
-    except Exception:  # counting readers is best effort: a Redis outage must not end the stream
-        key = ""
-    try:
+        await asyncio.shield(counted)
         async for item in follow(reader, job.id, terminal_row_check(job.id, tenant_id), last_id=last_id):
             if item is HEARTBEAT:
                 yield sse_comment("keep-alive")
@@ -89,6 +92,26 @@ async def sse_chunks(
             for chunk in chunks.render(ev):
                 yield sse(chunk, entry_id if isinstance(chunk, dict) else None)
     finally:
-        if key:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(rds.decr(key))
+        task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, counted))
+        _UNCOUNTING.add(task)
+        task.add_done_callback(_UNCOUNTING.discard)
+
+
+_UNCOUNTING: set[asyncio.Task] = set()
+
+
+async def _count_reader(rds: aioredis.Redis, job_id: str) -> bool:
+    try:
+        pipe = rds.pipeline(transaction=False)
+        pipe.incr(readers_key(job_id))
+        pipe.expire(readers_key(job_id), 3600)
+        await pipe.execute()
+        return True
+    except Exception:  # counting readers is best effort: a Redis outage must not end the stream
+        return False
+
+
+async def _uncount_reader(rds: aioredis.Redis, job_id: str, counted: asyncio.Future[bool]) -> None:
+    with contextlib.suppress(Exception):
+        if await counted:
+            await rds.decr(readers_key(job_id))

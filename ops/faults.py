@@ -7,10 +7,13 @@ load, then audited against the ledger.
 
 Load while the faults happen: streaming greedy completions (clients re-attach with `Last-Event-ID`
 when the API goes away, and retry a POST that got no answer with the same `Idempotency-Key`),
-`Prefer: respond-async` jobs polled to the end, and one Batches API batch. Faults, one after another
+`Prefer: respond-async` jobs polled to the end, one Batches API batch, and the official `openai` SDK
+as its users run it (completions and chat, streamed and not; its own retries, one `Idempotency-Key`
+per request, a stream cut by an API restart asked again with that key). Faults, one after another
 with load in between: worker SIGKILL mid-generation (a new worker is started each time), Redis
 SIGKILLed and restarted *empty*, Postgres stopped hard (`-m immediate`) and restarted, the API
-SIGTERMed and SIGKILLed mid-stream, the dispatcher SIGKILLed.
+SIGTERMed and SIGKILLed mid-stream, the dispatcher SIGKILLed; the full run adds Redis and Postgres
+away for 30 s each (longer than the API's key cache and redis-py's retries).
 
 The report counts, per request a client made: **lost** (never finished, or ended other than
 succeeded), **duplicated** (more than one job, or a batch line answered twice), **wrong** (a text
@@ -40,11 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2  # the openai SDK's HTTP client (its fork of httpx)
+import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 SPOOL = [sys.executable, "-m", "core.cli"]
 MODEL = "smollm2-135m-instruct"
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+LONG_OUTAGE_S = 30.0  # past the API's 5 s key cache and redis-py's retry window
+SDK_KINDS = ("sdk-completion", "sdk-completion-stream", "sdk-chat", "sdk-chat-stream")
 
 
 def free_port() -> int:
@@ -235,7 +242,7 @@ class Tally:
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def saw(self, r: httpx.Response) -> None:
+    def saw(self, r: httpx.Response | httpx2.Response) -> None:
         if r.status_code >= 500:
             with self.lock:
                 if r.status_code == 503 and "retry-after" in r.headers:
@@ -256,6 +263,7 @@ class Client:
     def __init__(self, url: str, key: str, tally: Tally, give_up_s: float = 300) -> None:
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         self.tally, self.give_up_s = tally, give_up_s
+        self.line_jobs: dict[str, str] = {}  # a batch line's custom_id -> its job, for the report
 
     def _post(self, path: str, out: Outcome, **kw: Any) -> httpx.Response:
         """POST with one Idempotency-Key, retried on connection errors, 503s and 409s until answered,
@@ -396,7 +404,77 @@ class Client:
                 row = json.loads(line)
                 choice = row["response"]["body"]["choices"][0] if row.get("response") else {"text": None}
                 texts.setdefault(row["custom_id"], []).append(choice["text"])
+                if row.get("response"):
+                    self.line_jobs[row["custom_id"]] = row["response"]["body"].get("id", "")
         return batch_id, texts
+
+
+class SdkClient:
+    """The official `openai` SDK, used as its users use it: its own retries (503 + Retry-After, 409,
+    connection errors) under one `Idempotency-Key` per request. A stream that breaks mid-way (the API
+    was killed) is asked again with the same key, which replays the job's stream from its start: the
+    SDK has no Last-Event-ID, so that is what an SDK user can do."""
+
+    def __init__(self, url: str, key: str, tally: Tally, give_up_s: float = 300) -> None:
+        self.tally, self.give_up_s, self.posts = tally, give_up_s, 0
+        self.http = httpx2.Client(timeout=120, event_hooks={"response": [self._saw]})
+        self.sdk = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=100, http_client=self.http)
+        self.jobs = Client(url, key, tally, give_up_s)  # the job's final state, as the ledger has it
+
+    def _saw(self, r: httpx2.Response) -> None:
+        if r.request.method == "POST":
+            self.posts += 1
+        if r.status_code >= 500:
+            r.read()  # a streamed response's body is not read yet; the tally quotes it
+        self.tally.saw(r)
+
+    def run(self, kind: str, prompt: str, max_tokens: int) -> Outcome:
+        out = Outcome(kind, prompt)
+        chat, stream = "chat" in kind, kind.endswith("stream")
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
+        common: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "extra_body": {"ignore_eos": True},
+            "extra_headers": headers,
+        }
+        self.posts = 0
+        deadline = time.monotonic() + self.give_up_s
+        while out.text is None and time.monotonic() < deadline:
+            try:
+                if chat:
+                    messages: Any = [{"role": "user", "content": prompt}]
+                    if stream:
+                        pieces = []
+                        for chunk in self.sdk.chat.completions.create(messages=messages, stream=True, **common):
+                            out.job_id = chunk.id
+                            pieces += [c.delta.content or "" for c in chunk.choices]
+                        out.text = "".join(pieces)
+                    else:
+                        resp = self.sdk.chat.completions.create(messages=messages, **common)
+                        out.job_id, out.text = resp.id, resp.choices[0].message.content or ""
+                elif stream:
+                    pieces = []
+                    for part in self.sdk.completions.create(prompt=prompt, stream=True, **common):
+                        out.job_id = part.id
+                        pieces += [c.text for c in part.choices]
+                    out.text = "".join(pieces)
+                else:
+                    done = self.sdk.completions.create(prompt=prompt, **common)
+                    out.job_id, out.text = done.id, done.choices[0].text
+            except openai.APIConnectionError:
+                # The API went away: its retries used up, or mid-stream (the SDK never retries those).
+                out.reattached += 1 if out.job_id else 0
+                time.sleep(1.0)
+            except openai.APIStatusError as e:
+                out.status = f"http {e.status_code}"
+                return out
+            except Exception as e:  # what a user's program would crash on: counted as lost, named
+                out.status = f"sdk raised {type(e).__name__}: {str(e)[:200]}"
+                return out
+        out.retried_posts = max(0, self.posts - 1)
+        return self.jobs._finish(out) if out.text is not None else out
 
 
 def _sse(resp: httpx.Response) -> Iterator[tuple[str | None, str]]:
@@ -428,6 +506,7 @@ class Report:
     batch_lines: int = 0
     reattached_streams: int = 0
     resumed_jobs: int = 0  # jobs that ran more than one attempt
+    by_client: dict[str, int] = field(default_factory=dict)  # requests per kind of client
     faults: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -490,21 +569,29 @@ def _load_and_faults(
     prompts = [f"Fault test {i}: once upon a time" for i in range(12)]
     # What an undisturbed run answers: greedy, so every disturbed run must give exactly this.
     ref_client = Client(st.url, key, tally)
-    reference = {}
+    reference, chat_reference = {}, {}
     for p in prompts:
         r = ref_client.http.post("/v1/completions", json=_body(p, n_tokens))
         r.raise_for_status()
         reference[p] = r.json()["choices"][0]["text"]
+        chat = {k: v for k, v in _body(p, n_tokens).items() if k != "prompt"}
+        r = ref_client.http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": p}]})
+        r.raise_for_status()
+        chat_reference[p] = r.json()["choices"][0]["message"]["content"]
+    reference_jobs = 2 * len(prompts)
 
     stop = threading.Event()
     outcomes: list[Outcome] = []
     lock = threading.Lock()
 
     def loop(kind: str) -> None:
-        c = Client(st.url, key, tally)
+        c, sdk = Client(st.url, key, tally), SdkClient(st.url, key, tally)
         while not stop.is_set():
             p = rng.choice(prompts)
-            o = c.stream(p, n_tokens) if kind == "stream" else c.async_job(p, n_tokens)
+            if kind in SDK_KINDS:
+                o = sdk.run(kind, p, n_tokens)
+            else:
+                o = c.stream(p, n_tokens) if kind == "stream" else c.async_job(p, n_tokens)
             with lock:
                 outcomes.append(o)
 
@@ -512,9 +599,13 @@ def _load_and_faults(
     batch_prompts = [prompts[i % len(prompts)] for i in range(24 if short else 60)]
 
     def batch() -> None:
-        batch_result["id"], batch_result["texts"] = Client(st.url, key, tally).batch(batch_prompts, n_tokens)
+        c = Client(st.url, key, tally)
+        batch_result["id"], batch_result["texts"] = c.batch(batch_prompts, n_tokens)
+        batch_result["jobs"] = c.line_jobs
 
-    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in ["stream"] * 4 + ["async"] * 2]
+    threads = [
+        threading.Thread(target=loop, args=(k,), daemon=True) for k in ["stream"] * 4 + ["async"] * 2 + list(SDK_KINDS)
+    ]
     threads.append(threading.Thread(target=batch, daemon=True))
     for t in threads:
         t.start()
@@ -545,6 +636,16 @@ def _load_and_faults(
     def postgres_restart() -> None:
         pg.stop("immediate")
         time.sleep(3)
+        pg.start()
+
+    def redis_outage() -> None:
+        rd.kill()
+        time.sleep(LONG_OUTAGE_S)
+        rd.start()
+
+    def postgres_outage() -> None:
+        pg.stop("immediate")
+        time.sleep(LONG_OUTAGE_S)
         pg.start()
 
     def streaming_jobs() -> int:
@@ -582,6 +683,11 @@ def _load_and_faults(
         ("api SIGKILL", api(signal.SIGKILL)),
         ("dispatcher SIGKILL", dispatcher_kill),
     ]
+    if not short or only is not None:  # CI's short run keeps to the brief outages
+        schedule += [
+            (f"redis-30s away {LONG_OUTAGE_S:.0f} s (SIGKILL, restarted empty)", redis_outage),
+            (f"postgres-30s away {LONG_OUTAGE_S:.0f} s (stop -m immediate, restart)", postgres_outage),
+        ]
     # Worker kills spread among the other faults, in a fixed order.
     others, kills_only = schedule[kills:], schedule[:kills]
     if only is not None:
@@ -606,20 +712,22 @@ def _load_and_faults(
     report.resumed_jobs = sum(1 for r in rows if r.attempt > 1)
     report.stuck = sum(1 for r in rows if r.state not in TERMINAL)
     client_jobs = [o for o in outcomes if o.job_id]
-    report.requests = len(outcomes) + len(prompts)
+    report.requests = len(outcomes) + reference_jobs
     # Each client request carries one Idempotency-Key: any extra interactive job is a duplicate.
-    report.duplicated = max(0, len(interactive) - len(prompts) - len({o.job_id for o in client_jobs}))
+    report.duplicated = max(0, len(interactive) - reference_jobs - len({o.job_id for o in client_jobs}))
     report.reattached_streams = sum(1 for o in outcomes if o.reattached)
+    for o in outcomes:
+        report.by_client[o.kind] = report.by_client.get(o.kind, 0) + 1
     for o in outcomes:
         row = by_id.get(o.job_id or "")
         if o.status != "succeeded" or row is None or row.state != "succeeded":
             report.lost += 1
             report.problems.append(f"{o.kind} {o.job_id}: client saw {o.status}, ledger {row.state if row else None}")
-        elif o.text != reference[o.prompt]:
+        elif o.text != (expected := (chat_reference if "chat" in o.kind else reference)[o.prompt]):
             report.wrong += 1
             report.problems.append(
                 f"{o.kind} {o.job_id}: text differs from the undisturbed run's (re-attached {o.reattached}x, "
-                f"POST retried {o.retried_posts}x): got {o.text!r}, expected {reference[o.prompt]!r}"
+                f"POST retried {o.retried_posts}x): got {o.text!r}, expected {expected!r}"
             )
     texts = batch_result.get("texts", {})
     report.batch_lines = len(batch_prompts)
@@ -633,7 +741,10 @@ def _load_and_faults(
             report.problems.append(f"batch line-{i}: {len(got)} times in the output")
         elif got[0] != reference[p]:
             report.wrong += 1
-            report.problems.append(f"batch line-{i}: text differs from the undisturbed run's")
+            report.problems.append(
+                f"batch line-{i} {batch_result.get('jobs', {}).get(f'line-{i}')}: text differs from the undisturbed"
+                f" run's: got {got[0]!r}, expected {reference[p]!r}"
+            )
     report.requests += len(batch_prompts)
     report.http_5xx, report.http_503_refusals_retried = tally.http_5xx, tally.http_503
     report.problems += tally.errors[:20]
@@ -646,7 +757,9 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="3 worker kills instead of 20; shorter gaps (CI)")
     ap.add_argument("--worker-kills", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=1, help="with --only: repeat the chosen faults")
-    ap.add_argument("--only", default=None, help="comma-separated subset of: redis,postgres,api,dispatcher")
+    ap.add_argument(
+        "--only", default=None, help="comma-separated subset of: redis,postgres,api,dispatcher,redis-30s,postgres-30s"
+    )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args()

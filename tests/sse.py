@@ -43,7 +43,7 @@ def events(resp: httpx.Response) -> Iterator[Event]:
 
 def collect(resp: httpx.Response) -> tuple[list[Event], bool]:
     """All events up to `[DONE]`; the flag says whether `[DONE]` came."""
-    out = []
+    out: list[Event] = []
     for ev in events(resp):
         if ev.data == "[DONE]":
             return out, True

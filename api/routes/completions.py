@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
+from starlette.requests import ClientDisconnect
 
+from api.bodies import json_body, openapi_body
 from api.deps import HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
 from api.streaming import readers, sse, sse_chunks
 from core.jobs import service
@@ -25,11 +28,17 @@ router = APIRouter()
 # never a 5xx: the SDK retries 5xx, and a retry without an Idempotency-Key would be a second job.
 _ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409}
 
+# Bodies are decoded and validated on the prepare threads (api/bodies.py), not by FastAPI on the loop.
+_Completion = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
+_Chat = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
+_COMPLETION_DOC = openapi_body(CompletionRequest)
+_CHAT_DOC = openapi_body(ChatCompletionRequest)
 
-@router.post("/v1/completions", response_model=None)
+
+@router.post("/v1/completions", response_model=None, openapi_extra=_COMPLETION_DOC)
 @router.post("/v1/openai/v1/completions", response_model=None, include_in_schema=False)  # Llama Stack's path
 async def create_completion(
-    body: CompletionRequest,
+    body: _Completion,
     request: Request,
     principal: PrincipalDep,
     redis: RedisDep,
@@ -40,10 +49,10 @@ async def create_completion(
     return await _serve(body, "/v1/completions", request, principal, redis, hub, settings, lifecycle)
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=_CHAT_DOC)
 @router.post("/v1/openai/v1/chat/completions", response_model=None, include_in_schema=False)
 async def create_chat_completion(
-    body: ChatCompletionRequest,
+    body: _Chat,
     request: Request,
     principal: PrincipalDep,
     redis: RedisDep,
@@ -68,8 +77,7 @@ async def _serve(body, endpoint: str, request: Request, principal, redis, hub, s
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage)
-        guarded = _cancel_if_abandoned(stream, job.id, tenant_id, lifecycle, settings, request.app.state)
-        return EventSourceResponse(guarded, headers=headers)
+        return _StreamOrCancel(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
     row = await service.wait(hub, job.id, tenant_id, settings.wait_timeout_s)
     if row is None:
         return _accepted(job, headers)
@@ -85,28 +93,48 @@ def _accepted(job, headers: dict[str, str]) -> JSONResponse:
     return JSONResponse(render.job(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}", **headers})
 
 
-async def _cancel_if_abandoned(stream, job_id: str, tenant_id: int, lifecycle: Lifecycle, settings, state):
-    """Pass the stream through; if its client really went away, cancel the job after a grace period
-    unless another reader (a reconnect with Last-Event-ID) follows it by then. A stream that ended
-    because this server is shutting down, or because of an error on our side, cancels nothing: the
-    job goes on, and its client can re-attach to /v1/jobs/{id}/events."""
-    abandoned = ended = False
-    try:
+class _StreamOrCancel(EventSourceResponse):
+    """The job's stream; if its client went away before reading `[DONE]`, the job is cancelled after
+    a grace period unless another reader (a reconnect with Last-Event-ID) follows it by then.
+
+    Judged when the response ends, not inside the generator: a client that hangs up before the first
+    byte ends the response before the generator ever runs, so a generator's `finally` never sees it.
+    A stream that ended because this server is shutting down, or by an error on our side, cancels
+    nothing: the job goes on, and its client can re-attach to /v1/jobs/{id}/events."""
+
+    def __init__(self, stream, job_id: str, tenant_id: int, lifecycle: Lifecycle, settings, state, **kw) -> None:
+        self.ended = False
+        super().__init__(self._track(stream), **kw)
+        self.job_id, self.tenant_id, self.lifecycle = job_id, tenant_id, lifecycle
+        self.settings, self.state = settings, state
+
+    async def _track(self, stream):
         async for chunk in stream:
-            # A client that closes right after the final `[DONE]` has read everything: nothing to cancel
-            # (and the job has ended anyway).
-            ended = chunk.startswith(_DONE)
+            # A client that closes right after the final `[DONE]` has read everything: nothing to cancel.
+            self.ended = chunk.startswith(_DONE)
             yield chunk
-    except (GeneratorExit, asyncio.CancelledError):
-        abandoned = not ended
-        raise
-    finally:
-        if abandoned and settings.cancel_on_disconnect and not getattr(state, "draining", False):
-            task = asyncio.get_running_loop().create_task(
-                _cancel_after_grace(lifecycle, state.redis, job_id, tenant_id, settings.disconnect_grace_s)
-            )
-            _PENDING.add(task)
-            task.add_done_callback(_PENDING.discard)
+
+    async def __call__(self, scope, receive, send) -> None:
+        ours = False
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError, asyncio.CancelledError):
+            raise  # the client's socket went away, or the server is stopping (judged below)
+        except Exception:
+            ours = True  # an error on our side: the job goes on
+            raise
+        finally:
+            self._after(ours)
+
+    def _after(self, ours: bool) -> None:
+        s = self.settings
+        if self.ended or ours or not s.cancel_on_disconnect or getattr(self.state, "draining", False):
+            return
+        task = asyncio.get_running_loop().create_task(
+            _cancel_after_grace(self.lifecycle, self.state.redis, self.job_id, self.tenant_id, s.disconnect_grace_s)
+        )
+        _PENDING.add(task)
+        task.add_done_callback(_PENDING.discard)
 
 
 _DONE = sse(render.DONE)

@@ -276,7 +276,7 @@ def _message(job: JobRecord, index: int, text: str, finish: str | None) -> tuple
     """The assistant message of one choice, with its tool calls parsed out when tools were offered."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if (job.chat or {}).get("tools"):
-        content, calls = chat_template.parse_tool_calls(text)
+        content, calls = chat_template.parse_tool_calls(text, (job.chat or {}).get("forced"))
         if calls:
             message["content"] = content or None
             message["tool_calls"] = _tool_calls(job.id, index, calls)
@@ -319,6 +319,7 @@ class ChatChunks(CompletionChunks):
         self.job = j
         self.k = (j.chat or {}).get("top_logprobs")
         self.tools = bool((j.chat or {}).get("tools"))
+        self.forced: list[str] | None = (j.chat or {}).get("forced")
         self.started: set[int] = set()
         self.held: dict[int, str] = {}  # per choice: text that may still turn out to be a tool call
 
@@ -337,13 +338,13 @@ class ChatChunks(CompletionChunks):
         text = ev.text
         if self.tools:
             held = self.held.get(i, "") + text
-            if ev.finish_reason is None and _maybe_tool_call(held):
+            if ev.finish_reason is None and (self.forced or _maybe_tool_call(held)):
                 self.held[i] = held
                 if lp is not None:
                     out.append(self._delta(i, {}, None, lp))
                 return out
             self.held.pop(i, None)
-            content, calls = chat_template.parse_tool_calls(held) if ev.finish_reason else (held, [])
+            content, calls = chat_template.parse_tool_calls(held, self.forced) if ev.finish_reason else (held, [])
             if calls:
                 deltas = [{"index": n, **call} for n, call in enumerate(_tool_calls(self.job.id, i, calls))]
                 out.append(self._delta(i, {**({"content": content} if content else {}), "tool_calls": deltas}))

@@ -11,11 +11,14 @@ import re
 import secrets
 from typing import Any
 
+from pydantic import ValidationError
+
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid
 from core.generation import capabilities, chat_template, constraints
 from core.generation.params import DEFAULT_DRY_BREAKERS, GenerationParams
 from core.generation.tokenizer import Tokenizer, context_length
+from core.protocol.errors import from_validation
 from core.protocol.schemas import LLAMACPP_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GrammarSpec
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
@@ -289,18 +292,19 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_constraint(req: ChatCompletionRequest) -> tuple[str | None, bool]:
-    """(the grammar that forces a valid call, whether calls are parsed out of the text)."""
+def _tool_constraint(req: ChatCompletionRequest) -> tuple[str | None, bool, list[str]]:
+    """(the grammar that forces a valid call, whether calls are parsed out of the text, the
+    functions it forces)."""
     tools = req.tools or []
     choice = req.tool_choice
     if not tools:
         if choice not in (None, "none"):
             raise bad("tool_choice", "'tool_choice' needs 'tools'.")
-        return None, False
+        return None, False, []
     if choice == "none":
-        return None, False
+        return None, False, []
     if choice in (None, "auto"):
-        return None, True
+        return None, True, []
     names = [t.function.name for t in tools]
     if not isinstance(choice, str):
         wanted = choice.function.get("name")
@@ -309,10 +313,14 @@ def _tool_constraint(req: ChatCompletionRequest) -> tuple[str | None, bool]:
         names = [wanted]
     chosen = [t for t in tools if t.function.name in names]
     try:
-        return constraints.tool_calls(
-            [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen],
-            parallel=req.parallel_tool_calls is not False and len(chosen) > 1,
-        ), True
+        return (
+            constraints.tool_calls(
+                [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen],
+                parallel=req.parallel_tool_calls is not False and len(chosen) > 1,
+            ),
+            True,
+            names,
+        )
     except constraints.ConstraintError as exc:
         raise bad("tools", str(exc), code="invalid_constraint") from exc
 
@@ -347,32 +355,50 @@ def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer, template: str | None
         raise bad("messages", f"The messages are not valid Unicode text: {exc.reason}.") from exc
 
 
+def _chat_param(exc: DomainError, req: ChatCompletionRequest) -> DomainError:
+    """An error of the shared completions translation, naming the chat request's own field."""
+    if exc.param == "prompt":
+        exc.param = "messages"
+    elif exc.param == "logprobs":
+        exc.param = "top_logprobs"
+    return exc
+
+
 def chat_to_generation(
     req: ChatCompletionRequest, settings: Settings, tok: Tokenizer, template: str | None
 ) -> tuple[GenerationParams, list[dict], dict[str, Any]]:
     """A chat request -> (params, prompts, how to render it). The conversation becomes one token-id
     prompt; every other field goes through the completions translation, so bounds and errors agree."""
-    forced, parse_tools = _tool_constraint(req)
+    forced, parse_tools, forced_names = _tool_constraint(req)
     ids = chat_prompt(req, tok, template)
     shared = {f: getattr(req, f) for f in req.model_fields_set - _CHAT_ONLY if f in type(req).model_fields}
     shared = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in shared.items()}
     if req.max_completion_tokens is not None:
         shared["max_tokens"] = req.max_completion_tokens
+    elif "max_tokens" not in req.model_fields_set:
+        # Chat has no default of 16 (that is legacy completions'): OpenAI and vLLM run to the model's
+        # own stop or the context's end. Admission reserves the whole room (`reservation`).
+        shared["max_tokens"] = None
     if forced is not None:
         taken = sorted({"grammar", "json_schema", "regex", "guided_choice"} & set(shared))
         if taken or (req.response_format or {}).get("type", "text") != "text":
             raise bad("tool_choice", "A forced tool call cannot be combined with another output constraint.")
         shared["grammar"] = GrammarSpec(type="lark", value=forced)
-    if req.logprobs:
-        shared["logprobs"] = req.top_logprobs or 0
-    elif req.top_logprobs:
+    if req.top_logprobs and not req.logprobs:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
-    completion = CompletionRequest.model_validate({**shared, "prompt": [ids]})
+    try:
+        completion = CompletionRequest.model_validate({**shared, "prompt": [ids]})
+    except ValidationError as exc:  # every shared field was validated once already: a bug, but a 400
+        raise _chat_param(from_validation(exc.errors()), req) from exc
+    if req.logprobs:
+        # Chat's range (top_logprobs 0..20) is not completions' (logprobs 0..5): set after validation.
+        completion = completion.model_copy(update={"logprobs": req.top_logprobs or 0})
     try:
         params, prompts = to_generation(completion, settings, tok)
     except DomainError as exc:
-        if exc.param == "prompt":
-            exc.param = "messages"
+        _chat_param(exc, req)
         raise
-    meta = {"tools": parse_tools, "top_logprobs": req.top_logprobs or 0 if req.logprobs else None}
+    meta: dict[str, Any] = {"tools": parse_tools, "top_logprobs": req.top_logprobs or 0 if req.logprobs else None}
+    if forced_names:  # the output is nothing but calls to these: one cut by max_tokens is still a call
+        meta["forced"] = forced_names
     return params, prompts, meta

@@ -370,3 +370,150 @@ def test_llama_stacks_paths_serve_chat_and_models(stack):
         )
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"
         assert MODEL in [m["id"] for m in http.get("/v1/openai/v1/models").json()["data"]]
+
+
+# -- what vLLM's own server tests expect of a chat endpoint (issue 24) -------------------------------
+
+STORY = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Write a long story about a dragon who learns to bake bread."},
+]
+
+
+def test_a_chat_without_max_tokens_runs_to_the_models_stop_or_the_context_end(stack):
+    """No max_tokens: up to the model's stop or the context's end (OpenAI, vLLM), not completions' 16."""
+    client = stack.openai()
+    r = client.chat.completions.create(model=MODEL, messages=STORY, temperature=0)
+    c = r.choices[0]
+    assert r.usage.completion_tokens > 16, r.usage
+    # SmolLM2-135M rambles on greedily: it fills the test stack's 1024-token context (991 tokens here).
+    assert c.finish_reason == "stop" or r.usage.total_tokens == 1024, (c.finish_reason, r.usage)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=STORY, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(streamed)
+    assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == c.message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_a_chat_without_max_tokens_reserves_the_rest_of_the_context(stack):
+    """Costs stay bounded: admission takes prompt + (context - prompt) from the token limits, not 16."""
+    key = stack.new_tenant("unbounded-chat", tpm=100_000)
+    with stack.http(key) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": STORY, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100_000 - 1024  # the test stack's context
+
+
+def test_continue_final_message_and_response_format_answers_are_not_cut_at_16(stack):
+    schema = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": 120, "maxLength": 300}},
+        "required": ["story"],
+        "additionalProperties": False,
+    }
+    r = _chat(
+        stack,
+        messages=STORY,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "story", "strict": True, "schema": schema}},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] > 16, body
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+    r = _chat(
+        stack,
+        messages=[*STORY, {"role": "assistant", "content": "Once upon a time, in a village by the mountains,"}],
+        continue_final_message=True,
+        add_generation_prompt=False,
+        temperature=0,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] > 16, r.json()
+
+
+def test_chat_top_logprobs_20_returns_20_alternatives(stack):
+    client = stack.openai()
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=20,
+        extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for e in content:
+        alts = e.top_logprobs
+        assert len(alts) == 20 and len({a.token for a in alts}) == 20
+        assert [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=20,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [len(e.top_logprobs) for e in streamed] == [20] * 4
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1},
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 20}, "logprobs"),
+    ],
+)
+def test_logprob_ranges_out_of_bounds_are_400s_naming_them(stack, path, body, param):
+    with stack.http(stack.keys["alpha"]) as http:
+        r = http.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"] or "").startswith(param), r.json()
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_a_forced_tool_call_cut_by_max_tokens_is_a_tool_call(stack, choice):
+    client = stack.openai()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What's the weather like in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": choice,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**body, max_tokens=80).choices[0].message.tool_calls[0].function
+    for max_tokens in (12, 22):
+        r = client.chat.completions.create(**body, max_tokens=max_tokens)
+        c = r.choices[0]
+        assert c.finish_reason == "length" and r.usage.completion_tokens == max_tokens
+        assert c.message.content is None and "<tool_call>" not in (c.message.content or "")
+        [call] = c.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert whole.arguments.startswith(call.function.arguments) and len(call.function.arguments) < len(
+            whole.arguments
+        )
+        openapi.validate(r.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionResponse")
+        chunks = list(client.chat.completions.create(**body, max_tokens=max_tokens, stream=True))
+        assert not "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
+        calls = [tc for x in chunks if x.choices for tc in (x.choices[0].delta.tool_calls or [])]
+        assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", call.function.arguments)]
+        assert [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason] == ["length"]

@@ -32,3 +32,4 @@ def test_short_fault_run_loses_doubles_and_garbles_nothing(tmp_path):
     assert report.requests >= 40 and report.batch_lines == 24
     assert report.resumed_jobs >= 1  # the worker kills really hit running jobs, which resumed
     assert report.reattached_streams >= 1  # API restarts really cut streams that clients re-attached
+    assert all(report.by_client.get(k) for k in faults.SDK_KINDS), report.by_client  # the openai SDK was a client

@@ -6,13 +6,14 @@ chunk is validated against the reference OpenAI schema, and no request may answe
 
 from __future__ import annotations
 
+import io
 import json
 import re
 
 import pytest
 
 from tests import openapi
-from tests.conftest import MODEL
+from tests.conftest import MODEL, wait_for
 from tests.sse import collect
 
 CHAT_DONE = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\nOK."  # greedy: ends right away
@@ -100,6 +101,66 @@ def test_min_tokens_and_ignore_eos_hold_off_the_end(api):
     )
     r = api.complete(prompt=CHAT_DONE, temperature=0, max_tokens=20, ignore_eos=True)
     assert r["usage"]["completion_tokens"] == 20 and r["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_generated_end_of_sequence_token_is_a_completion_token_everywhere(stack):
+    """vLLM's rule, and the one logprobs already followed: the end-of-turn token the model generated
+    is listed in logprobs and counted in usage (completions, chat, streams, batches, the bill)."""
+    key = stack.new_tenant("eos-counted")
+    api = Api(stack)
+    api.http = stack.http(key)
+    billed = 0
+    # Greedy, the model ends its turn at once after "OK.": one token, the end of turn.
+    r = api.complete(prompt=CHAT_DONE, temperature=0, max_tokens=5, logprobs=1)
+    c = r["choices"][0]
+    assert (c["text"], c["finish_reason"], c["logprobs"]["tokens"]) == ("", "stop", ["<|im_end|>"])
+    assert r["usage"]["completion_tokens"] == 1, r["usage"]
+    billed += r["usage"]["completion_tokens"]
+    r = api.complete(prompt=CHAT_DONE, temperature=0, max_tokens=5)  # counted without logprobs too
+    assert r["usage"]["completion_tokens"] == 1
+    billed += 1
+    chunks = api.stream(prompt=CHAT_DONE, temperature=0, max_tokens=5, stream_options={"include_usage": True})
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    billed += 1
+    # A longer answer that ends by itself: one completion token per logprobs entry, the last the end of turn.
+    r = api.complete(prompt=CHAT_DONE[: -len("OK.")], temperature=0, max_tokens=60, logprobs=0)
+    c = r["choices"][0]
+    assert c["finish_reason"] == "stop" and c["logprobs"]["tokens"][-1] == "<|im_end|>"
+    assert len(c["logprobs"]["tokens"]) == r["usage"]["completion_tokens"] > 1
+    billed += r["usage"]["completion_tokens"]
+    # Chat, whole and streamed.
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say OK."}], "temperature": 0, "max_tokens": 60}
+    body = api.post("/v1/chat/completions", {**chat, "logprobs": True})
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert len(body["choices"][0]["logprobs"]["content"]) == body["usage"]["completion_tokens"]
+    billed += body["usage"]["completion_tokens"]
+    with api.http.stream(
+        "POST", "/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}}
+    ) as resp:
+        events, _ = collect(resp)
+    assert events[-1].json["usage"]["completion_tokens"] == body["usage"]["completion_tokens"]
+    billed += body["usage"]["completion_tokens"]
+    # A batch line.
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions"}
+    line["body"] = {"model": MODEL, "prompt": CHAT_DONE, "temperature": 0, "max_tokens": 5}
+    f = api.http.post(
+        "/v1/files", files={"file": ("b.jsonl", io.BytesIO(json.dumps(line).encode()))}, data={"purpose": "batch"}
+    )
+    assert f.status_code == 200, f.text
+    b = api.post(
+        "/v1/batches", {"input_file_id": f.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    )
+    b = wait_for(
+        lambda: (x := api.http.get(f"/v1/batches/{b['id']}").json())["status"] in ("completed", "failed") and x,
+        120,
+        "batch",
+    )
+    out = json.loads(api.http.get(f"/v1/files/{b['output_file_id']}/content").text)
+    assert out["response"]["body"]["usage"]["completion_tokens"] == 1
+    billed += 1
+    # The bill says the same.
+    rows = wait_for(lambda: (d := api.http.get("/v1/usage").json()["data"]) and d, 10, "a usage row")
+    assert sum(row["completion_tokens"] for row in rows) == billed
 
 
 # -- sampling -----------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from pydantic import ValidationError
 from core.config import Settings
 from core.errors import DomainError
 from core.infra.tokenizers import tokenizer_for
-from core.protocol.schemas import CompletionRequest
-from core.protocol.translate import to_generation
+from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from core.protocol.translate import chat_to_generation, reservation, to_generation
 
 MODEL = "smollm2-135m-instruct"
 SETTINGS = Settings(n_ctx=1024)
@@ -212,3 +212,49 @@ def test_tools_on_completions_are_refused_not_ignored(tok):
     with pytest.raises(DomainError) as err:
         translate(tok, tools=[{"type": "function", "function": {"name": "f"}}])
     assert err.value.param == "tools"
+
+
+# -- chat: its own defaults and ranges, not completions' ---------------------------------------------
+
+
+def chat(tok, **kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
+    return chat_to_generation(ChatCompletionRequest.model_validate(body), SETTINGS, tok, tok.chat_template())
+
+
+def test_chat_without_max_tokens_runs_to_the_context_end_and_reserves_it(tok):
+    params, prompts, _ = chat(tok)
+    assert params.max_tokens is None  # not completions' 16: OpenAI and vLLM stop at the model's end
+    n = len(prompts[0]["ids"])
+    # Rate limits reserve what it may really cost: the whole room left in the context, per candidate.
+    assert reservation(params, prompts, 1024) == 1024
+    assert reservation(chat(tok, n=3)[0], prompts, 1024) == n + 3 * (1024 - n)
+    for kw in ({"continue_final_message": True}, {"response_format": {"type": "json_object"}}):
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+        assert chat(tok, messages=msgs, **kw)[0].max_tokens is None
+    assert chat(tok, max_tokens=7)[0].max_tokens == 7
+    assert chat(tok, max_completion_tokens=9)[0].max_tokens == 9
+    assert chat(tok, max_tokens=None)[0].max_tokens is None
+    assert translate(tok)[0].max_tokens == 16  # legacy completions keep OpenAI's 16
+
+
+def test_chat_top_logprobs_goes_to_20_and_completions_stay_at_5(tok):
+    params, _, meta = chat(tok, logprobs=True, top_logprobs=20, max_tokens=5)
+    assert params.logprobs == 20 and meta["top_logprobs"] == 20
+    assert chat(tok, logprobs=True, max_tokens=5)[0].logprobs == 0
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "p", "logprobs": 6})
+
+
+def test_chat_logprobs_past_the_response_bound_name_top_logprobs(tok):
+    with pytest.raises(DomainError) as err:
+        chat(tok, logprobs=True, top_logprobs=20, n=20)
+    assert err.value.param == "top_logprobs" and err.value.code == "response_too_large"
+
+
+def test_a_forced_tool_call_names_its_functions_for_rendering(tok):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(tok, tools=[tool], tool_choice=named)[2]["forced"] == ["get_weather"]
+    assert chat(tok, tools=[tool], tool_choice="required")[2]["forced"] == ["get_weather"]
+    assert "forced" not in chat(tok, tools=[tool])[2]  # auto: the model may answer in words

@@ -1,0 +1,64 @@
+"""A stream whose client hangs up is cancelled at any moment of its life, before its first byte too."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+from sqlalchemy import text
+
+from tests.conftest import MODEL, wait_for
+
+
+def _raw_post(stack, key: str, body: dict, linger_s: float) -> None:
+    """Send the request on a bare socket and hang up `linger_s` later, having read nothing."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.sendall(head + payload)
+        time.sleep(linger_s)
+
+
+def _jobs(db, tenant: str) -> list[dict]:
+    with db.connect() as conn:
+        return [
+            dict(r)
+            for r in conn.execute(
+                text(
+                    "SELECT j.id, j.state, j.usage FROM jobs j JOIN tenants t ON t.id = j.tenant_id "
+                    "WHERE t.name = :n ORDER BY j.created_at"
+                ),
+                {"n": tenant},
+            ).mappings()
+        ]
+
+
+def test_a_stream_abandoned_before_its_first_byte_is_cancelled(stack, db):
+    key = stack.new_tenant("hangs-up-early")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    _raw_post(stack, key, body, linger_s=0.005)
+    rows = wait_for(lambda: _jobs(db, "hangs-up-early"), 30, "the job stored")
+    ended = wait_for(
+        lambda: [r for r in _jobs(db, "hangs-up-early") if r["state"] in ("cancelled", "succeeded", "failed")],
+        120,
+        "the job ended",
+    )
+    assert len(rows) == 1 and ended[0]["state"] == "cancelled", ended
+    produced = (ended[0]["usage"] or {}).get("completion_tokens", 0)
+    assert produced < 600, f"{produced} of 900 tokens generated for a client that left at once"
+
+
+def test_a_stream_abandoned_mid_way_is_cancelled(stack, db):
+    key = stack.new_tenant("hangs-up-later")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    _raw_post(stack, key, body, linger_s=1.0)
+    ended = wait_for(
+        lambda: [r for r in _jobs(db, "hangs-up-later") if r["state"] in ("cancelled", "succeeded", "failed")],
+        120,
+        "the job ended",
+    )
+    assert ended[0]["state"] == "cancelled", ended

@@ -1,0 +1,81 @@
+"""A generated end-of-sequence token is a completion token (vLLM's rule, docs/parameters.md): in the
+usage a worker records, on a resumed attempt, and in what a job that ends early bills. Real Postgres
+and Redis, in-process runner; the engine is the null engine made to end with an end-of-sequence token."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from core.infra import streams
+from core.infra.orm import Job, JobState
+from core.jobs.events import Delta, decode, encode
+from core.jobs.lifecycle import Lifecycle
+from tests import factories
+from workers.engine.base import PromptEvent, TokenEvent
+from workers.engine.loop import EngineLoop
+from workers.engine.null import NullEngine
+from workers.runner import JobRunner
+
+MODEL = "smollm2-135m-instruct"
+EOS = 2
+
+
+class EndingEngine(NullEngine):
+    """Two words, then the end-of-sequence token (no text, as llama.cpp's engine reports it)."""
+
+    def step(self) -> list[TokenEvent | PromptEvent]:
+        now = time.monotonic()
+        out: list[TokenEvent | PromptEvent] = []
+        for key, spec in list(self._live.items()):
+            del self._live[key]
+            out.append(PromptEvent(key, 0, None))
+            lp = -0.5 if spec.params.needs_token_logprobs else None
+            for tok in self._words[:2]:
+                out.append(TokenEvent(key, tok, lp, None, [] if lp is not None else None, now))
+            out.append(TokenEvent(key, None, lp, "stop", [] if lp is not None else None, now, eos_id=EOS))
+        return out
+
+
+@pytest.fixture(scope="module")
+def loop():
+    return EngineLoop(EndingEngine(MODEL, n_ctx=512, max_batch=4))
+
+
+@pytest.mark.parametrize("logprobs", [None, 0])
+def test_the_end_of_sequence_token_is_counted_and_marked_on_the_last_delta(
+    session, sessions, rds, it_settings, loop, logprobs
+):
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8, logprobs=logprobs))
+    assert JobRunner(loop, it_settings, rds, sessions, "w-eos").run(job.id, 1) == "succeeded"
+    row = session.get(Job, job.id, populate_existing=True)
+    assert row.usage["completion_tokens"] == 3  # two words and the end of sequence
+    deltas = [e for _, raw in streams.entries(rds, job.id) if isinstance(e := decode(raw), Delta)]
+    assert deltas[-1].eos is True and deltas[-1].finish_reason == "stop"
+    if logprobs is not None:
+        assert len(row.result["choices"][0]["scores"]) == 3  # as many scores as completion tokens
+
+
+def test_a_resumed_attempt_keeps_counting_an_end_an_earlier_one_streamed(session, sessions, rds, it_settings, loop):
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.dispatched, attempt=2, params=factories.params(max_tokens=8))
+    # Attempt 1 streamed the whole choice, its end included, and died before recording the result.
+    streams.raise_fence(rds, job.id, 1, 60)
+    words = EndingEngine(MODEL, n_ctx=512, max_batch=1)._words[:2]
+    ended = Delta(attempt=1, choice=0, text="x", token_ids=words, finish_reason="stop", eos=True)
+    streams.append_fenced(rds, job.id, 1, [encode(ended)], 60)
+    assert JobRunner(loop, it_settings, rds, sessions, "w-eos").run(job.id, 2) == "succeeded"
+    row = session.get(Job, job.id, populate_existing=True)
+    assert row.usage["completion_tokens"] == 3
+
+
+def test_a_job_that_ends_early_bills_a_streamed_end_of_sequence(session, sessions, rds, it_settings):
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.running, params=factories.params(n=2, max_tokens=8))
+    streams.raise_fence(rds, job.id, 1, 60)
+    done = Delta(attempt=1, choice=0, text="ab", token_ids=[10, 11], finish_reason="stop", eos=True)
+    going = Delta(attempt=1, choice=1, text="c", token_ids=[12])
+    streams.append_fenced(rds, job.id, 1, [encode(done), encode(going)], 60)
+    assert Lifecycle(sessions, rds, it_settings).produced(job).completion_tokens == 4

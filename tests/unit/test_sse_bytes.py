@@ -1,0 +1,54 @@
+"""The keep-alive between events is a comment line no SSE decoder turns into an event."""
+
+from __future__ import annotations
+
+from openai._streaming import SSEDecoder
+
+from api.streaming import sse, sse_comment
+
+
+def test_keep_alives_after_an_event_id_are_no_events_for_the_openai_sdk():
+    raw = sse({"a": 1}, "1-0") + sse_comment("keep-alive") + sse_comment("keep-alive") + sse({"b": 2}, "2-0")
+    raw += sse("[DONE]")
+    events = list(SSEDecoder().iter_bytes(iter([raw])))
+    assert [(e.data, e.id) for e in events] == [('{"a":1}', "1-0"), ('{"b":2}', "2-0"), ("[DONE]", "2-0")]
+
+
+def test_a_keep_alive_is_one_comment_line():
+    assert sse_comment("keep-alive") == b": keep-alive\n"
+
+
+def _eventsource(raw: bytes) -> list[tuple[str, str, str]]:
+    """A browser EventSource's parsing, as the WHATWG HTML standard writes it (9.2.6, "Interpreting an
+    event stream"): (type, data, lastEventId) of each dispatched message event."""
+    text = raw.decode("utf-8")
+    text = text[1:] if text.startswith("\ufeff") else text
+    events: list[tuple[str, str, str]] = []
+    data, etype, last_id = "", "", ""
+    for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")[:-1]:  # an unended line is no line
+        if line == "":  # dispatch: nothing when the data buffer is empty; the last event ID persists
+            if data:
+                events.append((etype or "message", data[:-1] if data.endswith("\n") else data, last_id))
+            data, etype = "", ""
+            continue
+        if line.startswith(":"):
+            continue  # a comment
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data += value + "\n"
+        elif name == "event":
+            etype = value
+        elif name == "id" and "\0" not in value:
+            last_id = value
+    return events
+
+
+def test_a_browser_eventsource_gets_every_event_and_id_and_no_keep_alive():
+    raw = sse({"a": 1}, "1-0") + sse_comment("keep-alive") + sse({"b": 2}, "2-0") + sse_comment("keep-alive")
+    raw += sse("[DONE]")
+    assert _eventsource(raw) == [
+        ("message", '{"a":1}', "1-0"),
+        ("message", '{"b":2}', "2-0"),
+        ("message", "[DONE]", "2-0"),
+    ]
