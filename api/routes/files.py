@@ -1,18 +1,20 @@
-"""OpenAI's Files API. Uploads are spooled to disk by the multipart parser, then copied into
-Postgres in 1 MiB chunks from a worker thread: never whole in memory."""
+"""OpenAI's Files API. Uploads are streamed into Postgres in 1 MiB chunks as they arrive, the
+tenant's storage quota reserved per chunk (api/uploads.py): never whole in memory, never on local disk."""
 
 from __future__ import annotations
 
-import anyio
-from fastapi import APIRouter, Form, Request, UploadFile
+from urllib.parse import quote
+
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, select
 
+from api import uploads
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import APIError
 from core import idempotency
 from core.files import storage as files
-from core.files.service import store
+from core.infra import threads
 from core.infra.db import async_sessions
 from core.infra.orm import File
 from core.protocol.render import page
@@ -26,15 +28,28 @@ def _not_found(file_id: str) -> APIError:
     return APIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
 
 
-@router.post("", response_model=FileObject)
-async def upload(
-    request: Request,
-    tenant: TenantDep,
-    session: SessionDep,
-    settings: SettingsDep,
-    file: UploadFile,
-    purpose: str = Form(...),
-) -> dict:
+# The form is read by api/uploads.py, not declared as parameters: FastAPI would parse (and spool) the
+# whole body before the handler could check anything. The schema still tells clients what to send.
+_UPLOAD_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}},
+                }
+            }
+        },
+    }
+}
+
+
+def _check_purpose(fields: dict[str, str]) -> None:
+    purpose = fields.get("purpose")
+    if purpose is None:
+        return  # not sent yet (or at all: checked again once the form has ended)
     if purpose not in PURPOSES:
         raise APIError(
             400,
@@ -42,16 +57,33 @@ async def upload(
             param="purpose",
             code="invalid_value",
         )
-    # A retried upload (same key, purpose, name and size) returns the file the first one stored.
-    payload = {"purpose": purpose, "filename": file.filename, "bytes": file.size}
-    claim = await idempotency.claim(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload)
-    if claim is not None and claim.replay is not None:
-        f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
-        if f is not None:
-            return files.file_json(f)
+
+
+@router.post("", response_model=FileObject, openapi_extra=_UPLOAD_FORM)
+async def upload(request: Request, tenant: TenantDep, session: SessionDep, settings: SettingsDep) -> dict:
+    got = await uploads.receive(request, tenant.id, settings, _check_purpose)
+    up = got.upload
     try:
-        stored = await anyio.to_thread.run_sync(store, file.file, file.filename, tenant.id, purpose, settings)
+        purpose = got.fields.get("purpose")
+        if purpose is None:
+            raise APIError(
+                400, "Missing required form field 'purpose'.", param="purpose", code="missing_required_parameter"
+            )
+        # A retried upload (same key, purpose, name and size) returns the file the first one stored.
+        payload = {"purpose": purpose, "filename": got.filename, "bytes": up.bytes}
+        claim = await idempotency.claim(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload)
+        if claim is not None and claim.replay is not None:
+            f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
+            if f is not None:
+                await uploads.abort(up)  # the first request's file is the answer: this copy goes
+                return files.file_json(f)
     except BaseException:
+        await uploads.abort(up)
+        raise
+    try:
+        stored = await threads.run("upload", up.finish, purpose)
+    except BaseException:
+        await uploads.abort(up)
         await idempotency.release(claim)
         raise
     await idempotency.record(claim, stored.id)
@@ -105,7 +137,7 @@ async def file_content(file_id: str, tenant: TenantDep, session: SessionDep) -> 
     return StreamingResponse(
         stream(),
         media_type="application/jsonl",
-        headers={"content-length": str(f.bytes), "content-disposition": f'attachment; filename="{f.filename}"'},
+        headers={"content-length": str(f.bytes), "content-disposition": _disposition(f.filename)},
     )
 
 
@@ -118,3 +150,10 @@ async def delete_file(file_id: str, tenant: TenantDep, session: SessionDep) -> d
     await session.execute(delete(files.FileChunk).where(files.FileChunk.file_id == file_id))
     await session.commit()
     return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _disposition(filename: str) -> str:
+    """RFC 6266: an ASCII fallback name plus the exact name as RFC 5987 UTF-8 (headers are latin-1,
+    so a name like '数据.jsonl' put raw made every download of it a 500)."""
+    fallback = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename) or "file"
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.sse import EventSourceResponse
@@ -10,6 +12,7 @@ from api.cache import SingleFlight
 from api.deps import HubDep, LifecycleDep, RedisDep, TenantDep
 from api.errors import APIError
 from api.streaming import sse_chunks
+from core.infra import streams
 from core.infra.orm import Job
 from core.jobs import service
 from core.protocol import render
@@ -19,13 +22,22 @@ router = APIRouter(prefix="/v1/jobs")
 _EVENT_ROWS: SingleFlight[Job | None] = SingleFlight(ttl_s=2.0)
 
 
+# Every id Spool issues fits this; anything else (a NUL byte Postgres refuses, megabytes of text)
+# is answered before it reaches the database.
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
 def _not_found(job_id: str) -> APIError:
-    return APIError(404, f"No job with id '{job_id}'.", param="job_id", code="job_not_found")
+    return APIError(404, f"No job with id {job_id[:128]!r}.", param="job_id", code="job_not_found")
+
+
+async def _get(job_id: str, tenant_id: int) -> Job | None:
+    return await service.get(job_id, tenant_id) if _ID.fullmatch(job_id) else None
 
 
 @router.get("/{job_id}", response_model=JobObject)
 async def get_job(job_id: str, tenant: TenantDep) -> dict:
-    row = await service.get(job_id, tenant.id)
+    row = await _get(job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
     return render.job(row)
@@ -33,6 +45,8 @@ async def get_job(job_id: str, tenant: TenantDep) -> dict:
 
 @router.post("/{job_id}/cancel", response_model=JobObject)
 async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep) -> dict:
+    if not _ID.fullmatch(job_id):
+        raise _not_found(job_id)
     row = await anyio.to_thread.run_sync(lifecycle.cancel, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
@@ -56,15 +70,16 @@ async def job_events(
     header, or the `last_event_id` query parameter for clients that cannot set headers)."""
     # Many readers of one job share one lookup (what is read here never changes; the stream and the
     # terminal check read the rest).
-    row = await _EVENT_ROWS.get((job_id, tenant.id), lambda: service.get(job_id, tenant.id))
+    row = await _EVENT_ROWS.get((job_id, tenant.id), lambda: _get(job_id, tenant.id))
     if row is None:
         raise _not_found(job_id)
-    start = request.headers.get("last-event-id") or last_event_id or "0-0"
-    if not _valid_stream_id(start):
-        raise APIError(400, f"Invalid Last-Event-ID '{start}'.", param="Last-Event-ID", code="invalid_value")
+    given = request.headers.get("last-event-id") or last_event_id or "0-0"
+    start = streams.parse_id(given)
+    if start is None:
+        raise APIError(
+            400,
+            f"Invalid Last-Event-ID {given[:64]!r}: expected an event id such as '1700000000000-0'.",
+            param="Last-Event-ID",
+            code="invalid_value",
+        )
     return EventSourceResponse(sse_chunks(row, tenant.id, redis, hub, include_usage=True, last_id=start))
-
-
-def _valid_stream_id(value: str) -> bool:
-    ms, _, seq = value.partition("-")
-    return ms.isdigit() and (seq == "" or seq.isdigit())

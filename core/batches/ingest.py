@@ -28,11 +28,12 @@ from core.files import storage as files
 from core.infra.db import sync_sessions
 from core.infra.kv import TRANSIENT as REDIS_DOWN
 from core.infra.orm import Batch, JobState
-from core.infra.tokenizers import tokenizer_for
+from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import transitions as jobs
 from core.jobs.service import translate
 from core.protocol.errors import from_validation
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from core.protocol.translate import reservation
 from core.registry import resolve, settings_for
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,9 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
     if served is None:
         raise _LineError("model_not_found", f"The model '{req.model}' does not exist.", "body.model")
     req.model = served
+    ms, tok = settings_for(req.model, settings), tokenizer_for(req.model)
     try:
-        params, prompts, chat = translate(req, settings_for(req.model, settings), tokenizer_for(req.model))
+        params, prompts, chat = translate(req, ms, tok)
     except DomainError as exc:
         raise _LineError(exc.code or "invalid_request", exc.message, exc.param and f"body.{exc.param}") from exc
     # A plain row for COPY (no ORM object): the columns jobs.new_job fills.
@@ -117,6 +119,8 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         "batch_id": b.id,
         "line_no": line_no,
         "custom_id": custom_id,
+        # What the line reserves against the tenant's limits when it dispatches (core/tenancy/admission.py).
+        "reserved_tokens": reservation(params, prompts, context_length(tok, ms)),
     }
 
 
@@ -145,6 +149,43 @@ def _too_long(size: int, limit: int) -> dict[str, Any]:
     }
 
 
+def _too_many_lines(limit: int) -> dict[str, Any]:
+    return {
+        "code": "batch_too_large",
+        "message": f"The input file has more than {limit} requests, the most one batch may hold "
+        "(SPOOL_BATCH_MAX_LINES). Split it into several batches.",
+        "param": None,
+        "line": None,
+    }
+
+
+def _over_enqueued_tokens(cur: Any, tenant_id: int, limit: int) -> dict[str, Any] | None:
+    """OpenAI's batch queue limit: the tokens of this batch plus those of the tenant's unfinished
+    batch lines. The transaction-scoped lock makes two batches of one tenant validated at once
+    check one after the other (the second sees the first's lines), not both against the same room."""
+    if limit <= 0:
+        return None
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext('spool:batch-enqueue'), %s)", (tenant_id,))
+    cur.execute("SELECT coalesce(sum(reserved_tokens), 0) FROM batch_staging")
+    mine = int(cur.fetchone()[0])
+    cur.execute(
+        "SELECT coalesce(sum(reserved_tokens), 0) FROM jobs WHERE tenant_id = %s AND kind = 'batch' "
+        "AND state IN ('queued', 'dispatched', 'running')",
+        (tenant_id,),
+    )
+    enqueued = int(cur.fetchone()[0])
+    if mine + enqueued <= limit:
+        return None
+    return {
+        "code": "token_limit_exceeded",
+        "message": f"Enqueued token limit reached: this batch needs {mine} tokens (prompt + max_tokens of every "
+        f"line) and {enqueued} are already enqueued in unfinished batches; the limit is {limit} "
+        "(SPOOL_BATCH_MAX_ENQUEUED_TOKENS). Try again once some in-progress batches have completed.",
+        "param": None,
+        "line": None,
+    }
+
+
 COLUMNS = (
     "id",
     "tenant_id",
@@ -162,6 +203,7 @@ COLUMNS = (
     "batch_id",
     "line_no",
     "custom_id",
+    "reserved_tokens",
 )
 COLS_SQL = ", ".join(f'"{c}"' for c in COLUMNS)  # "user" is a reserved word
 
@@ -197,6 +239,10 @@ def validate(batch_id: str) -> str:
                 # The file is read on a second connection: this one is busy with the COPY.
                 lines = files.iter_lines(reader, b.input_file_id, settings.max_body_bytes)
                 for line_no, raw in enumerate(lines, start=1):
+                    if total >= settings.batch_max_lines and (isinstance(raw, files.LineTooLong) or raw.strip()):
+                        # Stop at the cap: the rest of the file is not worth validating.
+                        errors.insert(0, _too_many_lines(settings.batch_max_lines))
+                        break
                     if isinstance(raw, files.LineTooLong):
                         total += 1
                         note(line_no, _too_long(raw.size, settings.max_body_bytes))
@@ -228,7 +274,11 @@ def validate(batch_id: str) -> str:
                         },
                     )
             if total and not errors:
-                cur.execute(f"INSERT INTO jobs ({COLS_SQL}) SELECT {COLS_SQL} FROM batch_staging")
+                over = _over_enqueued_tokens(cur, b.tenant_id, settings.batch_max_enqueued_tokens)
+                if over is not None:
+                    errors.append(over)
+                else:
+                    cur.execute(f"INSERT INTO jobs ({COLS_SQL}) SELECT {COLS_SQL} FROM batch_staging")
         errors.sort(key=lambda e: e["line"] or 0)
         now = datetime.now(UTC)
         if total == 0:

@@ -105,7 +105,8 @@ def _line(job: Job) -> tuple[bool, dict[str, Any]]:
         err = {"code": "batch_cancelled", "message": "This line was not run: the batch was cancelled."}
         return False, {"id": rid, "custom_id": job.custom_id, "response": None, "error": err}
     e = job.error or {"message": "The request failed.", "type": "server_error"}
-    status = 400 if e.get("type") == "invalid_request_error" else 500
+    # A line refused by its tenant's limits (core/tenancy/admission.admit_lines) is a 429, as it would be alone.
+    status = {"invalid_request_error": 400, "tokens": 429, "requests": 429}.get(e.get("type") or "", 500)
     body = {
         "error": {"message": e.get("message"), "type": e.get("type"), "param": e.get("param"), "code": e.get("code")}
     }
@@ -146,7 +147,30 @@ def write_results(session: Session, b: Batch) -> None:
     b.error_file_id = err.id if err.lines else None
 
 
-def advance(session: Session, limit: int = 20) -> int:
+# Lines one pass expires or cancels per batch, each pass its own transaction: a 2M-line batch whose
+# window ends is worked through over several passes instead of one statement holding every row.
+SLICE = 5000
+
+
+def _end_queued(session: Session, batch_id: str, state: JobState, slice_rows: int) -> bool:
+    """Up to `slice_rows` of the batch's queued lines -> `state`; True when some may be left."""
+    picked = session.scalars(
+        select(Job.id)
+        .where(Job.batch_id == batch_id, Job.state == JobState.queued.value)
+        .limit(slice_rows)
+        .with_for_update(skip_locked=True)
+    ).all()
+    if picked:
+        session.execute(
+            update(Job)
+            .where(Job.id.in_(picked), Job.state == JobState.queued.value)
+            .values(state=state.value, finished_at=func.now())
+            .execution_options(synchronize_session=False)
+        )
+    return len(picked) >= slice_rows
+
+
+def advance(session: Session, limit: int = 20, slice_rows: int = SLICE) -> int:
     """Move live batches along: counts, expiry, cancellation, finalization. Returns how many ended."""
     ended = 0
     rows = session.scalars(
@@ -160,17 +184,13 @@ def advance(session: Session, limit: int = 20) -> int:
     for b in rows:
         if b.status == BatchStatus.in_progress and b.expires_at <= now and b.expired_at is None:
             b.expired_at = now  # lines not started are done for; running ones may finish
-            session.execute(
-                update(Job)
-                .where(Job.batch_id == b.id, Job.state == JobState.queued.value)
-                .values(state=JobState.expired.value, finished_at=func.now())
-            )
+        more = False
+        if b.status == BatchStatus.in_progress and b.expired_at is not None:
+            more = _end_queued(session, b.id, JobState.expired, slice_rows)
         if b.status == BatchStatus.cancelling:
-            session.execute(
-                update(Job)
-                .where(Job.batch_id == b.id, Job.state == JobState.queued.value)
-                .values(state=JobState.cancelled.value, finished_at=func.now())
-            )
+            more = _end_queued(session, b.id, JobState.cancelled, slice_rows)
+        if more:  # the rest in the next passes; counting and finalizing wait until then
+            continue
         counts, live = summarize(session.execute(state_counts(session, b.id)).all())
         b.request_counts = counts
         if live:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-import anyio
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -19,6 +18,7 @@ from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import storage as files
 from core.idempotency import Claim
+from core.infra import threads
 from core.infra.orm import Batch
 from core.tenancy.keys import Principal
 
@@ -64,7 +64,7 @@ async def create(
         raise invalid("completion_window", "completion_window must be '24h' (or a duration like '30m', '2h').")
     if webhook_url:
         try:
-            await anyio.to_thread.run_sync(webhooks.check_url, webhook_url, settings)  # a DNS lookup
+            await threads.run("dns", webhooks.check_url, webhook_url, settings)  # a DNS lookup, on its own threads
         except webhooks.RefusedAddress as exc:
             raise invalid("webhook_url", str(exc), "invalid_webhook_url") from None
     f = (await session.execute(files.get_for_tenant(input_file_id, principal.tenant.id))).scalar()

@@ -14,13 +14,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ipaddress
 import json
 import logging
 import secrets
 import socket
-import time
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit, urlunsplit
 
@@ -81,22 +83,54 @@ def verify(secret: str, body: bytes, headers: dict[str, str]) -> bool:
 
 
 # -- the address guard ---------------------------------------------------------------------------
-def _allowed(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, allow: list[str]) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback too
+# IPv6 ranges that carry an IPv4 address in their low 32 bits (NAT64 RFC 6052/8215, SIIT's
+# IPv4-translated ::ffff:0:a.b.c.d, the deprecated IPv4-compatible ::a.b.c.d): a gateway may deliver
+# to that IPv4 address, so it is the one judged.
+_EMBEDS_V4_LOW32 = [ipaddress.ip_network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::ffff:0:0:0/96", "::/96")]
+
+
+def _embedded_v4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address can lead to (mapped, 6to4, Teredo, NAT64/SIIT, compatible)."""
+    out: list[ipaddress.IPv4Address] = []
+    if ip.ipv4_mapped is not None:
+        out.append(ip.ipv4_mapped)
+    if ip.sixtofour is not None:
+        out.append(ip.sixtofour)
+    if ip.teredo is not None:
+        out += list(ip.teredo)
+    if any(ip in net for net in _EMBEDS_V4_LOW32) and int(ip) > 1:  # not :: or ::1 (judged as themselves)
+        out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return out
+
+
+def _in_allow(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, allow: list[str]) -> bool:
     for entry in allow:
         try:
             if ip in ipaddress.ip_network(entry, strict=False):
                 return True
         except ValueError:
             continue
+    return False
+
+
+def _allowed(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, allow: list[str]) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = _embedded_v4(ip)
+        if inner:  # every IPv4 address it can reach must pass on its own
+            return all(_allowed(v4, allow) for v4 in inner)
+    if _in_allow(ip, allow):
+        return True
     return ip.is_global and not ip.is_multicast
 
 
 def resolve(url: str, allow: list[str]) -> tuple[str, str]:
     """(host, address to connect to) for a URL Spool may call; RefusedAddress otherwise. Every
     address the name resolves to must pass, so a name that mixes public and private ones is refused."""
-    parts = urlsplit(url)
+    try:  # urlsplit and .port raise ValueError on "http://[::1/" or a port out of range
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise RefusedAddress("webhook_url is not a valid URL (host or port).") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise RefusedAddress("webhook_url must be an http(s) URL with a host.")
     if parts.username or parts.password:
@@ -105,9 +139,7 @@ def resolve(url: str, allow: list[str]) -> tuple[str, str]:
     if host in allow:
         return host, host
     try:
-        infos = socket.getaddrinfo(
-            host, parts.port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM
-        )
+        infos = socket.getaddrinfo(host, port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise RefusedAddress(f"webhook_url's host '{host}' does not resolve.") from exc
     addrs = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
@@ -150,36 +182,63 @@ def claim_due(session: Session, lease_s: float, limit: int = 50) -> list[Batch]:
         .limit(limit)
         .with_for_update(skip_locked=True)
     ).all()
+    sent = []
     for b in due:
-        b.webhook_state = {
-            **(b.webhook_state or {"attempts": 0}),
-            "next_at": (now + timedelta(seconds=lease_s)).isoformat(),
-        }
+        # The attempt is counted here, when it is claimed: a delivery whose task never reports back
+        # (a receiver that holds it past the lease, a lost task) still uses one up, so re-sends end.
+        state = dict(b.webhook_state or {})
+        state["attempts"] = state.get("attempts", 0) + 1
+        if state["attempts"] > MAX_ATTEMPTS:
+            state.pop("next_at", None)
+            state["gave_up"] = now.isoformat()
+            log.warning("webhook for %s given up after %d attempts", b.id, MAX_ATTEMPTS)
+        else:
+            state["next_at"] = (now + timedelta(seconds=lease_s)).isoformat()
+            sent.append(b)
+        b.webhook_state = state
     session.commit()
-    return list(due)
+    return sent
 
 
 def _post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
     """One POST to the guarded address, no redirects, within one deadline for the whole exchange."""
     host, addr = resolve(url, settings.webhook_allow_list)
+    return asyncio.run(_post_pinned(url, host, addr, body, headers, settings))
+
+
+async def _post_pinned(url: str, host: str, addr: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
+    # httpx's timeouts are per network operation: a receiver that drips its status line or headers one
+    # byte at a time would hold this thread for ever. One asyncio deadline covers connect, headers and body.
     parts = urlsplit(url)
     netloc = (f"[{addr}]" if ":" in addr else addr) + (f":{parts.port}" if parts.port else "")
     pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
-    deadline = time.monotonic() + settings.webhook_timeout_s
-    timeout = httpx.Timeout(settings.webhook_timeout_s, connect=min(5.0, settings.webhook_timeout_s))
+    limit = settings.webhook_timeout_s
+    timeout = httpx.Timeout(limit, connect=min(5.0, limit))
     ext = {"sni_hostname": host} if parts.scheme == "https" else {}
-    with (
-        httpx.Client(timeout=timeout, follow_redirects=False) as client,
-        client.stream(
-            "POST", pinned, content=body, headers={**headers, "host": parts.netloc.rsplit("@", 1)[-1]}, extensions=ext
-        ) as r,
-    ):
-        read = 0
-        for chunk in r.iter_raw():  # a receiver that drips its answer still ends at the deadline
-            read += len(chunk)
-            if read > MAX_RESPONSE_BYTES or time.monotonic() > deadline:
-                break
-        return r.status_code
+    status: int | None = None
+    try:
+        async with (
+            asyncio.timeout(limit),
+            httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client,
+            client.stream(
+                "POST",
+                pinned,
+                content=body,
+                headers={**headers, "host": parts.netloc.rsplit("@", 1)[-1]},
+                extensions=ext,
+            ) as r,
+        ):
+            status = r.status_code
+            read = 0
+            async for chunk in r.aiter_raw():  # the answer's body is read only to free the connection
+                read += len(chunk)
+                if read > MAX_RESPONSE_BYTES:
+                    break
+    except TimeoutError:
+        if status is None:
+            raise  # no status within the deadline: a failed attempt
+    assert status is not None
+    return status
 
 
 def event_body(status: str, batch: dict) -> str:
@@ -196,7 +255,7 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
         secret = secret_for(s, b.tenant_id)
         state = {k: v for k, v in (b.webhook_state or {}).items() if k not in ("next_at", "last_error")}
         msg_id, url, rid = f"msg_{batch_id}_{b.status}", b.webhook_url, b.request_id
-    state["attempts"] = state.get("attempts", 0) + 1
+    state["attempts"] = max(1, state.get("attempts", 0))  # counted by claim_due
     ok = False
     headers = {"content-type": "application/json", **sign(secret, msg_id, body.encode())}
     if rid:
@@ -209,6 +268,8 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
         state["last_error"] = str(exc)
     except httpx.HTTPError as exc:
         state["last_error"] = type(exc).__name__
+    except TimeoutError:
+        state["last_error"] = f"no answer within {settings.webhook_timeout_s:g} s"
     now = datetime.now(UTC)
     if ok:
         state["delivered"] = now.isoformat()
@@ -224,3 +285,55 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
         s.execute(update(Batch).where(Batch.id == batch_id).values(webhook_state=state))
         s.commit()
     return outcome
+
+
+class Pool:
+    """Deliveries run here, on a few threads of their own, never on the Celery thread that received
+    the task (in the worker, those are the inference threads): the task hands over and returns. At
+    most `per_tenant` deliveries of one tenant are in flight in this process; one more is deferred
+    (its claim and its attempt given back), so one tenant's slow receivers cannot take every thread."""
+
+    def __init__(self, threads: int = 4, per_tenant: int = 2) -> None:
+        self._exec = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="webhook")
+        self._lock = threading.Lock()
+        self._flight: dict[int, int] = {}
+        self.per_tenant = per_tenant
+
+    def submit(self, sessions: sessionmaker[Session], batch_id: str, body: str, settings: Settings) -> str:
+        with sessions() as s:
+            tenant_id = s.scalar(select(Batch.tenant_id).where(Batch.id == batch_id))
+        if tenant_id is None:
+            return "nothing"
+        with self._lock:
+            if self._flight.get(tenant_id, 0) >= self.per_tenant:
+                busy = True
+            else:
+                busy = False
+                self._flight[tenant_id] = self._flight.get(tenant_id, 0) + 1
+        if busy:
+            _defer(sessions, batch_id, settings.webhook_retry_s)
+            return "deferred"
+        self._exec.submit(self._run, tenant_id, sessions, batch_id, body, settings)
+        return "handed over"
+
+    def _run(
+        self, tenant_id: int, sessions: sessionmaker[Session], batch_id: str, body: str, settings: Settings
+    ) -> None:
+        try:
+            deliver(sessions, batch_id, body, settings)
+        except Exception:
+            log.exception("webhook delivery for %s failed; its lease lapses and it is claimed again", batch_id)
+        finally:
+            with self._lock:
+                self._flight[tenant_id] -= 1
+
+
+def _defer(sessions: sessionmaker[Session], batch_id: str, delay_s: float) -> None:
+    """Give a claimed delivery back untried: its attempt uncounted, due again shortly."""
+    with sessions() as s:
+        b = s.get(Batch, batch_id, with_for_update=True)
+        if b is not None and b.webhook_state and b.webhook_state.get("next_at"):
+            due = datetime.now(UTC) + timedelta(seconds=max(delay_s, 0.5))
+            attempts = max(0, b.webhook_state.get("attempts", 1) - 1)
+            b.webhook_state = {**b.webhook_state, "attempts": attempts, "next_at": due.isoformat()}
+            s.commit()

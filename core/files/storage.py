@@ -13,7 +13,17 @@ from sqlalchemy.orm import Session
 
 from core.infra.orm import File, FileChunk
 
-__all__ = ["CHUNK", "ChunkWriter", "File", "FileChunk", "file_json", "iter_lines", "new_file_id", "read_chunks"]
+__all__ = [
+    "CHUNK",
+    "ChunkWriter",
+    "File",
+    "FileChunk",
+    "file_json",
+    "insert_chunk",
+    "iter_lines",
+    "new_file_id",
+    "read_chunks",
+]
 
 CHUNK = 1 << 20
 
@@ -105,6 +115,10 @@ class ChunkWriter:
             self.buf.clear()
 
     def _flush(self, data: bytes) -> None:
-        # A plain INSERT, not an ORM object: the session must not keep every chunk alive.
-        self.session.execute(insert(FileChunk).values(file_id=self.file.id, seq=self.seq, data=data))
+        self.session.execute(insert_chunk(self.file.id, self.seq, data))
         self.seq += 1
+
+
+def insert_chunk(file_id: str, seq: int, data: bytes):
+    # A plain INSERT, not an ORM object: the session must not keep every chunk alive.
+    return insert(FileChunk).values(file_id=file_id, seq=seq, data=data)

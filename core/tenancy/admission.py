@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 from core.errors import DomainError, ErrorKind
 from core.infra.metrics import REFUSED
@@ -15,6 +18,10 @@ _MESSAGES = {
     "tokens_per_day": "Daily token quota reached (tokens per day).",
     "queued_jobs": "Too many unfinished jobs for this tenant.",
 }
+
+# The x-ratelimit-*-requests headers of a request whose requests-per-minute the API's gate already
+# took before reading its body (api/ratelimit.py): admission then takes only the other limits.
+REQUEST_TAKEN: ContextVar[dict[str, str] | None] = ContextVar("spool_request_taken", default=None)
 
 
 def limits_of(p: Principal) -> ratelimit.Limits:
@@ -29,18 +36,87 @@ def limits_of(p: Principal) -> ratelimit.Limits:
     )
 
 
-async def admit(rds, principal: Principal, job_id: str, cost: int) -> dict[str, str]:
-    """Take every limit for this job or raise OpenAI's 429. Returns the x-ratelimit-* headers."""
-    d = await ratelimit.admit(rds, principal.tenant.id, principal.key.id, job_id, limits_of(principal), cost)
-    if d.allowed:
-        return d.headers
-    REFUSED.labels(str(principal.tenant.id), d.refused).inc()
+def refusal(tenant_id: int, d: ratelimit.Decision, cost: int = 0) -> DomainError:
+    """OpenAI's 429 for a refused decision, naming the limit."""
+    REFUSED.labels(str(tenant_id), d.refused).inc()
     headers = dict(d.headers)
     message = _MESSAGES[d.refused]
     if d.retry_after_s is None:
-        message += f" This request needs {cost} tokens, more than the limit allows at all."
+        # A request without max_tokens reserves the rest of the context (a chat request runs to the
+        # context's end, as OpenAI's does): name the way out.
+        message += (
+            f" This request needs {cost} tokens, more than the limit allows at all;"
+            " set `max_tokens` (or `max_completion_tokens`) to reserve less."
+        )
     else:
         headers["retry-after"] = str(max(1, math.ceil(d.retry_after_s)))
         message += f" Please try again in {d.retry_after_s:.3g}s."
     kind = "tokens" if d.refused.startswith("tokens") else "requests"
-    raise DomainError(ErrorKind.rate_limited, message, type_=kind, code="rate_limit_exceeded", headers=headers)
+    return DomainError(ErrorKind.rate_limited, message, type_=kind, code="rate_limit_exceeded", headers=headers)
+
+
+async def admit(rds, principal: Principal, job_id: str, cost: int) -> dict[str, str]:
+    """Take every limit for this job or raise OpenAI's 429. Returns the x-ratelimit-* headers."""
+    limits = limits_of(principal)
+    taken = REQUEST_TAKEN.get()
+    if taken is not None:
+        limits = replace(limits, rpm=0, key_rpm=0)
+    d = await ratelimit.admit(rds, principal.tenant.id, principal.key.id, job_id, limits, cost)
+    if d.allowed:
+        return {**(taken or {}), **d.headers}
+    raise refusal(principal.tenant.id, d, cost)
+
+
+async def take_request(rds, principal: Principal) -> dict[str, str]:
+    """Requests per minute alone, before the body is read; the headers, or OpenAI's 429."""
+    t, k = principal.tenant, principal.key
+    if not (t.rpm or k.rpm):
+        return {}
+    d = await ratelimit.take_request(rds, t.id, k.id, t.rpm or 0, k.rpm or 0)
+    if d.allowed:
+        return d.headers
+    raise refusal(t.id, d)
+
+
+@dataclass(frozen=True)
+class Line:
+    """A batch line about to dispatch, with its tenant's limits."""
+
+    job_id: str
+    tenant_id: int
+    key_id: int
+    cost: int
+    tpd: int
+    max_queued: int
+
+
+def admit_lines(rds: Any, lines: list[Line]) -> tuple[set[str], dict[str, str]]:
+    """Batch lines count against their tenant's daily token quota and `max_queued` as they dispatch
+    (not rpm/tpm: like OpenAI's, batch work has its own, enqueued-token limit, checked when the batch
+    is validated). Returns (lines that must wait: the tenant has `max_queued` jobs live; lines over
+    the daily quota, with the error message to fail them with). Lines of tenants with neither limit
+    cost no round trip."""
+    limited = [x for x in lines if x.tpd > 0 or x.max_queued > 0]
+    if not limited:
+        return set(), {}
+    decisions = ratelimit.admit_many(
+        rds,
+        [
+            (x.tenant_id, x.key_id, x.job_id, ratelimit.Limits(tpd=x.tpd, max_queued=x.max_queued), x.cost)
+            for x in limited
+        ],
+    )
+    wait: set[str] = set()
+    over: dict[str, str] = {}
+    for x, d in zip(limited, decisions, strict=True):
+        if d.allowed:
+            continue
+        REFUSED.labels(str(x.tenant_id), d.refused).inc()
+        if d.refused == "tokens_per_day":
+            over[x.job_id] = (
+                f"{_MESSAGES['tokens_per_day']} This line needs {x.cost} tokens (prompt + max_tokens) and the "
+                f"tenant's daily token quota is {x.tpd}; it was not run."
+            )
+        else:
+            wait.add(x.job_id)
+    return wait, over

@@ -23,6 +23,8 @@ ADMIT = r"""
 -- ARGV: 1 now_ms 2 rpm_t 3 tpm_t 4 tpd_t 5 max_queued 6 rpm_k 7 tpm_k 8 cost 9 job_id 10 lease_ms 11 day_ttl_ms
 local now = tonumber(ARGV[1])
 local cost = tonumber(ARGV[8])
+-- A job admitted before (a batch line the reaper sent back to the queue) takes nothing twice.
+if redis.call('EXISTS', KEYS[7]) == 1 then return {1, '', '0', -1, -1, '0', -1, -1, '0'} end
 
 local function gcra(key, limit)
   if limit <= 0 then return {1, -1, -1, 0, 0} end
@@ -223,6 +225,56 @@ async def admit(
     """Check and take every limit for one job (asyncio client)."""
     argv, day = _args(limits, cost, job_id, lease_s)
     return _decode(await rds.eval(ADMIT, 7, *_keys(tenant_id, key_id, job_id, day), *argv))
+
+
+def admit_many(rds: Any, jobs: list[tuple[int, int, str, Limits, int]]) -> list[Decision]:
+    """`admit` for several jobs (tenant_id, key_id, job_id, limits, cost) in one round trip (sync
+    client; the dispatcher's batch lines). Each is checked and taken on its own, in order."""
+    pipe = rds.pipeline(transaction=False)
+    for tenant_id, key_id, job_id, limits, cost in jobs:
+        argv, day = _args(limits, cost, job_id, 86400)
+        pipe.eval(ADMIT, 7, *_keys(tenant_id, key_id, job_id, day), *argv)
+    return [_decode(raw) for raw in pipe.execute()]
+
+
+REQUESTS = r"""
+-- Requests per minute alone (GCRA), taken before a body is read. KEYS: 1 tenant 2 key.
+-- ARGV: 1 now_ms 2 rpm_t 3 rpm_k. Returns {allowed, limit, remaining, reset_ms, wait_ms} of the tightest.
+local now = tonumber(ARGV[1])
+local out = {1, -1, -1, '0', '0'}
+local takes = {}
+for i = 1, 2 do
+  local limit = tonumber(ARGV[i + 1])
+  if limit > 0 then
+    local emission = 60000 / limit
+    local tat = tonumber(redis.call('GET', KEYS[i]) or now)
+    if tat < now then tat = now end
+    local new_tat = tat + emission
+    local allow_at = new_tat - 60000
+    if now < allow_at then
+      return {0, limit, 0, tostring(tat - now), tostring(allow_at - now)}
+    end
+    local left = math.floor((now - allow_at) / emission)
+    if out[2] < 0 or left < out[3] then out = {1, limit, left, tostring(new_tat - now), '0'} end
+    takes[#takes + 1] = {KEYS[i], new_tat}
+  end
+end
+for _, t in ipairs(takes) do redis.call('SET', t[1], t[2], 'PX', math.ceil(t[2] - now) + 1) end
+return out
+"""
+
+
+async def take_request(rds: Any, tenant_id: int, key_id: int, rpm: int, key_rpm: int) -> Decision:
+    """Take one request from the tenant's and the key's requests-per-minute (the same GCRA state
+    `admit` uses), or refuse; nothing else is touched. Cheap enough to run before a body is read."""
+    keys = _keys(tenant_id, key_id, "-", "-")
+    raw = await rds.eval(REQUESTS, 2, keys[0], keys[4], int(time.time() * 1000), rpm, key_rpm)
+
+    def s(x: Any) -> str:
+        return x.decode() if isinstance(x, bytes) else str(x)
+
+    headers = _headers(int(raw[1]), int(raw[2]), float(s(raw[3])), -1, -1, 0)
+    return Decision(int(raw[0]) == 1, "" if int(raw[0]) == 1 else "requests", float(s(raw[4])) / 1000, headers)
 
 
 async def settle_async(rds: Any, job_id: str, actual_tokens: int) -> None:

@@ -158,5 +158,6 @@ def test_a_slow_receiver_holds_up_neither_dispatching_nor_other_work(stack, db):
         state = wait_for(
             lambda: _webhook_state(db, slow.id).get("last_error") and _webhook_state(db, slow.id), 30, "deadline"
         )
-        assert state["last_error"] == "ReadTimeout" and state["attempts"] >= 1
+        # httpx's read timeout or the one deadline over the exchange, whichever fires first.
+        assert state["last_error"] in ("ReadTimeout", "no answer within 4 s") and state["attempts"] >= 1
         release.set()

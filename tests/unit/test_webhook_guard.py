@@ -55,3 +55,72 @@ def test_signatures_verify_with_their_secret_only():
     assert verify(a, body, headers)
     assert not verify(b, body, headers)
     assert not verify(a, body + b" ", headers)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://[64:ff9b::a00:5]/x",  # NAT64 of 10.0.0.5
+        "http://[64:ff9b::7f00:1]/x",  # NAT64 of 127.0.0.1
+        "http://[2002:a00:5::]/x",  # 6to4 of 10.0.0.5
+        "http://[::ffff:0:7f00:1]/x",  # SIIT IPv4-translated 127.0.0.1
+        "http://[::7f00:1]/x",  # IPv4-compatible 127.0.0.1
+        "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/x",  # Teredo
+    ],
+)
+def test_ipv6_forms_that_embed_a_non_public_ipv4_address_are_refused(url):
+    with pytest.raises(RefusedAddress):
+        resolve(url, [])
+
+
+def test_ipv6_forms_embedding_a_public_ipv4_address_pass():
+    assert resolve("http://[64:ff9b::5db8:d822]/x", [])[1] == "64:ff9b::5db8:d822"  # NAT64 of 93.184.216.34
+
+
+@pytest.mark.parametrize("url", ["http://localhost:99999/", "http://[::1/", "http://[fe80::1%zz]:x/", "http://a:-1/"])
+def test_malformed_hosts_and_ports_are_refused_not_crashes(url):
+    with pytest.raises(RefusedAddress):
+        resolve(url, [])
+
+
+def test_a_receiver_that_drips_its_headers_is_cut_at_the_deadline():
+    """One deadline over the whole exchange: httpx's per-read timeout alone never fires here."""
+    import socket
+    import threading
+    import time
+
+    from core.batches.webhooks import _post
+    from core.config import Settings
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    sent: list[int] = []
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 200 + b"\r\n\r\n":
+            if stop.is_set():
+                break
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:
+                break  # the client gave up and closed
+            sent.append(byte)
+            time.sleep(0.2)
+        conn.close()
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    port = srv.getsockname()[1]
+    settings = Settings(webhook_allow="127.0.0.1/32", webhook_timeout_s=1.0)
+    try:
+        with pytest.raises(TimeoutError):
+            _post(f"http://127.0.0.1:{port}/hook", b"{}", {}, settings)
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+    assert 0 < len(sent) < 100  # cut while the receiver was still dripping its headers

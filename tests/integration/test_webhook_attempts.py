@@ -1,0 +1,108 @@
+"""A webhook delivery's attempt is counted when it is claimed, not when its task reports back: a
+receiver that holds every delivery past its lease (or a task that is lost) used to be re-sent every
+lease, for ever, each time on another thread, with `attempts` never moving."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from core.batches import progress, webhooks
+from core.batches.status import BatchStatus
+from core.infra.orm import Batch
+from tests import factories
+
+
+def test_claims_count_attempts_and_end_in_giving_up(session):
+    t = factories.tenant(session)
+    now = datetime.now(UTC)
+    b = Batch(
+        id=progress.new_batch_id(),
+        tenant_id=t.id,
+        endpoint="/v1/completions",
+        input_file_id="file-x",
+        completion_window="24h",
+        status=BatchStatus.completed.value,
+        created_at=now,
+        expires_at=now + timedelta(hours=24),
+        webhook_url="http://127.0.0.1:9/hook",
+    )
+    session.add(b)
+    session.commit()
+    for n in range(1, webhooks.MAX_ATTEMPTS + 1):
+        claimed = webhooks.claim_due(session, lease_s=60)
+        assert [x.id for x in claimed] == [b.id]
+        session.refresh(b)
+        assert b.webhook_state["attempts"] == n
+        # Its task never reports back; the lease lapses.
+        b.webhook_state = {**b.webhook_state, "next_at": (now - timedelta(seconds=1)).isoformat()}
+        session.commit()
+    assert webhooks.claim_due(session, lease_s=60) == []  # no eleventh send
+    session.refresh(b)
+    assert b.webhook_state["attempts"] == webhooks.MAX_ATTEMPTS + 1 and "gave_up" in b.webhook_state
+    assert webhooks.claim_due(session, lease_s=60) == []
+
+
+def test_deliveries_leave_from_their_own_pool_capped_per_tenant(session, sessions, it_settings):
+    """The Celery task only hands over (it returns while the receiver still holds the delivery), one
+    tenant has at most `per_tenant` deliveries in flight (the next is deferred, its attempt given
+    back), and a receiver dripping its headers is cut at the deadline."""
+    import socket
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    holding, release = threading.Event(), threading.Event()
+
+    def drip() -> None:
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        holding.set()
+        for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 500:
+            if release.is_set():
+                break
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:
+                break  # cut by the client at its deadline
+            time.sleep(0.5)
+        conn.close()
+
+    threading.Thread(target=drip, daemon=True).start()
+    settings = it_settings.model_copy(
+        update={"webhook_allow": "127.0.0.1/32", "webhook_timeout_s": 2.0, "webhook_retry_s": 0.5}
+    )
+    t = factories.tenant(session)
+    now = datetime.now(UTC)
+    ids = []
+    for _ in range(2):
+        b = Batch(
+            id=progress.new_batch_id(),
+            tenant_id=t.id,
+            endpoint="/v1/completions",
+            input_file_id="file-x",
+            completion_window="24h",
+            status=BatchStatus.completed.value,
+            created_at=now,
+            expires_at=now + timedelta(hours=24),
+            webhook_url=f"http://127.0.0.1:{srv.getsockname()[1]}/hook",
+        )
+        session.add(b)
+        ids.append(b.id)
+    session.commit()
+    assert len(webhooks.claim_due(session, lease_s=60)) == 2
+    pool = webhooks.Pool(threads=2, per_tenant=1)
+    try:
+        assert pool.submit(sessions, ids[0], "{}", settings) == "handed over"
+        assert holding.wait(30)  # the receiver holds the delivery; the task has long returned
+        assert pool.submit(sessions, ids[1], "{}", settings) == "deferred"
+        session.expire_all()
+        assert session.get(Batch, ids[1]).webhook_state["attempts"] == 0  # given back untried
+        pool._exec.shutdown(wait=True)  # the held delivery ends at its deadline, not with the drip
+        session.expire_all()
+        state = session.get(Batch, ids[0]).webhook_state
+        assert state["attempts"] == 1 and state["last_error"] == "no answer within 2 s", state
+    finally:
+        release.set()
+        srv.close()

@@ -1,0 +1,126 @@
+"""api/bodies.py validates with a copy of each request model whose list items yield the GIL: that copy
+must accept, produce and refuse exactly what the model itself does (whatever core/protocol/schemas
+grows), and the body must be validated on a thread, not the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from api import bodies
+from api.bodies import _original_label, openapi_body, parse, ticking
+from api.routes.tokens import DetokenizeRequest, TokenizeRequest
+from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
+
+P, C = CompletionRequest, ChatCompletionRequest
+CASES: list[tuple[type[BaseModel], object]] = [
+    (P, {"model": "m", "prompt": "x", "n_predict": 3, "logit_bias": {"1": 2}, "stop": ["a"]}),
+    (P, {"model": "m", "prompt": [[1, 2], "a", 3]}),
+    (P, {"model": "m", "prompt": [1, 2, -1]}),
+    (P, {"model": "m", "prompt": [1.5]}),
+    (P, {"model": "m", "prompt": [[1], []]}),
+    (P, {"model": "m", "prompt": []}),
+    (P, {"model": "m", "prompt": [["a", None]]}),
+    (P, {"model": "m", "prompt": [{}]}),
+    (P, {"prompt": "x"}),
+    (P, {"model": "m", "prompt": "x", "logit_bias": {"1": 500}}),
+    (P, {"model": "m", "prompt": "x", "logit_bias": {"1": "a"}}),
+    (P, {"model": "m", "prompt": "x", "stop": ["a"] * 17}),
+    (P, {"model": "m", "prompt": "x", "stop": [1]}),
+    (P, {"model": "m", "prompt": "x", "tools": [{"type": "x"}]}),
+    (P, {"model": "m", "prompt": "x", "dry_sequence_breakers": ["a" * 65]}),
+    (P, {"model": "m", "prompt": "x", "images": [1]}),
+    (P, {"model": "m", "prompt": "x", "max_tokens": "5"}),
+    (P, {"model": "m", "prompt": "x", "guided_choice": [None]}),
+    (P, {"model": "m", "prompt": "x", "temperature": float("nan")}),
+    (P, {"model": "m", "prompt": "x", "logprobs": 7}),
+    (P, [1]),
+    (P, "x"),
+    (P, b'{"a": 1}'),
+    (P, None),
+    (C, {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}], "extra": 1}),
+    (C, {"model": "m", "messages": []}),
+    (C, {"model": "m", "messages": [{"role": "x"}]}),
+    (C, {"model": "m", "messages": [{"role": "user", "content": []}]}),
+    (C, {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    (C, {"model": "m", "messages": [{"role": "user", "content": 1}]}),
+    (C, {"model": "m", "messages": [{"role": "user", "tool_calls": [{"id": "a"}] * 129}]}),
+    (C, {"model": "m", "messages": [{"role": "user", "content": "x", "bogus": 1}]}),
+    (C, {"model": "m", "messages": "hi"}),
+    (C, {"model": 1, "messages": [{"role": "user"}] * 3}),
+    (DetokenizeRequest, {"tokens": [1, 2, 3]}),
+    (DetokenizeRequest, {"tokens": [1, -2, "3"]}),
+    (TokenizeRequest, {"content": "x", "with_pieces": 1}),
+]
+
+
+def _outcome(model: type[BaseModel], value: object) -> tuple[str, object]:
+    try:
+        return "ok", model.model_validate(value).model_dump(mode="json", exclude_unset=True)
+    except ValidationError as e:
+        return "error", [{**err, "loc": tuple(map(_original_label, err["loc"]))} for err in e.errors(include_url=False)]
+
+
+@pytest.mark.parametrize(("model", "value"), CASES)
+def test_ticking_copy_validates_like_the_model(model, value):
+    assert repr(_outcome(ticking(model), value)) == repr(_outcome(model, value))
+
+
+def test_ticking_copy_is_the_model():
+    for model in (P, C, DetokenizeRequest, TokenizeRequest):
+        copy = ticking(model)
+        assert issubclass(copy, model) and copy.__name__ == model.__name__
+        assert copy.model_json_schema() == model.model_json_schema()
+
+
+def test_parse_raises_what_fastapi_raises():
+    with pytest.raises(RequestValidationError) as missing:
+        parse(P, b"", "application/json")
+    assert missing.value.errors()[0]["type"] == "missing" and missing.value.errors()[0]["loc"] == ("body",)
+    with pytest.raises(RequestValidationError) as broken:
+        parse(P, b'{"model": ', "application/json")
+    assert broken.value.errors()[0]["type"] == "json_invalid" and broken.value.errors()[0]["loc"] == ("body", 10)
+    with pytest.raises(HTTPException):
+        parse(P, b"\xff\xfe\xfa", "application/json")
+    with pytest.raises(RequestValidationError) as not_json:  # not declared JSON: validated as bytes
+        parse(P, b'{"model": "m", "prompt": "x"}', "text/plain")
+    assert not_json.value.errors()[0]["loc"] == ("body",)
+    with pytest.raises(RequestValidationError) as bad:
+        parse(C, json.dumps({"model": "m", "messages": [{"role": "user", "content": 1}]}).encode(), "application/json")
+    assert bad.value.errors()[0]["loc"][:4] == ("body", "messages", 0, "content")
+    body = parse(P, b'{"model": "m", "prompt": [1, 2]}', "application/vnd.api+json; charset=utf-8")
+    assert isinstance(body, P) and body.prompt == [1, 2]
+
+
+def test_openapi_body_is_the_models_schema_without_refs():
+    doc = json.dumps(openapi_body(C))
+    assert "$ref" not in doc and '"ChatMessage"' in doc  # nested models inlined, titles kept
+
+
+def test_body_is_validated_on_a_thread(monkeypatch):
+    seen: list[int] = []
+    real = bodies._parse
+
+    def spy(*args):
+        seen.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(bodies, "_parse", spy)
+
+    class FakeRequest:
+        headers = {"content-type": "application/json"}
+
+        async def body(self) -> bytes:
+            return b'{"model": "m", "prompt": "x"}'
+
+    async def main() -> object:
+        return await bodies.json_body(P)(FakeRequest())  # type: ignore[arg-type]
+
+    assert isinstance(asyncio.run(main()), P)
+    assert seen and seen[0] != threading.get_ident()
