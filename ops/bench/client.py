@@ -6,7 +6,7 @@ chunks), end-to-end latency, output tokens/s and requests/s, at a fixed concurre
 request rate. Output tokens come from the stream's final `usage` chunk when the server sends one,
 else one per chunk.
 
-The engine mode (workers/bench.py) runs the same prompts straight on the engine loop in-process,
+The engine mode (ops/bench/engine.py) runs the same prompts straight on the engine loop in-process,
 with no API, queue or Redis, and reports the same numbers, so the cost of the queue path is a ratio.
 """
 

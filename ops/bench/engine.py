@@ -18,6 +18,7 @@ from core.generation.params import GenerationParams
 from ops.bench.client import BenchConfig, RequestResult, summarize, to_json
 from workers.engine.base import SeqSpec, TokenEvent
 from workers.engine.loop import EngineLoop
+from workers.engine.paced import PacedEngine, analytic_tok_s
 from workers.runtime import build_engine
 
 
@@ -75,6 +76,15 @@ def _client(loop: EngineLoop, cfg: BenchConfig, todo: queue.SimpleQueue, out: li
         )
 
 
+def _label(loop: EngineLoop, conc: int) -> str:
+    """The paced engine's exact decode rate at this concurrency, printed beside what it achieved."""
+    eng = loop.engine
+    if isinstance(eng, PacedEngine):
+        live = min(conc, eng.max_batch + eng.reserved)
+        return f"engine (paced, exact {analytic_tok_s(live, eng.step_ms, eng.seq_ms):.0f} tok/s decode)"
+    return "engine"
+
+
 def main(raw: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig.model_validate_json(raw)
@@ -91,7 +101,7 @@ def main(raw: str) -> None:
             t.start()
         for t in threads:
             t.join()
-        summaries.append(summarize("engine", "engine", cfg, conc, results, time.perf_counter() - start))
+        summaries.append(summarize(_label(loop, conc), "engine", cfg, conc, results, time.perf_counter() - start))
     print(json.dumps(to_json(summaries)))
 
 

@@ -62,3 +62,62 @@ def test_followers_of_one_hub_each_get_their_own_entries_once(rds):
             await hub.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_bad_resume_id_fails_its_follower_alone(rds):
+    """Ids that str.isdigit() accepts but Redis refuses (past 64 bits, '²', Arabic-Indic digits) used
+    to reach the one shared XREAD and break it for every stream of the process."""
+
+    async def scenario() -> None:
+        hub = streams.Hub(
+            kv.async_client(IT_REDIS, decode_responses=True), block_ms=2000
+        )  # short: closing waits out a blocked read
+        try:
+            steady = hub.read("hub-steady", "0-0", FOLLOWER_WAIT_MS)
+            first = _append(rds, "hub-steady", "s0")
+            assert await _take(steady, 1) == [(first[0], "s0")]
+            for bad in (
+                "99999999999999999999-0",
+                "18446744073709551616",
+                "²",
+                "\u0661\u0662\u0663-\u0660",
+                "1-2-3",
+                "",
+                " 1",
+            ):
+                poisoned = hub.read("hub-steady", bad, FOLLOWER_WAIT_MS)
+                try:
+                    await anext(poisoned)
+                    raise AssertionError(f"{bad!r} was accepted")
+                except streams.InvalidStreamId:
+                    pass
+                # The steady follower still gets each entry as it is written, one read each.
+                ids = _append(rds, "hub-steady", f"after {bad}")
+                assert await _take(steady, 1) == [(ids[0], f"after {bad}")]
+
+            # A stream Redis refuses for another reason (its key is not a stream) fails its own
+            # followers, and the others keep reading.
+            rds.set(streams.stream_key("hub-wrongtype"), "x")
+            wrong = hub.read("hub-wrongtype", "0-0", FOLLOWER_WAIT_MS)
+            try:
+                await anext(wrong)
+                raise AssertionError("a follower of a non-stream key got an entry")
+            except Exception as exc:
+                assert "WRONGTYPE" in str(exc)
+            ids = _append(rds, "hub-steady", "last")
+            assert await _take(steady, 1) == [(ids[0], "last")]
+            await steady.aclose()
+        finally:
+            rds.delete(streams.stream_key("hub-wrongtype"))
+            await hub.aclose()
+            await hub.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_parse_id_takes_only_what_redis_takes():
+    assert streams.parse_id("0") == "0-0"
+    assert streams.parse_id("1700000000000-5") == "1700000000000-5"
+    assert streams.parse_id("18446744073709551615-18446744073709551615") == "18446744073709551615-18446744073709551615"
+    for bad in ("18446744073709551616-0", "1-18446744073709551616", "²", "\u0661", "1-", "-1", "1\n", "+1", "1" * 21):
+        assert streams.parse_id(bad) is None, bad

@@ -1,0 +1,128 @@
+"""SPOOL_ENGINE=paced at small scale: the whole queue path in front of a modelled GPU (sleeping steps,
+max_batch 4, more streams than slots) gives every stream exactly the paced engine's deterministic text,
+the text `spool bench --mode engine` computes in-process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from tests.conftest import MODEL, TEST_DB, running_stack
+from tests.sse import collect
+from workers.engine.paced import PacedEngine
+
+
+@pytest.fixture(scope="module")
+def paced_stack(tmp_path_factory):
+    db = TEST_DB.rsplit("/", 1)[0] + "/spool_paced"
+    env = {"SPOOL_ENGINE": "paced", "SPOOL_MAX_BATCH": "4", "SPOOL_PACED_STEP_MS": "2", "SPOOL_PACED_SEQ_MS": "0.25"}
+    with running_stack(tmp_path_factory.mktemp("paced-logs"), db, "redis://127.0.0.1:6379/9", **env) as st:
+        yield st
+
+
+def expected_text(prompt: str, n: int, seed: int) -> str:
+    """The paced engine alone, stepped in-process with no sleeping: what the stack must stream."""
+    from tests.factories import params
+    from workers.engine.base import SeqSpec, TokenEvent
+
+    eng = PacedEngine(MODEL, n_ctx=1024, max_batch=4, sleep=lambda _s: None)
+    eng.add(SeqSpec("k", eng.tokenize(prompt), n, params(), seed))
+    ids: list[int] = []
+    while eng.has_work():
+        ids += [e.token_id for e in eng.step() if isinstance(e, TokenEvent) and e.token_id is not None]
+    assert len(ids) == n
+    return b"".join(eng.token_bytes(i) for i in ids).decode()
+
+
+def test_every_stream_is_the_paced_engines_text(paced_stack):
+    jobs = [(f"Tell me about item {i}.", 24, i) for i in range(12)]
+
+    def one(job):
+        prompt, n, seed = job
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "seed": seed, "stream": True, "ignore_eos": True}
+        with (
+            paced_stack.http(paced_stack.keys["alpha"]) as http,
+            http.stream("POST", "/v1/completions", json=body) as resp,
+        ):
+            evs, done = collect(resp)
+        assert done
+        return "".join(e.json["choices"][0]["text"] for e in evs if e.json["choices"])
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(one, jobs))
+    assert got == [expected_text(p, n, s) for p, n, s in jobs]
+
+
+def test_streams_through_two_api_processes_are_the_paced_engines_text(paced_stack):
+    """`spool api --workers 2`: each process has its own shared reader (streams.Hub); streams on fresh
+    connections land on both and every one is whole and exact."""
+    import subprocess
+
+    import httpx
+
+    from tests.conftest import ROOT, SPOOL, free_port, wait_for
+
+    port = free_port()
+    env = {**paced_stack.env, "SPOOL_API_PORT": str(port)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    log = open(paced_stack.logdir / "api2.log", "ab")
+    proc = subprocess.Popen([*SPOOL, "api", "--workers", "2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, "api --workers 2")
+        jobs = [(f"Two processes, item {i}.", 16, 100 + i) for i in range(8)]
+        headers = {"Authorization": f"Bearer {paced_stack.keys['alpha']}"}
+
+        def one(job):
+            prompt, n, seed = job
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "seed": seed, "stream": True}
+            with (
+                httpx.Client(base_url=base, headers=headers, timeout=60) as c,
+                c.stream("POST", "/v1/completions", json=body) as resp,
+            ):
+                evs, done = collect(resp)
+            assert done
+            return "".join(e.json["choices"][0]["text"] for e in evs if e.json["choices"])
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(one, jobs))
+        assert got == [expected_text(p, n, s) for p, n, s in jobs]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_the_gpu_front_table_in_one_command(paced_stack, tmp_path):
+    """`python -m ops.bench.paced` at small scale: the engine alone and Spool interleaved per level,
+    CPU per token of every process tree named, short JSON jobs; nothing fails."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    named = {p.pid: n for n, p in paced_stack.procs.items()}  # a worker is listed under two names
+    pids = ",".join(f"{n}={pid}" for pid, n in named.items())
+    out = tmp_path / "paced.json"
+    env = {**paced_stack.env, "SPOOL_API_KEY": paced_stack.keys["alpha"]}
+    cmd = [sys.executable, "-m", "ops.bench.paced", "--url", paced_stack.base_url, "--pids", pids]
+    cmd += ["--concurrency", "1,4", "--max-tokens", "8", "--short-jobs", "16", "--json", str(out)]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["concurrency"], r["failed"]) for r in rows] == [
+        ("stream", 1, 0),
+        ("stream", 4, 0),
+        ("short_json", 4, 0),
+    ]
+    assert rows[0]["engine"].startswith("engine (paced, exact")
+    assert set(rows[1]["cpu_ms_per_token"]) == {*named.values(), "client"}
+    assert rows[1]["cpu_ms_per_token"]["api"] > 0 and rows[1]["ratio"] > 0
