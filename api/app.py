@@ -19,8 +19,10 @@ from sqlalchemy import text
 from api import errors
 from api.guard import RequestGuard
 from api.observe import RequestIdentity
+from api.ratelimit import RequestRateGate
 from api.routes import admin, batches, completions, files, jobs, models, tokens, ui, usage, webhooks
 from core.config import get_settings
+from core.errors import DomainError
 from core.infra import kv, logs, streams
 from core.infra.db import async_engine, sync_sessions
 from core.infra.tokenizers import tokenizer_for
@@ -42,7 +44,12 @@ async def lifespan(app: FastAPI):
     app.state.lifecycle = Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
     _drain_on_sigterm(app)
     for model in settings.model_ids:  # load tokenizers now, not on the first request
-        await anyio.to_thread.run_sync(tokenizer_for, model)
+        try:
+            await anyio.to_thread.run_sync(tokenizer_for, model)
+        except (DomainError, OSError, RuntimeError) as e:
+            # A registry entry whose weights are not on this host yet (the example registry lists GPU
+            # models a CPU-only host never downloads) must not keep the API from serving the others.
+            log.warning("model %s: tokenizer not loaded (%s)", model, e)
     yield
     await app.state.hub.aclose()
     await app.state.redis.aclose()
@@ -72,6 +79,7 @@ def create_app() -> FastAPI:
     logs.setup(settings.log_format)
     errors.install(app)
 
+    app.add_middleware(RequestRateGate)  # inside the guard: after authentication, before the body is read
     app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(RequestIdentity)  # outermost: every response, errors included, carries the id
 

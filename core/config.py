@@ -53,7 +53,24 @@ class Settings(BaseSettings):
     engine: str = Field(
         "llamacpp",
         description="Engine of `spool worker`: `llamacpp` (CPU, GGUF), `exllamav2` (CUDA GPU, EXL2 or FP16 "
-        "model folder; see docs/gpu.md), or `null` (deterministic tokens, no model: measures the queue path).",
+        "model folder; see docs/gpu.md), `exllamav3` (CUDA GPU, EXL3 model folder), `null` (deterministic tokens, "
+        "no model: measures the queue path) or `paced` (the null engine's tokens at a modelled GPU's pace).",
+    )
+    paced_step_ms: float = Field(
+        8.0,
+        ge=0,
+        description="Paced engine (tuning): the fixed part of one decode step, in milliseconds, spent sleeping.",
+    )
+    paced_seq_ms: float = Field(
+        0.25,
+        ge=0,
+        description="Paced engine (tuning): milliseconds each live sequence adds to a decode step "
+        "(defaults 8 + 0.25: an 8B model at 4 bits on an H100-class GPU).",
+    )
+    paced_prefill_tps: float = Field(
+        10_000.0,
+        gt=0,
+        description="Paced engine (tuning): prompt tokens per second of prefill, spent sleeping.",
     )
     model_path: str | None = Field(
         None,
@@ -64,7 +81,11 @@ class Settings(BaseSettings):
     api_host: str = Field("127.0.0.1", description="Bind address of `spool api`.")
     api_port: int = Field(8000, description="Port of `spool api`.")
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get 413.")
-    default_max_tokens: int = Field(16, description="`max_tokens` when a request omits it (OpenAI: 16).")
+    default_max_tokens: int = Field(
+        16,
+        description="`max_tokens` when a `/v1/completions` request omits it (OpenAI: 16); a chat request "
+        "without it runs to the model's stop or the context's end, as OpenAI's does.",
+    )
     unknown_params: str = Field(
         "error",
         description="`error`: an unknown request field is a 400 naming it; `ignore`: drop it and name it "
@@ -196,6 +217,39 @@ class Settings(BaseSettings):
         5.0, description="First webhook retry delay; doubles each attempt (max 1 h, 10 tries)."
     )
     batch_max_errors: int = Field(1000, description="Validation errors listed per failed batch (the rest counted).")
+    batch_max_lines: int = Field(
+        50_000,
+        ge=1,
+        description="Most requests one batch may hold (OpenAI's cap); a longer input file fails validation "
+        "with `batch_too_large`.",
+    )
+    batch_max_enqueued_tokens: int = Field(
+        1_000_000_000,
+        ge=0,
+        description="Most tokens (prompt + `max_tokens` of every line) one tenant may have enqueued in unfinished "
+        "batches at once; a batch that would pass it fails validation with `token_limit_exceeded` (0 = no limit). "
+        "Batch lines also count against the tenant's daily token quota and `max_queued` as they dispatch.",
+    )
+    upload_max_fields: int = Field(
+        4, ge=1, description="Most text fields (besides the file) one /v1/files form may carry (400 above)."
+    )
+    upload_max_field_bytes: int = Field(
+        1024, ge=64, description="Largest text field of a /v1/files form, such as `purpose` (400 above)."
+    )
+    upload_threads: int = Field(
+        8,
+        ge=1,
+        description="API threads that write uploads into Postgres: capacity of their own, so slow uploads never "
+        "take the threads that admit requests.",
+    )
+    prepare_threads: int = Field(
+        8,
+        ge=1,
+        description="API threads that parse, validate and tokenize request bodies off the event loop.",
+    )
+    dns_threads: int = Field(
+        4, ge=1, description="API threads for webhook URLs' DNS lookups (an unresolvable host waits on these alone)."
+    )
     events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
 
     @property

@@ -1,4 +1,4 @@
-"""The dispatcher loop: everything the happy path (core/jobs/lifecycle.submit) missed.
+"""The dispatcher loop: everything the happy path (core/jobs/lifecycle.py: submit) missed.
 
 - The dispatcher (`spool dispatcher`; running two is safe: every move is a compare-and-set) feeds
   each model's queues in weighted fair order (core/jobs/scheduler.py), never more than the workers can
@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import retention
@@ -22,11 +23,13 @@ from core.batches import webhooks
 from core.config import Settings
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
-from core.infra.orm import Job, JobState
+from core.infra.orm import Job, JobState, Tenant
 from core.jobs import transitions as jobs
 from core.jobs import workers
+from core.jobs.events import ErrorInfo, Failed
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
+from core.tenancy import admission
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,6 @@ class Dispatcher:
         self.sessions, self.rds, self.broker, self.settings = sessions, rds, broker, settings
         self.scheduler = FairScheduler()
         self.lifecycle = Lifecycle(sessions, rds, settings)
-        self._next_batches = 0.0
         self._next_sweep = 0.0
         self._next_upkeep = 0.0
 
@@ -69,27 +71,76 @@ class Dispatcher:
                 # worker thread or in Redis, where they would hold up interactive work.
                 batch_room = workers.batch_capacity(self.rds, model) - session.scalar(jobs.batch_in_flight(model))
                 picks = self.scheduler.pick(session, model, room, batch_room)
+                if picks:
+                    picks = self._admit_lines(session, picks)
                 rows = session.execute(jobs.dispatch_picked(picks)).all() if picks else []
                 session.commit()
                 sent += self._send(session, rows)
-        if time.monotonic() >= self._next_batches:  # batch bookkeeping: once per interval is plenty
-            self._next_batches = time.monotonic() + s.dispatcher_interval_s
-            with self.sessions() as session:
-                counts["batches_ended"] = batches.advance(session)
-                self._gauges(session)
-            # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
-            with self.sessions() as session:
-                due = webhooks.claim_due(session, lease_s=s.webhook_timeout_s * 3 + 30)
-            for b in due:
-                send_deliver_webhook(b.id, webhooks.event_body(b.status, batches.batch_json(b)))
-            counts["webhooks"] = len(due)
-            if time.monotonic() >= self._next_sweep:
-                self._next_sweep = time.monotonic() + 60
-                counts |= {f"swept_{k}": v for k, v in retention.sweep(self.sessions, s).items()}
         counts |= {"resent": len(lost), "sent": sent}
         if any(v for k, v in counts.items() if k != "sent"):
             log.info("dispatcher: %s", counts)
         return counts
+
+    def keep_batches(self) -> dict[str, int]:
+        """Batch bookkeeping (counts, expiry, cancellation, finalization), webhooks, gauges and the
+        retention sweep: one pass. Runs on a thread of its own (`run_forever`), never inside `tick`:
+        expiring or finalizing a huge batch must not hold up dispatch, reaping and re-sends."""
+        s = self.settings
+        counts: dict[str, int] = {}
+        with self.sessions() as session:
+            counts["batches_ended"] = batches.advance(session)
+            self._gauges(session)
+        # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
+        with self.sessions() as session:
+            due = webhooks.claim_due(session, lease_s=s.webhook_timeout_s * 3 + 30)
+        for b in due:
+            send_deliver_webhook(b.id, webhooks.event_body(b.status, batches.batch_json(b)))
+        counts["webhooks"] = len(due)
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + 60
+            counts |= {f"swept_{k}": v for k, v in retention.sweep(self.sessions, s).items()}
+        if any(counts.values()):
+            log.info("batch keeper: %s", counts)
+        return counts
+
+    def run_batch_keeper(self) -> None:
+        """`keep_batches` once per interval, forever (a thread of the dispatcher process)."""
+        while True:
+            started = time.monotonic()
+            try:
+                self.keep_batches()
+            except Exception:
+                log.exception("batch bookkeeping failed; retrying")
+            time.sleep(max(0.05, self.settings.dispatcher_interval_s - (time.monotonic() - started)))
+
+    def _admit_lines(self, session: Session, picks: list[str]) -> list[str]:
+        """Batch lines take their tenant's limits as they dispatch (core/tenancy/admission.py): a line
+        of a tenant at `max_queued` stays queued for a later tick; one over the daily token quota fails
+        with an error naming it. Returns the picks that may go."""
+        rows = session.execute(
+            select(Job.id, Job.attempt, Job.tenant_id, Job.key_id, Job.reserved_tokens, Tenant.tpd, Tenant.max_queued)
+            .join(Tenant, Tenant.id == Job.tenant_id)
+            .where(Job.id.in_(picks), Job.kind == "batch")
+        ).all()
+        if not rows:
+            return picks
+        lines = [
+            admission.Line(r.id, r.tenant_id, r.key_id or 0, r.reserved_tokens or 0, r.tpd or 0, r.max_queued or 0)
+            for r in rows
+        ]
+        wait, over = admission.admit_lines(self.rds, lines)
+        attempts = {r.id: r.attempt for r in rows}
+        for job_id, message in over.items():
+            err = ErrorInfo(message=message, type="tokens", code="rate_limit_exceeded")
+            stmt = (
+                update(Job)
+                .where(Job.id == job_id, Job.state == JobState.queued.value, Job.attempt == attempts[job_id])
+                .values(state=JobState.failed.value, finished_at=func.now(), error=err.model_dump(mode="json"))
+                .returning(*jobs.ENDED)
+            )
+            # Ended like every job (usage row, settle, terminal event): the lifecycle's one way.
+            self.lifecycle._end(stmt, "failed", Failed(attempt=attempts[job_id], error=err))
+        return [p for p in picks if p not in wait and p not in over]
 
     def _gauges(self, session: Session) -> None:
         """Queue depth, oldest queued job and live workers per model: a scan of the backlog, so once
@@ -144,6 +195,7 @@ class Dispatcher:
 
     def run_forever(self) -> None:
         log.info("dispatcher started (every %.1fs)", self.settings.dispatcher_interval_s)
+        threading.Thread(target=self.run_batch_keeper, name="batch-keeper", daemon=True).start()
         while True:
             started = time.monotonic()
             sent = 0

@@ -25,8 +25,16 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # llama-cpp-python compiles llama.cpp (about 8 minutes on 2 cores the first time; pip caches the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-EXTRAS="cpu,test,bench"
-[ "${SPOOL_SKIP_EVAL:-0}" = "1" ] || EXTRAS="$EXTRAS,eval"  # lm-evaluation-harness and a CPU torch
+# Serving needs only the CPU engine (ops/run.sh); the test command asks for the test, bench and eval
+# extras too (SPOOL_EXTRAS=cpu,test,bench,eval), and SPOOL_SKIP_EVAL=1 leaves lm-eval and torch out.
+EXTRAS=${SPOOL_EXTRAS:-cpu}
+[ "${SPOOL_SKIP_EVAL:-0}" != "1" ] || EXTRAS=$(echo "$EXTRAS" | sed 's/,eval//')
+if [[ ",$EXTRAS," == *,eval,* ]] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  # PyPI's torch is the multi-gigabyte CUDA build; PyTorch's CPU index has the same release at a tenth
+  # of the size. Where that index cannot be reached, pip falls back to PyPI (or a local copy) below.
+  .venv/bin/python -m pip install --quiet --progress-bar off --retries 0 --timeout 10 \
+    --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" 2>/dev/null || true
+fi
 .venv/bin/python -m pip install --quiet --progress-bar off -e ".[$EXTRAS]"
 
 bash ops/services.sh

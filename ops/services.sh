@@ -49,7 +49,8 @@ if ! PGCONNECT_TIMEOUT=5 psql "$admin_url" -w -qAtc 'SELECT 1' >/dev/null 2>&1; 
     || as_postgres psql -p "$PG_PORT" -qc "CREATE ROLE spool WITH LOGIN CREATEDB PASSWORD '$password'"
   url="postgresql+psycopg://spool:$password@127.0.0.1:$PG_PORT/spool"
   touch "$ENV_FILE" && chmod 600 "$ENV_FILE"
-  grep -v '^SPOOL_DATABASE_URL=' "$ENV_FILE" > "$ENV_FILE.tmp" || true
+  # The file holds a password: created private (umask) rather than chmod-ed after it was readable.
+  (umask 077 && { grep -v '^SPOOL_DATABASE_URL=' "$ENV_FILE" > "$ENV_FILE.tmp" || true; })
   echo "SPOOL_DATABASE_URL=$url" >> "$ENV_FILE.tmp" && mv "$ENV_FILE.tmp" "$ENV_FILE" && chmod 600 "$ENV_FILE"
   PGCONNECT_TIMEOUT=5 psql "${url/postgresql+psycopg:/postgresql:}" -w -qAtc 'SELECT 1' >/dev/null 2>&1 \
     || psql "postgresql://spool:$password@127.0.0.1:$PG_PORT/postgres" -w -qAtc 'SELECT 1' >/dev/null

@@ -21,3 +21,9 @@ if [ ! -x .venv/bin/promtool ] && ! command -v promtool >/dev/null; then
   cp "$tmp/x/usr/bin/promtool" .venv/bin/promtool
   rm -rf "$tmp"
 fi
+
+# The pinned exllamav2/exllamav3 Python sources for the GPU contract test (tests/unit/test_gpu_contract.py),
+# without their dependencies or CUDA extensions: the test stubs those and inspects the real signatures.
+pins=$(.venv/bin/python -c 'import tomllib; print(" ".join(r for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"] if r.startswith("exllamav")))')
+# shellcheck disable=SC2086
+.venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/gpu-contract $pins

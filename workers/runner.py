@@ -87,7 +87,9 @@ def retrying(settings: Settings, what: str, fn: Any, *args: Any, on_wait: Any = 
             if on_wait is not None:
                 on_wait()
             time.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            # A pause longer than a third of the lease lets it lapse between on_wait's renewals (a
+            # 3 s lease and 5 s pauses: a 30 s Redis outage handed the job to a second attempt).
+            backoff = min(backoff * 2, 5.0, settings.lease_s / 3)
 
 
 @dataclass(eq=False)  # identity-hashed: used as a dict key while coalescing
@@ -106,6 +108,7 @@ class _Choice:
     lp: list[TokenScore] | None = None  # every generated token's logprobs; None when not asked for
     lp_sent: int = 0  # how many of them earlier deltas carried
     sum_lp: float = 0.0
+    eos: bool = False  # ended by an end-of-sequence token it generated: counted as a completion token
     cached: int = 0
     last_token_at: float | None = None  # monotonic arrival of its last token (inter-token latency)
 
@@ -120,6 +123,8 @@ class JobRunner:
         self.sessions = sessions
         self.worker_name = worker_name
         self.lifecycle = Lifecycle(sessions, redis_client, settings)
+        # One Redis round trip per decode step for all this worker's sequences, not one per sequence.
+        self.lifecycle.appender = streams.GroupAppender(redis_client)
         self.batch_slot_wake: Any = None  # set by the worker process: called when an attempt ends
 
     # -- entrypoint -------------------------------------------------------------------------
@@ -223,6 +228,7 @@ class _Attempt:
         # Every entry of the job's stream so far (earlier attempts' too): if Redis loses the stream
         # (a restart), it is rebuilt with the same entry ids, so readers resume exactly where they were.
         self.log: list[tuple[str, str]] = []
+        self.prior_eos: set[int] = set()  # choices an earlier attempt ended with a generated end-of-sequence token
         self._stream_checked = 0.0
         self._next_wait_renew = 0.0
         self._first_token_at: float | None = None
@@ -276,6 +282,7 @@ class _Attempt:
                 self.choices[c] = ch
                 if finish:
                     ch.done = ch.closed = True
+                    ch.eos = c in self.prior_eos
                     continue
                 specs.append(
                     SeqSpec(
@@ -378,7 +385,9 @@ class _Attempt:
         )
         u = Usage(
             prompt_tokens=sum(len(ids) for ids in self.prompts),
-            completion_tokens=sum(len(ch.text.ids) for ch in self.choices.values()),
+            # A generated end-of-sequence token is a completion token (as vLLM counts it, and as
+            # logprobs list it): docs/parameters.md.
+            completion_tokens=sum(len(ch.text.ids) + ch.eos for ch in self.choices.values()),
             cached_tokens=cached,
         )
         if not retrying(
@@ -428,7 +437,9 @@ class _Attempt:
         if ch.done:
             return ch
         if ev.error is not None:
-            raise EngineError(ev.error)
+            raise (Abandoned if ev.retry else EngineError)(ev.error)
+        if ev.token_id is None and ev.eos_id is not None:
+            ch.eos = True
         if ev.token_id is None and ev.eos_id is not None and ch.lp is not None and ev.logprob is not None:
             name = self.engine.token_text
             top = [TopToken(id=t, text=name(t), logprob=lp) for t, lp in (ev.top or [])]
@@ -497,6 +508,7 @@ class _Attempt:
                     text=(ch.prefix_text if prefix else "") + piece,
                     token_ids=ids,
                     finish_reason=ch.text.finish_reason if ch.done else None,
+                    eos=True if ch.done and ch.eos else None,
                     prefix_len=len(ch.prefix_text) if prefix else None,
                     prompt_scores=ch.prompt_scores if prefix else None,
                     scores=scores,
@@ -547,6 +559,8 @@ class _Attempt:
             if not isinstance(ev, Delta):
                 continue
             ids, text, _, prefix = out.get(ev.choice, ([], "", None, False))
+            if ev.eos:
+                self.prior_eos.add(ev.choice)
             out[ev.choice] = (
                 ids + ev.token_ids,
                 text + ev.text[ev.prefix_len or 0 :],

@@ -47,12 +47,30 @@ def build_engine(model_id: str) -> Engine:
         from workers.engine.null import NullEngine
 
         return NullEngine(model_id, n_ctx=s.n_ctx, max_batch=s.max_batch)
-    if s.engine == "exllamav3":
-        raise ValueError(
-            "the exllamav3 engine is not built yet (only its parameter mapping, workers/engine/exl3_mapping.py): "
-            "serve this model with exllamav2 or llamacpp; see docs/gpu.md"
+    if s.engine == "paced":
+        from workers.engine.paced import PacedEngine
+
+        return PacedEngine(
+            model_id,
+            n_ctx=s.n_ctx,
+            max_batch=s.max_batch,
+            interactive_slots=s.interactive_slots,
+            step_ms=s.paced_step_ms,
+            seq_ms=s.paced_seq_ms,
+            prefill_tps=s.paced_prefill_tps,
         )
-    raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2` or `null`")
+    if s.engine == "exllamav3":
+        from workers.engine.exllamav3 import ExLlamaV3Engine  # imports torch and CUDA: only here
+
+        return ExLlamaV3Engine(
+            model_id,
+            model_path(s, model_id),
+            n_ctx=s.n_ctx,
+            max_batch=s.max_batch,
+            cache_size=s.exl2_cache_tokens,
+            chunk=s.exl2_chunk_size,
+        )
+    raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2`, `null` or `paced`")
 
 
 @lru_cache

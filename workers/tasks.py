@@ -20,6 +20,10 @@ def run_jobs(pairs: list[list]) -> list[str]:
     return runner().run_group([(str(job_id), int(attempt)) for job_id, attempt in pairs])
 
 
+_WEBHOOKS = webhooks.Pool()
+
+
 @app.task(name=DELIVER_WEBHOOK)
 def deliver_webhook(batch_id: str, body: str) -> str:
-    return webhooks.deliver(runner().sessions, batch_id, body, get_settings())
+    # Handed to the webhook pool at once: a receiver that drips its answer never holds this thread.
+    return _WEBHOOKS.submit(runner().sessions, batch_id, body, get_settings())

@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from api.deps import RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
 from core.config import Settings
+from core.errors import DomainError
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import workers
 from core.protocol.schemas import ModelList, ModelObject
@@ -18,14 +19,18 @@ _CREATED = 1735689600  # fixed: the model list is configuration, not a dated obj
 
 
 async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
-    tok = await anyio.to_thread.run_sync(tokenizer_for, model_id)
+    ms = settings_for(model_id, settings)
+    try:
+        ctx = context_length(await anyio.to_thread.run_sync(tokenizer_for, model_id), ms)
+    except DomainError:  # its weights are not on this host: listed with its configured context
+        ctx = ms.n_ctx
     live = await workers.live_async(redis, model_id)
     out = {
         "id": name,
         "object": "model",
         "created": _CREATED,
         "owned_by": "spool",
-        "context_length": context_length(tok, settings_for(model_id, settings)),
+        "context_length": ctx,
         "live_workers": len(live),  # 0: synchronous requests for it get a 503 with Retry-After
     }
     if name != model_id:

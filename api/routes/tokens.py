@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.bodies import json_body, openapi_body
 from api.deps import SettingsDep, TenantDep
 from api.errors import APIError
 from core.config import Settings
@@ -39,8 +40,13 @@ async def _tokenizer(model: str | None, settings: Settings) -> Tokenizer:
     return await anyio.to_thread.run_sync(tokenizer_for, served)
 
 
-@router.post("/tokenize", response_model=TokenizeResponse)
-async def tokenize(body: TokenizeRequest, _: TenantDep, settings: SettingsDep) -> dict:
+# Bodies decoded and validated off the event loop (api/bodies.py): a million token ids is a big list.
+_Tokenize = Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
+_Detokenize = Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))]
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, openapi_extra=openapi_body(TokenizeRequest))
+async def tokenize(body: _Tokenize, _: TenantDep, settings: SettingsDep) -> dict:
     tok = await _tokenizer(body.model, settings)
 
     def work() -> dict:  # a long text takes a while: never on the event loop
@@ -52,8 +58,8 @@ async def tokenize(body: TokenizeRequest, _: TenantDep, settings: SettingsDep) -
     return await anyio.to_thread.run_sync(work)
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse)
-async def detokenize(body: DetokenizeRequest, _: TenantDep, settings: SettingsDep) -> dict:
+@router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
+async def detokenize(body: _Detokenize, _: TenantDep, settings: SettingsDep) -> dict:
     tok = await _tokenizer(body.model, settings)
     bad = [t for t in body.tokens if t >= tok.n_vocab]
     if bad:

@@ -3,8 +3,8 @@ batches with a progress bar and ETA, per-tenant usage over the last 24 hours. Se
 (Jinja, inline SVG charts): no JavaScript, nothing fetched from a CDN; it refreshes itself.
 
 Login: an admin key posted once becomes a random session id in an HttpOnly, SameSite=Strict cookie;
-the key stays server-side in Redis (8 h) and is checked on every view, so a revoked key is out at
-once."""
+Redis keeps only the key's SHA-256 digest (8 h), never the key itself, and the key is checked by
+it on every view, so a revoked key is out at once."""
 
 from __future__ import annotations
 
@@ -16,12 +16,15 @@ import anyio
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from sqlalchemy import func, or_, select
 
 from api.deps import RedisDep, SettingsDep
 from api.guard import authenticate
 from core.errors import DomainError
-from core.infra.db import sync_sessions
+from core.infra.db import async_sessions, sync_sessions
+from core.infra.orm import ApiKey
 from core.status import Snapshot, snapshot
+from core.tenancy.keys import hash_key, revoked_key
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 COOKIE = "spool_ui"
@@ -39,18 +42,26 @@ def _session_key(token: str) -> str:
 
 
 async def _admin_key(request: Request, redis) -> str | None:
+    """The digest of the live admin key behind the session cookie, or None."""
     token = request.cookies.get(COOKIE)
     if not token or len(token) > 64:
         return None
-    key = await redis.get(_session_key(token))
-    if key is None:
+    digest = await redis.get(_session_key(token))
+    if digest is None:
         return None
-    key = key if isinstance(key, str) else key.decode()
-    try:
-        principal = await authenticate(f"Bearer {key}", redis)
-    except DomainError:
+    digest = digest if isinstance(digest, str) else digest.decode()
+    if await redis.exists(revoked_key(digest)):
         return None
-    return key if principal.key.scope == "admin" else None
+    async with async_sessions()() as session:
+        live = await session.scalar(
+            select(ApiKey.id).where(
+                ApiKey.key_hash == digest,
+                ApiKey.scope == "admin",
+                ApiKey.revoked.is_(False),
+                or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > func.now()),
+            )
+        )
+    return digest if live is not None else None
 
 
 @router.get("", response_class=HTMLResponse)
@@ -60,7 +71,7 @@ async def page(request: Request, redis: RedisDep, settings: SettingsDep) -> Resp
     snap = await anyio.to_thread.run_sync(_snapshot, settings, request.app.state.lifecycle.redis)
     page = _env.get_template("status.html")
     refresh = request.query_params.get("refresh", "5")  # seconds; 0 = no self-refresh
-    every = min(int(refresh), 3600) if refresh.isdigit() else 5
+    every = min(int(refresh), 3600) if refresh.isascii() and refresh.isdigit() and len(refresh) < 8 else 5
     return HTMLResponse(page.render(s=snap, chart=usage_chart(snap), fmt=_fmt, refresh=every))
 
 
@@ -83,7 +94,7 @@ async def login(redis: RedisDep, key: str = Form(..., max_length=256)) -> Respon
     if principal is None or principal.key.scope != "admin":
         return RedirectResponse("/ui?error=1", status_code=303)
     token = secrets.token_urlsafe(32)
-    await redis.set(_session_key(token), key, ex=SESSION_S)
+    await redis.set(_session_key(token), hash_key(key), ex=SESSION_S)  # never the key itself
     resp = RedirectResponse("/ui", status_code=303)
     resp.set_cookie(COOKIE, token, max_age=SESSION_S, httponly=True, samesite="strict", path="/ui")
     return resp

@@ -11,18 +11,10 @@ def unsupported(engine: str, p: GenerationParams) -> list[str]:
     bad: list[str] = []
     if engine == "exllamav2" and p.mirostat == 1:
         bad.append("mirostat")  # exllamav2 has only Mirostat 2.0
-    if engine == "null":  # no logits: nothing to constrain or to score
+    if engine in ("null", "paced"):  # no logits: nothing to constrain or to score
         bad += [name for name, on in (("grammar", p.grammar), ("prompt_logprobs", p.prompt_logprobs is not None)) if on]
     if engine == "exllamav2" and p.penalty_last_n is not None:
         bad.append("repeat_last_n")  # its penalty range is not mapped (the whole sequence only)
-    if engine == "exllamav3":  # its sampler stack has no typical-p, Mirostat or DRY
-        bad += [
-            name
-            for name, on in (
-                ("typical_p", p.typical_p != 1.0),
-                ("mirostat", p.mirostat != 0),
-                ("dry_multiplier", p.dry_multiplier > 0),
-            )
-            if on
-        ]
+    if engine == "exllamav3":  # its sampler stack (1.6.5) has no typical-p or Mirostat
+        bad += [name for name, on in (("typical_p", p.typical_p != 1.0), ("mirostat", p.mirostat != 0)) if on]
     return bad

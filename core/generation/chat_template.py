@@ -15,6 +15,7 @@ Hermes and SmolLM3 are trained on); past calls and tool results are written in t
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -132,10 +133,14 @@ def render(
         raise ChatTemplateError(f"The model's chat template failed on this conversation: {exc}") from exc
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, forced: list[str] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """(the text outside tool calls, the calls) from a completion: every `<tool_call>` block whose
     body is a JSON object with a `name` (an unterminated last block counts: max_tokens may cut the
-    closing tag); a bare JSON object {"name", "arguments"} as the whole answer counts too."""
+    closing tag); a bare JSON object {"name", "arguments"} as the whole answer counts too.
+
+    `forced`: the functions a grammar forced the model to call (tool_choice named or "required").
+    Then the text is nothing but calls, and one that max_tokens cut is still a call, with the
+    arguments as far as they got (OpenAI and vLLM do the same), never markup in the content."""
     calls: list[dict[str, Any]] = []
     rest: list[str] = []
     pos = 0
@@ -148,6 +153,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         end = text.find(TOOL_CALL_CLOSE, start)
         body = text[start + len(TOOL_CALL_OPEN) : end if end >= 0 else len(text)]
         call = _call(body)
+        if call is None and forced is not None and end < 0:
+            call = _partial_call(body, forced)
         if call is None:
             rest.append(text[start : end + len(TOOL_CALL_CLOSE) if end >= 0 else len(text)])
         else:
@@ -155,6 +162,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         if end < 0:
             break
         pos = end + len(TOOL_CALL_CLOSE)
+    if forced is not None:
+        # Outside the calls the grammar allows only the newlines between them and, at a cut, part
+        # of the next opening tag; cut before any call's body, the call is known by its name alone.
+        return "", calls or [_partial_call("", forced)]
     content = "".join(rest).strip()
     if not calls:
         bare = _call(text)
@@ -165,11 +176,47 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 def _call(body: str) -> dict[str, Any] | None:
+    s = body.strip()
     try:
-        obj = json.loads(body.strip())
+        obj, end = json.JSONDecoder().raw_decode(s)
     except (json.JSONDecodeError, ValueError):
+        return None
+    tail = s[end:].strip()
+    if tail and not TOOL_CALL_CLOSE.startswith(tail):  # only a closing tag that max_tokens cut may follow
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+
+
+# The shape the tool-call grammar (core/generation/constraints.py) forces, read up to wherever it was cut.
+_PARTIAL_CALL = re.compile(
+    r'\s*(?:\{\s*(?:"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)(?P<closed>")?(?:\s*,\s*"arguments"\s*:\s*(?P<args>.*))?)?)?',
+    re.S,
+)
+
+
+def _partial_call(body: str, names: list[str]) -> dict[str, Any]:
+    """A forced call that max_tokens cut: its name (completed from the offered functions when its
+    prefix names one alone) and its arguments' text as generated."""
+    m = _PARTIAL_CALL.match(body)
+    raw = (m.group("name") if m else None) or ""
+    try:
+        name = json.loads('"' + raw.rstrip("\\") + '"')
+    except json.JSONDecodeError:
+        name = raw
+    if not (m and m.group("closed")):
+        candidates = [n for n in names if n.startswith(name)]
+        name = candidates[0] if len(candidates) == 1 else name
+    args = ((m.group("args") if m else None) or "").rstrip()
+    whole = _whole_json(args)
+    return {"name": name, "arguments": json.dumps(whole, ensure_ascii=False) if whole is not None else args}
+
+
+def _whole_json(text: str) -> Any:
+    """The JSON value `text` starts with, when it is complete (then the cut fell after it)."""
+    try:
+        return json.JSONDecoder().raw_decode(text)[0] if text else None
+    except (json.JSONDecodeError, ValueError):
+        return None

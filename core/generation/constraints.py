@@ -3,7 +3,7 @@
 Every form the seed documents accept (`grammar` as GBNF or mistral.rs's {type, value}, `json_schema`,
 `response_format`, `regex`, `guided_choice`) becomes an llguidance grammar string here. Engines
 then build an `LLMatcher` from it with their own tokenizer and mask each step's logits; that part
-is shared too (workers/engine/constrain.py).
+is shared too: workers/runner.py builds one `LLMatcher` per sequence for every engine.
 """
 
 from __future__ import annotations
@@ -115,17 +115,23 @@ def build(
     if not given:
         return None
     ((param, value),) = given.items()
-    if param == "grammar":
-        out = _grammar_param(value)
-    elif param == "json_schema":
-        out = from_json_schema(value, "json_schema")
-    elif param == "regex":
-        out = LLMatcher.grammar_from_regex(value)
-    elif param == "guided_choice":
-        out = from_choices(value)
-    else:
-        out = _response_format(value)
-    error = LLMatcher.validate_grammar(out)
+    try:
+        # Every string of the value must be encodable: a lone surrogate ("\ud800") cannot cross into
+        # llguidance's Rust strings, and json.dumps' ASCII escapes would otherwise smuggle one through.
+        json.dumps(value, ensure_ascii=False).encode()
+        if param == "grammar":
+            out = _grammar_param(value)
+        elif param == "json_schema":
+            out = from_json_schema(value, "json_schema")
+        elif param == "regex":
+            out = LLMatcher.grammar_from_regex(value)
+        elif param == "guided_choice":
+            out = from_choices(value)
+        else:
+            out = _response_format(value)
+        error = LLMatcher.validate_grammar(out)
+    except UnicodeError as exc:
+        raise ConstraintError(param, f"'{param}' must be valid Unicode text (no lone surrogates).") from exc
     if error:
         raise ConstraintError(param, f"Invalid '{param}': {error.strip()}")
     return out

@@ -1,7 +1,7 @@
 """Engine-neutral generation parameters.
 
 The API translates OpenAI JSON (and the seed documents' extensions and aliases) into these once, at
-the edge (api/translate.py); workers and engines only ever see this shape, stored with the job.
+the edge (core/protocol/translate.py); workers and engines only ever see this shape, stored with the job.
 Every field here is honoured by every engine, or refused at the edge with a 400 naming it.
 """
 
@@ -52,10 +52,10 @@ class GenerationParams(BaseModel):
     n: int = 1
     best_of: int = 1
     # Log-probabilities
-    logprobs: int | None = None  # top alternatives per token (0..5); None = no logprobs
+    logprobs: int | None = None  # top alternatives per token (completions 0..5, chat 0..20); None = none
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top k
-    # Constrained decoding: an llguidance grammar (core/constraints.py), already validated
+    # Constrained decoding: an llguidance grammar (core/generation/constraints.py), already validated
     grammar: str | None = None
     # Prefix reuse across requests
     cache_prompt: bool = True

@@ -1,6 +1,6 @@
 """Database engines: a sync one for workers, the dispatcher and the CLI, an async one for the API.
 
-Both use psycopg 3, so the SQL in core/jobs.py runs unchanged on either.
+Both use psycopg 3, so the SQL in core/jobs/transitions.py runs unchanged on either.
 """
 
 from __future__ import annotations

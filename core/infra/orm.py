@@ -111,7 +111,7 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.queued.value)
     attempt: Mapped[int] = mapped_column(Integer, server_default="1")
     priority: Mapped[int] = mapped_column(Integer, server_default="0")
-    # Engine-neutral GenerationParams (core/params.py) and the prompts, already normalized.
+    # Engine-neutral GenerationParams (core/generation/params.py) and the prompts, already normalized.
     params: Mapped[dict[str, Any]] = mapped_column(JSONB)
     prompts: Mapped[list[Any]] = mapped_column(JSONB)
     stream: Mapped[bool] = mapped_column(Boolean, server_default="false")

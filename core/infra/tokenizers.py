@@ -238,12 +238,19 @@ def _meta_int(model: Any, key: str) -> int:
 def tokenizer_for(model_id: str) -> Tokenizer:
     """The tokenizer of a served model (cached for the process): a folder's tokenizer.json, or the
     vocabulary of a GGUF (loaded vocab-only: a few MB, no weights)."""
-    import llama_cpp as llc
-
     settings = get_settings()
     source = tokenizer_source(settings, model_id)
+    if not source.exists():
+        # A registry entry whose weights this host lacks (not downloaded yet): a 503 for that model only.
+        from core.errors import DomainError, ErrorKind
+
+        raise DomainError(
+            ErrorKind.unavailable, f"model '{model_id}' is not available on this host: {source} does not exist"
+        )
     if source.is_dir():
         return HFTokenizer(source)
+    import llama_cpp as llc  # only for a GGUF: the GPU image has no llama.cpp
+
     model = _load_vocab_only(str(source))
     # A vocab-only load skips the hyper-parameters; read the context length from the metadata.
     buf = ctypes.create_string_buffer(64)

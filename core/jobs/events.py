@@ -68,6 +68,7 @@ class Delta(_Model):
     text: str
     token_ids: list[int] = []
     finish_reason: str | None = None
+    eos: bool | None = None  # on a choice's last delta: it ended with an end-of-sequence token, a completion token
     prefix_len: int | None = None
     prompt_scores: list[TokenScore | None] | None = None
     scores: list[TokenScore] | None = None

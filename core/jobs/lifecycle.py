@@ -73,6 +73,7 @@ async def submit(session: AsyncSession, job: Job, cap: int | None = None, claim:
 class Lifecycle:
     def __init__(self, sessions: sessionmaker[Session], rds: redis.Redis, settings: Settings) -> None:
         self.sessions, self.redis, self.settings = sessions, rds, settings
+        self.appender: streams.GroupAppender | None = None
 
     # -- events ------------------------------------------------------------------------------
     def publish(
@@ -91,7 +92,10 @@ class Lifecycle:
     def publish_deltas(self, job_id: str, attempt: int, evs: Sequence[Delta]) -> list[str]:
         """A running attempt's output: appended only while no newer attempt has claimed the job
         (streams.Fenced otherwise)."""
-        return streams.append_fenced(self.redis, job_id, attempt, [encode(e) for e in evs], self.settings.events_ttl_s)
+        payloads = [encode(e) for e in evs]
+        if self.appender is not None:  # a worker: grouped with its other jobs' appends, one round trip
+            return self.appender.append(job_id, attempt, payloads, self.settings.events_ttl_s)
+        return streams.append_fenced(self.redis, job_id, attempt, payloads, self.settings.events_ttl_s)
 
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod
@@ -155,7 +159,7 @@ class Lifecycle:
     def produced(self, job: Job) -> Usage:
         """What a job that ends early has already cost: its prompt once processing started, and every
         token its stream carried. A client that read tokens and then cancelled pays for them."""
-        generated = sum(len(e.token_ids) for e in self._deltas(job.id))
+        generated = sum(len(e.token_ids) + bool(e.eos) for e in self._deltas(job.id))
         prompt = sum(len(p.get("ids", [])) for p in (job.prompts or [])) if job.started_at is not None else 0
         return Usage(prompt_tokens=prompt, completion_tokens=generated)
 

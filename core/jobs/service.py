@@ -10,7 +10,6 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import redis.asyncio as aioredis
 from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -20,7 +19,7 @@ from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.generation.params import GenerationParams
 from core.generation.tokenizer import Tokenizer
 from core.idempotency import Claim
-from core.infra import streams
+from core.infra import streams, threads
 from core.infra.db import async_sessions
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
@@ -68,7 +67,9 @@ async def create_completion(
 ) -> Created:
     """`queued`: the client asked for a 202 and will poll, so it is accepted even while no worker
     serves the model; a request that waits or streams gets a 503 with Retry-After instead."""
-    payload = body.model_dump(mode="json", exclude_unset=True, by_alias=False)
+    payload = None  # only a key's request hash needs it; a big body's dump is not for the event loop
+    if idempotency_key is not None:
+        payload = await threads.run("prepare", lambda: body.model_dump(mode="json", exclude_unset=True, by_alias=False))
     claim = await idempotency.claim(principal.tenant.id, idempotency_key, endpoint, payload)
     if claim is not None and claim.replay is not None:
         job = await get(claim.replay, principal.tenant.id)
@@ -106,7 +107,7 @@ async def _create(
             code="model_not_loaded",
             headers={"retry-after": "5"},
         )
-    tok, ms, (params, prompts, chat) = await anyio.to_thread.run_sync(_prepare, body, settings)
+    tok, ms, (params, prompts, chat) = await threads.run("prepare", _prepare, body, settings)
     tenant = principal.tenant
     job = transitions.new_job(
         tenant_id=tenant.id,

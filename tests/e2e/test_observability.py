@@ -93,7 +93,14 @@ def test_metrics_on_api_worker_and_dispatcher_have_sane_values(stack):
 
     text = wait_for(dispatcher, 15, "dispatcher gauges")
     assert "spool_queue_depth{" in text and "spool_oldest_queued_job_age_seconds{" in text
-    assert _metric(text, "spool_oldest_queued_job_age_seconds", model=MODEL, kind="interactive") >= 0
+    # Reported per model and kind, and 0 with nothing waiting (every request above has ended).
+    ages = re.findall(
+        rf'^spool_oldest_queued_job_age_seconds{{[^}}]*model="{MODEL}"[^}}]*kind="interactive"[^}}]*}} (\S+)$|'
+        rf'^spool_oldest_queued_job_age_seconds{{[^}}]*kind="interactive"[^}}]*model="{MODEL}"[^}}]*}} (\S+)$',
+        text,
+        re.M,
+    )
+    assert len(ages) == 1 and float("".join(ages[0])) == 0.0, ages
 
 
 def test_with_two_api_processes_the_counters_are_the_sum(stack):

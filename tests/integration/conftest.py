@@ -16,7 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.config import Settings
 from tests.conftest import ROOT, TEST_DB, TEST_REDIS
 
-IT_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_it"
+# spool_test -> spool_it; spool_test_<name> -> spool_it_<name>: sessions running side by side each drop their own.
+_BASE, _NAME = TEST_DB.rsplit("/", 1)
+IT_DB = f"{_BASE}/{_NAME.replace('spool_test', 'spool_it', 1) if 'spool_test' in _NAME else _NAME + '_it'}"
 IT_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/13"
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
+import pytest
+
+from core.generation import chat_template
 from core.generation.params import GenerationParams
 from core.jobs.events import ChoiceResult, Delta, Done, Failed, JobResult, TokenScore, TopToken, Usage
 from core.protocol import render
@@ -111,3 +114,67 @@ def test_events_survive_the_stream_encoding_with_null_logprobs():
     prompt, gen = _scores()
     ev = Delta(choice=0, text="AB", prefix_len=2, prompt_scores=prompt, scores=gen)
     assert decode(encode(ev)) == ev
+
+
+# -- a forced tool call that max_tokens cut is still a tool call ------------------------------------
+
+CUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+
+
+def _chat_job(text: str, finish: str, forced: list[str] | None):
+    job = _job()
+    job.chat = {"tools": True, "top_logprobs": None, **({"forced": forced} if forced else {})}
+    job.result = JobResult(choices=[ChoiceResult(index=0, text=text, finish_reason=finish)]).model_dump()
+    job.usage = Usage(prompt_tokens=5, completion_tokens=12).model_dump()
+    return job
+
+
+def test_a_cut_forced_tool_call_is_a_tool_call_with_finish_length():
+    body = render.chat_completion(_chat_job(CUT, "length", ["get_weather"]))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    openapi.validate(body, "CreateChatCompletionResponse")
+    # Offered but not forced (tool_choice auto): words the model chose stay words.
+    auto = render.chat_completion(_chat_job(CUT, "length", None))["choices"][0]
+    assert auto["message"]["content"] == CUT and "tool_calls" not in auto["message"]
+
+
+def test_a_cut_forced_tool_call_streams_as_tool_call_deltas():
+    chunks = render.ChatChunks(_chat_job("", "length", ["get_weather"]), include_usage=False)
+    pieces = [CUT[:5], CUT[5:20], CUT[20:]]
+    out = [
+        c
+        for i, p in enumerate(pieces)
+        for c in chunks.render(Delta(choice=0, text=p, finish_reason="length" if i == 2 else None))
+    ]
+    deltas = [c["choices"][0]["delta"] for c in out if isinstance(c, dict)]
+    assert not any(d.get("content") for d in deltas)  # no markup leaks as content
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [(tc["function"]["name"], tc["function"]["arguments"]) for tc in calls] == [("get_weather", '{"city": "Par')]
+    assert out[-1]["choices"][0]["finish_reason"] == "length"
+    for c in out:
+        openapi.validate(c, "CreateChatCompletionStreamResponse", chunk=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "forced", "calls"),
+    [
+        ("<tool_", ["get_weather"], [("get_weather", "")]),  # cut inside the opening tag
+        ('<tool_call>\n{"name": "get_w', ["get_weather", "get_time"], [("get_weather", "")]),  # a prefix names one
+        ('<tool_call>\n{"name": "get_', ["get_weather", "get_time"], [("get_", "")]),  # ambiguous: as generated
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_', ["f"], [("f", '{"a": 1}')]),  # in the close
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}', ["f"], [("f", '{"a": 1}')]),  # after the arguments
+        (
+            '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {"b',
+            ["f", "g"],
+            [("f", "{}"), ("g", '{"b')],
+        ),
+        ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool', ["f", "g"], [("f", "{}")]),
+    ],
+)
+def test_forced_calls_are_read_up_to_the_cut(text, forced, calls):
+    content, got = chat_template.parse_tool_calls(text, forced)
+    assert content == "" and [(c["name"], c["arguments"]) for c in got] == calls

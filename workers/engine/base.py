@@ -31,6 +31,14 @@ class SeqSpec:
     cache_scope: Hashable = None  # prompt prefixes are reused only between sequences of one scope (tenant)
 
 
+class SequenceError(Exception):
+    """Raised by an engine's step when one sequence cannot go on: only that sequence fails."""
+
+    def __init__(self, key: Hashable, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     key: Hashable
@@ -42,6 +50,7 @@ class TokenEvent:
     engine_s: float = 0.0  # on the final event: this sequence's share of engine time (billing)
     error: str | None = None  # the engine could not go on with this sequence: why (it has ended)
     eos_id: int | None = None  # the end-of-generation token that ended it (no text; logprob and top above)
+    retry: bool = False  # with `error`: the step failed, not this sequence; the attempt lets go to retry
 
     @property
     def ended(self) -> bool:

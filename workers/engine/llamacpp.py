@@ -49,7 +49,9 @@ def sampler_plan(p: GenerationParams, seed: int, n_vocab: int, n_ctx: int) -> Pl
         plan.append(("logit_bias", (tuple(sorted(p.logit_bias.items())),)))
     # repetition_penalty looks at the prompt and the output (llama.cpp, vLLM); presence and frequency
     # penalties at the output only (OpenAI, vLLM, Fireworks): two samplers, fed different tokens.
-    window = n_ctx if p.penalty_last_n is None else p.penalty_last_n
+    # The window is a ring buffer llama.cpp allocates per sampler: never larger than the context
+    # (a request's `repeat_last_n: 250000000` would otherwise cost gigabytes of worker memory).
+    window = n_ctx if p.penalty_last_n is None or p.penalty_last_n < 0 else min(p.penalty_last_n, n_ctx)
     if p.repetition_penalty != 1.0 and window:
         plan.append(("penalties", (n_vocab, window, p.repetition_penalty, 0.0, 0.0)))
     if (p.frequency_penalty or p.presence_penalty) and window:
@@ -453,7 +455,12 @@ class LlamaCppEngine(VocabEngine):
                     out.append(TokenEvent(s.spec.key, None, None, "length", t=now))
                     lane.release(s)
                     continue
-            out.append(self._sample(s, row, now))
+            try:
+                out.append(self._sample(s, row, now))
+            except Exception as exc:  # this sequence's sampling (its grammar, its params) alone fails
+                log.exception("sampling failed for sequence %s", s.spec.key)
+                lane.release(s)
+                out.append(TokenEvent.failed(s.spec.key, f"sampling failed: {type(exc).__name__}", t=now))
         return out
 
     def _row(self, lane: _Lane, row: int) -> np.ndarray:

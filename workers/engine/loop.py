@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
-from workers.engine.base import Engine, PromptEvent, SeqSpec, TokenEvent
+from workers.engine.base import Engine, PromptEvent, SeqSpec, SequenceError, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,16 @@ class EngineLoop:
                 self.engine.cancel(arg)
                 self._busy.pop(arg, None)
 
+    def _drop(self, key: Hashable, ev: TokenEvent) -> None:
+        sink = self._sinks.pop(key, None)
+        self._busy.pop(key, None)
+        try:
+            self.engine.cancel(key)
+        except Exception:
+            log.exception("engine could not drop sequence %s", key)
+        if sink is not None:
+            sink(ev)
+
     def _run(self) -> None:
         while True:
             # Block only when idle; otherwise take whatever arrived and keep stepping.
@@ -93,12 +103,16 @@ class EngineLoop:
             started = self._inside_since = time.monotonic()
             try:
                 events = self.engine.step()
+            except SequenceError as exc:  # one sequence's fault: it alone ends; the others step on
+                log.warning("engine failed sequence %s: %s", exc.key, exc)
+                self._drop(exc.key, TokenEvent.failed(exc.key, str(exc)))
+                continue
             except Exception:
-                log.exception("engine step failed; failing its live sequences")
-                for key, sink in list(self._sinks.items()):
-                    self.engine.cancel(key)
-                    sink(TokenEvent.failed(key, "engine step failed"))
-                self._sinks.clear()
+                # Not attributable to one sequence: every live one lets go (its attempt is retried
+                # and resumes from what it streamed) rather than failing every tenant's job for good.
+                log.exception("engine step failed; its live sequences let go to be retried")
+                for key in list(self._sinks):
+                    self._drop(key, dataclasses.replace(TokenEvent.failed(key, "engine step failed"), retry=True))
                 continue
             finally:
                 self._inside_since = None
