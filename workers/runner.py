@@ -404,11 +404,23 @@ class _Attempt:
         if self.log and now >= self._stream_checked + 1.0:
             self._stream_checked = now
             if not rds.exists(streams.stream_key(self.job.id)):
-                log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", self.job.id)
-                streams.rebuild(rds, self.job.id, self.log, self.settings.events_ttl_s)
-                streams.raise_fence(rds, self.job.id, self.job.attempt, self.settings.events_ttl_s)  # lost too
+                self._rebuild_lost_stream()
         ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out)
         self.log += zip(ids, (encode(e) for e in out), strict=True)
+
+    def _rebuild_lost_stream(self) -> None:
+        """The stream is gone (Redis restarted empty), and its fence with it: only the attempt that
+        still owns the job may write it again. Ownership is asked of Postgres first (renewing the
+        lease is the compare-and-set on state and attempt, and keeps a newer attempt from claiming
+        the job while this one rebuilds); then the fence is raised to this attempt, and a fence
+        already higher (a newer attempt got there) stops it before it writes anything."""
+        job, rds, ttl = self.job, self.runner.redis, self.settings.events_ttl_s
+        if not self.runner.renew(job):
+            raise streams.Fenced(f"job {job.id}: attempt {job.attempt} no longer owns it; not rebuilding its stream")
+        if streams.raise_fence(rds, job.id, job.attempt, ttl) > job.attempt:
+            raise streams.Fenced(f"job {job.id}: attempt {job.attempt} was superseded; not rebuilding its stream")
+        log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", job.id)
+        streams.rebuild(rds, job.id, self.log, ttl)
 
     def _renew_while_waiting(self) -> None:
         now = time.monotonic()

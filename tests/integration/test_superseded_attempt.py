@@ -1,0 +1,90 @@
+"""An attempt that finds its job's event stream lost (Redis restarted empty, the fence with it) may
+rebuild it only while it still owns the job: a superseded attempt stops without writing the stream
+or setting the fence. Real Postgres and Redis, in-process; the null engine's vocabulary."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from core.infra import streams
+from core.infra.orm import JobState
+from core.jobs import transitions
+from core.jobs.events import Delta, decode
+from core.jobs.lifecycle import Lifecycle
+from tests import factories
+from workers.engine.loop import EngineLoop
+from workers.engine.null import NullEngine
+from workers.runner import JobRunner, _Attempt
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def engine_loop():
+    return EngineLoop(NullEngine(MODEL, n_ctx=512, max_batch=4))
+
+
+def _claim(sessions, job_id: str, attempt: int, worker: str, lease_s: float):
+    with sessions() as s:
+        row = s.execute(*transitions.claim(job_id, attempt, worker, lease_s)).scalar()
+        s.commit()
+    assert row is not None
+    return row
+
+
+def _started(session, sessions, rds, it_settings, engine_loop, lease_s: float) -> _Attempt:
+    """Attempt 1 of a new job, claimed, fenced, with one delta streamed."""
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8))
+    claimed = _claim(sessions, job.id, 1, "w-old", lease_s)
+    runner = JobRunner(engine_loop, it_settings, rds, sessions, "w-old")
+    runner.lifecycle.appender = None  # this test's appends go straight to Redis
+    a = _Attempt(runner, claimed)
+    streams.raise_fence(rds, job.id, 1, 60)
+    a._emit([Delta(attempt=1, choice=0, text="first", token_ids=[11])])
+    return a
+
+
+def _redis_lost_everything(rds, job_id: str) -> None:
+    rds.delete(streams.stream_key(job_id), streams.fence_key(job_id))
+
+
+def test_a_superseded_attempt_does_not_rebuild_a_lost_stream_nor_set_the_fence(
+    session, sessions, rds, it_settings, engine_loop
+):
+    a = _started(session, sessions, rds, it_settings, engine_loop, lease_s=0.05)
+    job_id = a.job.id
+    # Attempt 1's lease lapses; the reaper hands the job to attempt 2, which claims it.
+    time.sleep(0.2)
+    Lifecycle(sessions, rds, it_settings).reap()
+    with sessions() as s:
+        assert s.execute(transitions.mark_dispatched(job_id, 2)).first() is not None
+        s.commit()
+    _claim(sessions, job_id, 2, "w-new", 60)
+    _redis_lost_everything(rds, job_id)  # Redis restarted empty before attempt 2 raised its fence
+
+    a._stream_checked = 0.0  # the once-a-second check is due
+    with pytest.raises(streams.Fenced):
+        a._emit([Delta(attempt=1, choice=0, text=" stale", token_ids=[12])])
+    assert not rds.exists(streams.stream_key(job_id))  # not rebuilt, and nothing of attempt 1 written
+    assert rds.get(streams.fence_key(job_id)) is None  # the fence was not set to the old attempt
+    # Attempt 2 raises its fence and finds nothing of the superseded attempt in its way.
+    assert streams.raise_fence(rds, job_id, 2, 60) == 2
+
+
+def test_the_owning_attempt_rebuilds_its_lost_stream_with_the_same_ids(
+    session, sessions, rds, it_settings, engine_loop
+):
+    a = _started(session, sessions, rds, it_settings, engine_loop, lease_s=60)
+    job_id = a.job.id
+    before = streams.entries(rds, job_id)
+    _redis_lost_everything(rds, job_id)
+
+    a._stream_checked = 0.0
+    a._emit([Delta(attempt=1, choice=0, text=" second", token_ids=[12])])
+    after = streams.entries(rds, job_id)
+    assert after[:1] == before  # the same entry id: a reader's Last-Event-ID still points into it
+    assert [decode(p).text for _, p in after] == ["first", " second"]
+    assert int(rds.get(streams.fence_key(job_id))) == 1
