@@ -14,10 +14,10 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from api.cache import SingleFlight
+from core.generation.events import TerminalRow
 from core.infra import streams
 from core.infra.db import async_sessions
 from core.jobs import transitions
-from core.jobs.events import TerminalRow
 from core.jobs.stream import HEARTBEAT, follow
 from core.protocol.render import JobRecord, chunks_for
 

@@ -21,12 +21,12 @@ from core import retention
 from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
+from core.generation.events import ErrorInfo, Failed
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
 from core.infra.orm import Job, JobState, Tenant
 from core.jobs import transitions as jobs
 from core.jobs import workers
-from core.jobs.events import ErrorInfo, Failed
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
 from core.tenancy import admission

@@ -2,7 +2,7 @@
 
 A Redis stream (XADD with a cap and a TTL) rather than PUBLISH: a reader that attaches late, or
 reconnects with `Last-Event-ID` (the stream entry id), replays exactly what it has not seen. This
-module only moves payloads; what they mean is core/jobs/events.py.
+module only moves payloads; what they mean is core/generation/events.py.
 """
 
 from __future__ import annotations

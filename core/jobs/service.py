@@ -16,6 +16,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
+from core.generation.events import is_terminal
 from core.generation.params import GenerationParams
 from core.generation.tokenizer import Tokenizer
 from core.idempotency import Claim
@@ -25,7 +26,6 @@ from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import transitions, workers
-from core.jobs.events import is_terminal
 from core.jobs.lifecycle import submit
 from core.jobs.stream import HEARTBEAT, follow
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from core.generation.events import Delta, Event, TerminalRow, decode, from_row, is_terminal
 from core.infra import streams
-from core.jobs.events import Delta, Event, TerminalRow, decode, from_row, is_terminal
 
 RowCheck = Callable[[], Awaitable[TerminalRow | None]]
 HEARTBEAT = object()

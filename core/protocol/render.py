@@ -1,6 +1,6 @@
 """Neutral results and events -> OpenAI's wire JSON. The only place that knows those shapes.
 
-A job's stored result, its stream events and its usage are engine-neutral (core/jobs/events.py);
+A job's stored result, its stream events and its usage are engine-neutral (core/generation/events.py);
 here they become a `text_completion`, its chunks, Spool's job object, or a batch output body.
 """
 
@@ -14,8 +14,7 @@ from typing import Any, Protocol
 
 from core.config import get_settings
 from core.generation import chat_template
-from core.generation.params import GenerationParams
-from core.jobs.events import (
+from core.generation.events import (
     Cancelled,
     ChoiceResult,
     Delta,
@@ -29,6 +28,7 @@ from core.jobs.events import (
     result_of,
     usage_of,
 )
+from core.generation.params import GenerationParams
 from core.registry import RegistryError, settings_for
 
 try:

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from core.generation.events import Delta, decode, encode
 from core.infra import streams
 from core.infra.orm import Job, JobState
-from core.jobs.events import Delta, decode, encode
 from core.jobs.lifecycle import Lifecycle
 from tests import factories
 from workers.engine.base import PromptEvent, TokenEvent

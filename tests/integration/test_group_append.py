@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from core.generation.events import Delta, encode
 from core.infra import streams
-from core.jobs.events import Delta, encode
 from tests.conftest import wait_for
 
 

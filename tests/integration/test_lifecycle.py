@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
+from core.generation.events import Cancelled, ChoiceResult, Done, ErrorInfo, Failed, JobResult, Usage, decode
 from core.infra import streams
 from core.infra.orm import Job, JobState, UsageDaily
 from core.jobs import transitions
-from core.jobs.events import Cancelled, ChoiceResult, Done, ErrorInfo, Failed, JobResult, Usage, decode
 from core.jobs.lifecycle import Lifecycle
 from core.tenancy import ratelimit
 from tests import factories

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from core.generation.events import Delta, encode
 from core.infra import streams
 from core.infra.orm import Job, JobState
 from core.jobs import transitions
-from core.jobs.events import Delta, encode
 from core.jobs.lifecycle import Lifecycle
 from tests import factories
 from tests.conftest import wait_for

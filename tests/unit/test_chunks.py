@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from core.generation import chat_template
+from core.generation.events import ChoiceResult, Delta, Done, Failed, JobResult, TokenScore, TopToken, Usage
 from core.generation.params import GenerationParams
-from core.jobs.events import ChoiceResult, Delta, Done, Failed, JobResult, TokenScore, TopToken, Usage
 from core.protocol import render
 from tests import openapi
 
@@ -109,7 +109,7 @@ def test_job_object_renders_a_failed_job_error():
 
 def test_events_survive_the_stream_encoding_with_null_logprobs():
     """The first prompt token has no logprob: encoded without nulls, it must still decode."""
-    from core.jobs.events import decode, encode
+    from core.generation.events import decode, encode
 
     prompt, gen = _scores()
     ev = Delta(choice=0, text="AB", prefix_len=2, prompt_scores=prompt, scores=gen)
