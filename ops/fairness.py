@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import httpx
-from sqlalchemy import Engine, create_engine, func, insert, select, update
+from sqlalchemy import Engine, create_engine, func, insert, select
 
 from core.generation.params import GenerationParams
 from core.infra.orm import Job, JobState, Tenant
@@ -65,11 +65,7 @@ def insert_backlog(
 
 def cancel_queued(db: Engine, tenant_id: int) -> None:
     with db.begin() as conn:
-        conn.execute(
-            update(Job)
-            .where(Job.tenant_id == tenant_id, Job.state == JobState.queued.value)
-            .values(state=JobState.cancelled.value, finished_at=func.now())
-        )
+        conn.execute(jobs.cancel_queued_of_tenant(tenant_id))
 
 
 def interactive_waits(url: str, key: str, db: Engine, n: int = 8) -> list[float]:

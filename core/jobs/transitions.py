@@ -224,6 +224,17 @@ def fail(job_id: str, attempt: int, error: dict[str, Any]) -> tuple[Update, dict
     return FAIL, {"b_job_id": job_id, "b_attempt": attempt, "b_error": error}
 
 
+def cancel_queued_of_tenant(tenant_id: int) -> Update:
+    """Every queued job of a tenant -> cancelled, at once, with no usage row, settlement or event: only
+    for a tool clearing a backlog it wrote into the ledger itself (ops/fairness.py), never for jobs
+    a client waits on (those go through the lifecycle)."""
+    return (
+        update(Job)
+        .where(Job.tenant_id == tenant_id, Job.state == JobState.queued.value)
+        .values(state=JobState.cancelled.value, finished_at=func.now())
+    )
+
+
 def cancel(job_id: str, tenant_id: int, error: dict[str, Any]) -> Update:
     """Any live state -> cancelled. Only the owner can; a second cancel matches nothing."""
     stmt = _transition(
