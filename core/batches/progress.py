@@ -12,14 +12,19 @@ import re
 import secrets
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.batches.status import LIVE, BatchStatus, end, ending
+from core.config import get_settings
 from core.files import storage as files
+from core.infra import kv
+from core.infra.db import sync_sessions
 from core.infra.orm import Batch, File, Job, JobState
+from core.jobs.lifecycle import BATCH_CANCELLED, BATCH_EXPIRED, Lifecycle
 from core.protocol import render
 
 log = logging.getLogger(__name__)
@@ -98,11 +103,9 @@ def _line(job: Job) -> tuple[bool, dict[str, Any]]:
             "response": {"status_code": 200, "request_id": job.id, "body": body},
             "error": None,
         }
-    if job.state == JobState.expired.value:
-        err = {"code": "batch_expired", "message": "This line was not run before the batch's completion window ended."}
-        return False, {"id": rid, "custom_id": job.custom_id, "response": None, "error": err}
-    if job.state == JobState.cancelled.value:
-        err = {"code": "batch_cancelled", "message": "This line was not run: the batch was cancelled."}
+    if job.state in (JobState.expired.value, JobState.cancelled.value):
+        info = BATCH_EXPIRED if job.state == JobState.expired.value else BATCH_CANCELLED
+        err = {"code": info.code, "message": info.message}
         return False, {"id": rid, "custom_id": job.custom_id, "response": None, "error": err}
     e = job.error or {"message": "The request failed.", "type": "server_error"}
     # A line refused by its tenant's limits (core/tenancy/admission.admit_lines) is a 429, as it would be alone.
@@ -152,27 +155,21 @@ def write_results(session: Session, b: Batch) -> None:
 SLICE = 5000
 
 
-def _end_queued(session: Session, batch_id: str, state: JobState, slice_rows: int) -> bool:
-    """Up to `slice_rows` of the batch's queued lines -> `state`; True when some may be left."""
-    picked = session.scalars(
-        select(Job.id)
-        .where(Job.batch_id == batch_id, Job.state == JobState.queued.value)
-        .limit(slice_rows)
-        .with_for_update(skip_locked=True)
-    ).all()
-    if picked:
-        session.execute(
-            update(Job)
-            .where(Job.id.in_(picked), Job.state == JobState.queued.value)
-            .values(state=state.value, finished_at=func.now())
-            .execution_options(synchronize_session=False)
-        )
-    return len(picked) >= slice_rows
+@lru_cache
+def _default_lifecycle() -> Lifecycle:
+    settings = get_settings()
+    return Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
 
 
-def advance(session: Session, limit: int = 20, slice_rows: int = SLICE) -> int:
-    """Move live batches along: counts, expiry, cancellation, finalization. Returns how many ended."""
+def advance(session: Session, limit: int = 20, slice_rows: int = SLICE, lifecycle: Lifecycle | None = None) -> int:
+    """Move live batches along: counts, expiry, cancellation, finalization. Returns how many ended.
+
+    A batch's queued lines end (expired or cancelled) through the job lifecycle like every job: the
+    state change and one usage count per line in this pass's transaction, then, once it committed,
+    each line's reservation settled and its terminal event published."""
+    lifecycle = lifecycle or _default_lifecycle()
     ended = 0
+    lines: list[tuple[list[Any], JobState]] = []
     rows = session.scalars(
         select(Batch)
         .where(Batch.status.in_([s.value for s in LIVE]))
@@ -184,13 +181,16 @@ def advance(session: Session, limit: int = 20, slice_rows: int = SLICE) -> int:
     for b in rows:
         if b.status == BatchStatus.in_progress and b.expires_at <= now and b.expired_at is None:
             b.expired_at = now  # lines not started are done for; running ones may finish
-        more = False
+        to = None
         if b.status == BatchStatus.in_progress and b.expired_at is not None:
-            more = _end_queued(session, b.id, JobState.expired, slice_rows)
+            to = JobState.expired
         if b.status == BatchStatus.cancelling:
-            more = _end_queued(session, b.id, JobState.cancelled, slice_rows)
-        if more:  # the rest in the next passes; counting and finalizing wait until then
-            continue
+            to = JobState.cancelled
+        if to is not None:
+            rows = lifecycle.end_queued_lines(session, b.id, to, slice_rows)
+            lines.append((rows, to))
+            if len(rows) >= slice_rows:  # the rest in the next passes; counting and finalizing wait until then
+                continue
         counts, live = summarize(session.execute(state_counts(session, b.id)).all())
         b.request_counts = counts
         if live:
@@ -201,6 +201,8 @@ def advance(session: Session, limit: int = 20, slice_rows: int = SLICE) -> int:
         ended += 1
         log.info("batch %s %s: %s", b.id, final, counts)
     session.commit()
+    for rows, to in lines:
+        lifecycle.announce_lines(rows, to)
     return ended
 
 

@@ -25,19 +25,27 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
 from core.config import Settings
+from core.generation.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode, encode
 from core.idempotency import Claim
 from core.infra import kv, streams
 from core.infra.broker import send_run_job
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job, JobState
 from core.jobs import transitions
-from core.jobs.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode, encode
 from core.tenancy import ratelimit, usage
 
 log = logging.getLogger(__name__)
 
 # The one wording of each ending that is not the engine's own verdict.
 CANCELLED = ErrorInfo(message="The job was cancelled.", type="cancelled", code="cancelled")
+BATCH_EXPIRED = ErrorInfo(
+    message="This line was not run before the batch's completion window ended.", type="expired", code="batch_expired"
+)
+BATCH_CANCELLED = ErrorInfo(
+    message="This line was not run: the batch was cancelled.", type="cancelled", code="batch_cancelled"
+)
+# Terminal events of many jobs at once go to Redis in pipelines of this many jobs.
+ANNOUNCE_CHUNK = 1000
 
 
 def worker_lost(max_attempts: int) -> ErrorInfo:
@@ -114,19 +122,58 @@ class Lifecycle:
             ),
         )
 
+    @staticmethod
+    def _record_many(session: Session, rows: Sequence[Any], outcome: str) -> None:
+        """One usage count per job for many jobs that ended alike with nothing billable (a batch's
+        lines that never ran): one upsert per (tenant, key, model), in the caller's transaction."""
+        groups: dict[tuple[int, int | None, str], int] = {}
+        for r in rows:
+            k = (r.tenant_id, r.key_id, r.model)
+            groups[k] = groups.get(k, 0) + 1
+        params = [
+            usage.record(tenant_id=t, key_id=key, model=m, outcome=outcome, requests=n)
+            for (t, key, m), n in groups.items()
+        ]
+        if params:
+            session.execute(usage.UPSERT, params)
+
     def _announce(self, job_id: str, billable: int, ev: Done | Failed | Cancelled) -> None:
         """After the commit: settle the reservation and publish the end, retried while Redis is away
         (the ledger already says how the job ended; readers fall back to it meanwhile)."""
+
+        def once() -> None:
+            ratelimit.settle(self.redis, job_id, billable)
+            self.publish(job_id, [ev], cancel_flag=isinstance(ev, Cancelled))
+
+        self._while_redis_away(once, f"job {job_id}")
+
+    def _announce_many(self, ends: Sequence[tuple[str, Failed | Cancelled]]) -> None:
+        """`_announce` for many jobs that billed nothing: their reservations released and their
+        terminal events appended in pipelines, not a round trip per job."""
+        ttl = self.settings.events_ttl_s
+        for i in range(0, len(ends), ANNOUNCE_CHUNK):
+            chunk = ends[i : i + ANNOUNCE_CHUNK]
+
+            def once(chunk: Sequence[tuple[str, Failed | Cancelled]] = chunk) -> None:
+                now_ms = int(time.time() * 1000)
+                pipe = self.redis.pipeline(transaction=False)
+                for job_id, ev in chunk:
+                    pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), now_ms, 0)
+                    streams.queue_append(pipe, job_id, [encode(ev)], ttl)
+                pipe.execute()
+
+            self._while_redis_away(once, f"{len(chunk)} jobs")
+
+    def _while_redis_away(self, fn: Callable[[], None], what: str) -> None:
         deadline = time.monotonic() + self.settings.infra_retry_s
         backoff = 0.2
         while True:
             try:
-                ratelimit.settle(self.redis, job_id, billable)
-                self.publish(job_id, [ev], cancel_flag=isinstance(ev, Cancelled))
+                fn()
                 return
             except kv.TRANSIENT:
                 if time.monotonic() + backoff > deadline:
-                    log.warning("job %s ended but Redis stayed away: its end is in Postgres only", job_id)
+                    log.warning("%s ended but Redis stayed away: the end is in Postgres only", what)
                     return
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -152,7 +199,8 @@ class Lifecycle:
                 self._record(s, row, outcome, u, engine_s)
             s.commit()
         if row is not None:
-            billable = u.total_tokens if isinstance(u, Usage) and outcome in ("succeeded", "cancelled") else 0
+            # Billing follows delivery: whatever the ending, the reservation settles to what was billed.
+            billable = u.total_tokens if isinstance(u, Usage) else 0
             self._announce(row.id, billable, ev)
         return row
 
@@ -163,11 +211,26 @@ class Lifecycle:
         prompt = sum(len(p.get("ids", [])) for p in (job.prompts or [])) if job.started_at is not None else 0
         return Usage(prompt_tokens=prompt, completion_tokens=generated)
 
-    def _deltas(self, job_id: str) -> list[Delta]:
+    def delivered(self, job: Any) -> Usage:
+        """What a job's stream carried to its readers: every token in it, and the prompt once any of
+        it went out (the prompt was processed to produce it). A job that streamed and then failed, or
+        whose last worker was lost, bills this: billing follows delivery. Raises while Redis is away
+        (the caller retries: a bill of 0 for delivered tokens would be wrong, not merely late)."""
+        deltas = self._deltas(job.id, strict=True)
+        if not deltas:
+            return Usage()
+        generated = sum(len(e.token_ids) + bool(e.eos) for e in deltas)
+        prompt = sum(len(p.get("ids", [])) for p in (job.prompts or []))
+        return Usage(prompt_tokens=prompt, completion_tokens=generated)
+
+    def _deltas(self, job_id: str, strict: bool = False) -> list[Delta]:
         try:
             evs = [decode(raw) for _, raw in streams.entries(self.redis, job_id)]
-        except Exception:  # Redis away: bill what Postgres knows (nothing generated is recorded there)
-            log.warning("could not read %s's stream to bill a cancel", job_id, exc_info=True)
+        except kv.TRANSIENT:
+            if strict:
+                raise
+            # Redis away: bill what Postgres knows (nothing generated is recorded there)
+            log.warning("could not read %s's stream to bill it", job_id, exc_info=True)
             return []
         return [e for e in evs if isinstance(e, Delta)]
 
@@ -182,6 +245,10 @@ class Lifecycle:
         return row is not None
 
     def fail(self, job: Job, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
+        """`u`: what to bill; by default what the job's stream delivered (`delivered`)."""
+        if u is None:
+            u = self.delivered(job)
+        error = _storable_error(error)
         stmt = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
         return self._end(stmt, "failed", Failed(attempt=job.attempt, error=error), u, engine_s) is not None
 
@@ -196,20 +263,61 @@ class Lifecycle:
 
     def reap(self) -> dict[str, int]:
         """Jobs whose worker stopped renewing its lease: back to `queued` with the next attempt (the
-        next attempt resumes from the streamed tokens), or failed once attempts run out."""
+        next attempt resumes from the streamed tokens), or failed once attempts run out, billed what
+        their streams delivered. While Redis is away the failing waits for a later pass (the bill
+        needs the stream); the requeueing does not."""
         n = self.settings.max_attempts
         err = worker_lost(n)
         with self.sessions() as s:
             requeued_rows = s.execute(transitions.requeue_lapsed(n)).all()
-            failed = s.execute(transitions.fail_lapsed(n, err.model_dump(mode="json"))).scalars().all()
-            for row in failed:
-                self._record(s, row, "failed", None, 0.0)
             s.commit()
-        requeued = len(requeued_rows)
         for r in requeued_rows:
             REAPED.labels(r.model).inc()
-        for row in failed:
+        billed: list[tuple[Job, Usage]] = []
+        with self.sessions() as s:
+            failed = s.execute(transitions.fail_lapsed(n, err.model_dump(mode="json"))).scalars().all()
+            try:
+                billed = [(row, self.delivered(row)) for row in failed]
+            except kv.TRANSIENT:
+                log.warning("Redis away: %d lapsed jobs are failed on a later pass", len(failed))
+                s.rollback()
+                return {"requeued": len(requeued_rows), "failed": 0}
+            for row, u in billed:
+                self._record(s, row, "failed", u, 0.0)
+            s.commit()
+        for row, u in billed:
             REAPED.labels(row.model).inc()
-        for row in failed:
-            self._announce(row.id, 0, Failed(attempt=row.attempt, error=err))
-        return {"requeued": requeued, "failed": len(failed)}
+            self._announce(row.id, u.total_tokens, Failed(attempt=row.attempt, error=err))
+        return {"requeued": len(requeued_rows), "failed": len(billed)}
+
+    # -- a batch's lines that never ran --------------------------------------------------------
+    def end_queued_lines(self, session: Session, batch_id: str, to: JobState, limit: int) -> list[Any]:
+        """Up to `limit` of a batch's queued lines -> `to` (expired or cancelled), each counted once
+        in usage (one upsert per tenant, key and model, not per line), in the caller's transaction.
+        After it commits, the caller passes the rows to `announce_lines`. The lines never ran for
+        their batch (a line a lost worker had started is requeued, and its output never reaches the
+        batch's files): they bill nothing."""
+        err = BATCH_EXPIRED if to == JobState.expired else BATCH_CANCELLED
+        rows = session.execute(transitions.end_queued_lines(batch_id, to, err.model_dump(mode="json"), limit)).all()
+        self._record_many(session, rows, to.value)
+        return list(rows)
+
+    def announce_lines(self, rows: Sequence[Any], to: JobState) -> None:
+        """After `end_queued_lines` committed: each line's reservation released and its terminal
+        event published, in pipelines."""
+        ends: list[tuple[str, Failed | Cancelled]] = [
+            (r.id, Failed(attempt=r.attempt, error=BATCH_EXPIRED) if to == JobState.expired else Cancelled())
+            for r in rows
+        ]
+        self._announce_many(ends)
+
+
+def _storable(text: str) -> str:
+    """Text Postgres can hold in JSONB: no NUL, no unpaired surrogate (an error message quoting
+    something odd). Only for error messages: results keep their text exactly."""
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def _storable_error(error: ErrorInfo) -> ErrorInfo:
+    clean = _storable(error.message)
+    return error if clean == error.message else error.model_copy(update={"message": clean})

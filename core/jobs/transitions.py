@@ -235,6 +235,41 @@ def cancel_queued_of_tenant(tenant_id: int) -> Update:
     )
 
 
+def fail_queued(job_id: str, attempt: int, error: dict[str, Any]) -> Update:
+    """queued -> failed, before it ever ran (a batch line refused by its tenant's daily quota as it
+    dispatches). Returns `ENDED`."""
+    c = _JOBS.c
+    return (
+        update(_JOBS)
+        .where(c.id == job_id, c.state == JobState.queued.value, c.attempt == attempt)
+        .values(state=JobState.failed.value, finished_at=func.now(), lease_until=None, error=error)
+        .returning(*ENDED)
+    )
+
+
+def end_queued_lines(batch_id: str, to: JobState, error: dict[str, Any], limit: int) -> Update:
+    """Up to `limit` of a batch's queued lines -> `to` (expired: its window ended; cancelled: the
+    batch was cancelled), in one statement; lines another transaction holds (the dispatcher picking
+    them) are skipped, and the compare-and-set on `queued` leaves any line that moved on alone.
+    Returns `ENDED` and each line's attempt."""
+    c = _JOBS.c
+    # A CTE, evaluated once: as an `IN (subquery)` the planner may rescan the locking subquery per
+    # row and end more than `limit` lines in one statement.
+    picked = (
+        select(c.id)
+        .where(c.batch_id == batch_id, c.state == JobState.queued.value)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .cte("picked")
+    )
+    return (
+        update(_JOBS)
+        .where(c.id == picked.c.id, c.state == JobState.queued.value)
+        .values(state=to.value, finished_at=func.now(), lease_until=None, error=error)
+        .returning(*ENDED, c.attempt)
+    )
+
+
 def cancel(job_id: str, tenant_id: int, error: dict[str, Any]) -> Update:
     """Any live state -> cancelled. Only the owner can; a second cancel matches nothing."""
     stmt = _transition(

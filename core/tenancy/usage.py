@@ -1,7 +1,10 @@
-"""Usage accounting: one upsert per finished job into `usage_daily`, plus Prometheus counters.
+"""Usage accounting: every finished job counts once in `usage_daily`, plus Prometheus counters.
 
-Called in the same transaction as the job's terminal transition, by whoever makes it (worker,
-API cancel, dispatcher reaper), so billing and job state cannot disagree.
+`usage_daily` has one row per day, tenant, key and model: a finished job adds 1 to its `requests`
+(and to `failed` unless it succeeded) and its tokens. Called in the same transaction as the job's
+terminal transition, by whoever makes it (worker, API cancel, dispatcher reaper, batch keeper), so
+billing and job state cannot disagree. Many jobs that end together (a batch's expired lines) are
+added per (tenant, key, model) with `requests` = how many: one upsert per group, not per job.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def _upsert() -> Insert:
         tenant_id=bindparam("tenant_id"),
         key_id=bindparam("key_id"),
         model=bindparam("model"),
-        requests=1,
+        requests=bindparam("requests"),
         failed=bindparam("failed"),
         prompt_tokens=bindparam("prompt_tokens"),
         completion_tokens=bindparam("completion_tokens"),
@@ -55,9 +58,11 @@ def record(
     completion_tokens: int = 0,
     gpu_seconds: float = 0.0,
     outcome: str = "succeeded",
+    requests: int = 1,
 ) -> dict[str, Any]:
-    """Count the job in the metrics; returns the parameters of `UPSERT` for its usage row."""
-    REQUESTS.labels(str(tenant_id), model, outcome).inc()
+    """Count the job (or `requests` jobs that ended alike, their tokens summed) in the metrics;
+    returns the parameters of `UPSERT` for its usage row."""
+    REQUESTS.labels(str(tenant_id), model, outcome).inc(requests)
     TOKENS.labels(str(tenant_id), model, "prompt").inc(prompt_tokens)
     TOKENS.labels(str(tenant_id), model, "completion").inc(completion_tokens)
     SECONDS.labels(str(tenant_id), model).inc(gpu_seconds)
@@ -65,7 +70,8 @@ def record(
         "tenant_id": tenant_id,
         "key_id": key_id or 0,
         "model": model,
-        "failed": 0 if outcome == "succeeded" else 1,
+        "requests": requests,
+        "failed": 0 if outcome == "succeeded" else requests,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "gpu_seconds": gpu_seconds,

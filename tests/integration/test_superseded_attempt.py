@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from core.generation.events import Delta, decode
 from core.infra import streams
 from core.infra.orm import JobState
 from core.jobs import transitions
-from core.jobs.events import Delta, decode
 from core.jobs.lifecycle import Lifecycle
 from tests import factories
 from workers.engine.loop import EngineLoop
