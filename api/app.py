@@ -13,10 +13,18 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+    start_http_server,
+)
 from sqlalchemy import text
 
 from api import errors
+from api.deps import AdminDep
 from api.guard import RequestGuard
 from api.observe import RequestIdentity
 from api.ratelimit import RequestRateGate
@@ -43,6 +51,8 @@ async def lifespan(app: FastAPI):
     # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
     app.state.lifecycle = Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
     _drain_on_sigterm(app)
+    if settings.api_metrics_port:
+        _serve_metrics_port(settings.api_metrics_port)
     for model in settings.model_ids:  # load tokenizers now, not on the first request
         try:
             await anyio.to_thread.run_sync(tokenizer_for, model)
@@ -54,6 +64,23 @@ async def lifespan(app: FastAPI):
     await app.state.hub.aclose()
     await app.state.redis.aclose()
     await async_engine().dispose()
+
+
+def _metrics_registry() -> CollectorRegistry:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # `spool api --workers N`: the sum over processes
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return registry
+    return REGISTRY
+
+
+def _serve_metrics_port(port: int) -> None:
+    """The metrics on their own port. With `--workers N` every process tries; the first to bind
+    serves the sum over all of them (multiprocess registry), the others find the port taken."""
+    try:
+        start_http_server(port, registry=_metrics_registry())
+    except OSError:
+        log.debug("metrics port %d already served by another API process", port)
 
 
 def _drain_on_sigterm(app: FastAPI) -> None:
@@ -95,12 +122,10 @@ def create_app() -> FastAPI:
     app.include_router(ui.router)
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # `spool api --workers N`: the sum over processes
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(_: AdminDep) -> Response:
+        """Admin keys only: metrics name tenants' models, queue depths and error rates. A scraper on
+        the private network uses SPOOL_API_METRICS_PORT instead."""
+        return Response(generate_latest(_metrics_registry()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict:

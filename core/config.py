@@ -194,6 +194,11 @@ class Settings(BaseSettings):
         "json", description="Log lines as JSON (with request, job, tenant, model and attempt ids) or as plain text."
     )
     metrics_port: int = Field(0, description="Prometheus port of `spool worker` / `spool dispatcher` (0 = off).")
+    api_metrics_port: int = Field(
+        0,
+        description="Prometheus port of `spool api`, for a scraper on the private network (0 = off). "
+        "`/metrics` on the API's own port answers admin-scoped keys only.",
+    )
 
     max_file_bytes: int = Field(2 * 1024**3, description="Largest upload to /v1/files (413 above).")
     tenant_storage_bytes: int = Field(

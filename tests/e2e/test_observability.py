@@ -73,7 +73,8 @@ def test_metrics_on_api_worker_and_dispatcher_have_sane_values(stack):
             with http.stream("POST", "/v1/completions", json=body) as resp:
                 assert resp.status_code == 200
                 resp.read()
-        api = http.get("/metrics").text
+    with stack.http(stack.keys["admin"]) as admin:
+        api = admin.get("/metrics").text
     assert _metric(api, "spool_requests_admitted_total", model=MODEL) >= 3
 
     worker = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['worker']}/metrics").text
@@ -104,9 +105,9 @@ def test_metrics_on_api_worker_and_dispatcher_have_sane_values(stack):
 
 
 def test_with_two_api_processes_the_counters_are_the_sum(stack):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = open(stack.logdir / "api2.log", "ab")
-    env = {**stack.env, "SPOOL_API_PORT": str(port)}
+    env = {**stack.env, "SPOOL_API_PORT": str(port), "SPOOL_API_METRICS_PORT": str(metrics_port)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     proc = subprocess.Popen([*SPOOL, "api", "--workers", "2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -125,11 +126,15 @@ def test_with_two_api_processes_the_counters_are_the_sum(stack):
             with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
                 r = c.post("/v1/completions", json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 1})
                 assert r.status_code == 200, r.text
+        tenant = str(_tenant_id(stack, "ops"))
+        admin = {"Authorization": f"Bearer {stack.keys['admin']}"}
         for _ in range(4):  # whichever process answers the scrape, it reports the sum
-            with httpx.Client(base_url=base, timeout=30) as c:
+            with httpx.Client(base_url=base, headers=admin, timeout=30) as c:
                 text = c.get("/metrics").text
-            tenant = str(_tenant_id(stack, "ops"))
             assert _metric(text, "spool_requests_admitted_total", tenant=tenant, model=MODEL) == n
+        # The private metrics port (one of the two processes bound it) reports the same sum, no key needed.
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+        assert _metric(text, "spool_requests_admitted_total", tenant=tenant, model=MODEL) == n
     finally:
         proc.terminate()
         proc.wait(30)

@@ -143,8 +143,21 @@ def test_admin_needs_an_admin_key_and_usage_is_per_tenant(stack):
         assert admin.patch("/admin/tenants/metered", json={"rpm": None}).json()["rpm"] is None
         bad = admin.patch("/admin/tenants/metered", json={"weight": None})  # found by schemathesis: was a 500
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight"
-    metrics = httpx.get(stack.base_url + "/metrics").text
+    metrics = admin.get("/metrics").text
     assert "spool_requests_admitted_total" in metrics
+
+
+def test_metrics_answer_admin_keys_only(stack):
+    """Issue 25: the API's metrics name every tenant's models, queues and errors: no key gets a 401,
+    an ordinary key the same 404 as an unknown route, and neither sees a single metric line."""
+    anonymous = httpx.get(stack.base_url + "/metrics")
+    assert anonymous.status_code == 401 and "spool_" not in anonymous.text
+    with stack.http(stack.keys["beta"]) as http:
+        r = http.get("/metrics")
+    assert r.status_code == 404 and "spool_" not in r.text
+    assert r.json()["error"]["message"].startswith("Unknown request URL")
+    with stack.http(stack.keys["admin"]) as admin:
+        assert "spool_requests_admitted_total" in admin.get("/metrics").text
 
 
 def test_tenant_b_gets_404_for_every_object_of_tenant_a(stack):
