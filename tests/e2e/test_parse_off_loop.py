@@ -2,21 +2,25 @@
 
 FastAPI used to parse and validate bodies on the loop: one 200k-message chat body (7 MB) or a
 prompt of a million token ids held every other request of the process for ~0.4-0.7 s. Here one
-client sends such bodies while another asks GET /health back to back: the slowest /health answer is
-the loop's longest stall (the body's own cost included, as it is answered with a 404 for its model
-only after validation)."""
+client sends such bodies while another asks GET /health back to back, and the test counts the
+/health answers that arrive after a body's last byte was sent and before its answer came: the time
+the server spent decoding and validating it (it is answered with a 404 for its model only after
+validation). A loop busy parsing answers nothing in that window; a loop that hands the work to a
+thread keeps answering. No speed is asserted: `python -m ops.hostile` measures the stalls."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 from tests.conftest import Stack
 
-# Far below the old stall (907 ms measured), above the new ones (140-160 ms measured, mostly the one
-# uninterruptible json.loads of the token list; see api/bodies.py).
-MAX_STALL_S = 0.35
+# Measured on 0ed3e16 (parsed on the loop): 10-18 /health answers in that window, all while the
+# body's tail was still being read; here 77-143 (a /health answer takes a few ms). The 4 MiB string decodes in tens
+# of ms either way: it is sent for its errors, not counted.
+MIN_ANSWERS_WHILE_PARSING = 40
 
 
 def _bodies() -> list[tuple[str, bytes]]:
@@ -33,37 +37,45 @@ def _bodies() -> list[tuple[str, bytes]]:
 def test_big_bodies_do_not_stall_other_requests(stack: Stack):
     bodies = _bodies()
     assert all(len(raw) <= 8 << 20 for _, raw in bodies)  # inside the API's body limit
-    latencies: list[float] = []
+    answered: list[float] = []  # when each /health answer arrived
     stop = threading.Event()
 
     def heartbeat() -> None:
         with stack.http() as c:
             while not stop.is_set():
-                t0 = time.perf_counter()
                 assert c.get("/health").status_code == 200
-                latencies.append(time.perf_counter() - t0)
+                answered.append(time.perf_counter())
 
+    windows: list[tuple[str, float, float]] = []
     with stack.http(stack.keys["alpha"]) as c:
         c.get("/health")  # connection up before the measurement
         probe = threading.Thread(target=heartbeat)
         probe.start()
         try:
-            time.sleep(0.3)
-            for _ in range(3):
+            for _ in range(2):
                 for path, raw in bodies:
-                    r = c.post(path, content=raw, headers={"content-type": "application/json"})
+                    sent: list[float] = []
+
+                    def chunks(raw: bytes = raw, sent: list[float] = sent) -> Iterator[bytes]:
+                        for i in range(0, len(raw), 1 << 20):
+                            yield raw[i : i + (1 << 20)]
+                        sent.append(time.perf_counter())  # httpx asks for more only after writing the last
+
+                    r = c.post(path, content=chunks(), headers={"content-type": "application/json"})
+                    done = time.perf_counter()
                     # validated in full, then refused for its model: the parse happened
                     assert r.status_code == 404, r.text[:500]
                     assert r.json()["error"]["code"] == "model_not_found"
-            time.sleep(0.3)
+                    windows.append((path, sent[0], done))
         finally:
             stop.set()
             probe.join()
-    latencies.sort()
-    worst = latencies[-1]
-    median = latencies[len(latencies) // 2]
-    print(f"/health: {len(latencies)} answers, median {median * 1e3:.1f} ms, max {worst * 1e3:.0f} ms")
-    assert worst < MAX_STALL_S, f"the event loop stalled {worst * 1e3:.0f} ms while big bodies were parsed"
+    counts = [sum(1 for t in answered if start < t < end) for _, start, end in windows]
+    print(f"/health answers while each body was parsed: {counts}")
+    counts = [n for n, (_, raw) in zip(counts, bodies * 2, strict=True) if b'"a a a' not in raw[:64]]
+    assert all(n >= MIN_ANSWERS_WHILE_PARSING for n in counts), (
+        f"the event loop answered {counts} other requests while big bodies were parsed"
+    )
 
 
 def test_errors_of_big_and_bad_bodies_unchanged(stack: Stack):
