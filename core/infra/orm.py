@@ -21,7 +21,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -119,7 +119,10 @@ class Job(Base):
     chat: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     request_id: Mapped[str | None] = mapped_column(String(128))  # the x-request-id that created it
     user: Mapped[str | None] = mapped_column(String(256))
-    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # JSON, not JSONB: a result holds whatever text the model generated or echoed, a NUL character
+    # included, which JSONB cannot store (its write failed after the client had read every token).
+    # JSON keeps the text as written; nothing queries inside a result.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     worker: Mapped[str | None] = mapped_column(String(256))
