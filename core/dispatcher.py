@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import redis
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import retention
@@ -132,12 +132,7 @@ class Dispatcher:
         attempts = {r.id: r.attempt for r in rows}
         for job_id, message in over.items():
             err = ErrorInfo(message=message, type="tokens", code="rate_limit_exceeded")
-            stmt = (
-                update(Job)
-                .where(Job.id == job_id, Job.state == JobState.queued.value, Job.attempt == attempts[job_id])
-                .values(state=JobState.failed.value, finished_at=func.now(), error=err.model_dump(mode="json"))
-                .returning(*jobs.ENDED)
-            )
+            stmt = jobs.fail_queued(job_id, attempts[job_id], err.model_dump(mode="json"))
             # Ended like every job (usage row, settle, terminal event): the lifecycle's one way.
             self.lifecycle._end(stmt, "failed", Failed(attempt=attempts[job_id], error=err))
         return [p for p in picks if p not in wait and p not in over]

@@ -1,0 +1,131 @@
+"""core/jobs/transitions.py is the only writer of `jobs.state` (CONTRIBUTING.md, docs/architecture.md).
+
+Read from the source, not run: every module of api/, core/, workers/ and ops/ is parsed, and any of
+the three ways to write the column outside transitions fails the test:
+- an UPDATE built on the jobs table: `update(Job)`, `update(Job.__table__)` or a name bound to it,
+  `Job.__table__.update()`;
+- an assignment to a row's `state` (`job.state = ...`, `setattr(job, "state", ...)`); `self.state`
+  is an object's own attribute, not a row's, and `job.state = row.state` copies what a statement
+  of transitions returned onto an object;
+- raw SQL naming it: a string with `UPDATE jobs`.
+(migrations/ is the schema's history and may rewrite rows; tests set rows up as they need.)
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HOME = "core/jobs/transitions.py"
+_RAW_SQL = re.compile(r"\bUPDATE\s+jobs\b", re.IGNORECASE)
+
+
+def _is_jobs_table(node: ast.AST, aliases: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id == "Job" or node.id in aliases
+    if isinstance(node, ast.Attribute) and node.attr == "__table__":
+        return isinstance(node.value, ast.Name) and node.value.id == "Job"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cast":
+        return any(_is_jobs_table(a, aliases) for a in node.args)  # cast(Table, Job.__table__)
+    return False
+
+
+def _aliases(tree: ast.Module) -> set[str]:
+    """Names a module binds to the jobs table (`_JOBS = cast(Table, Job.__table__)`)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _is_jobs_table(node.value, set()):
+            out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _assigned(node: ast.AST) -> list[tuple[ast.expr, ast.expr | None]]:
+    """(target, the value it gets where that can be told apart) for every target an assignment has."""
+    if isinstance(node, ast.Assign):
+        pairs: list[tuple[ast.expr, ast.expr | None]] = [(t, node.value) for t in node.targets]
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+        pairs = [(node.target, node.value)]
+    else:
+        return []
+    flat: list[tuple[ast.expr, ast.expr | None]] = []
+    while pairs:
+        t, v = pairs.pop()
+        if isinstance(t, ast.Tuple | ast.List):
+            vs = v.elts if isinstance(v, ast.Tuple | ast.List) and len(v.elts) == len(t.elts) else [None] * len(t.elts)
+            pairs.extend(zip(t.elts, vs, strict=True))
+        else:
+            flat.append((t, v))
+    return flat
+
+
+def _mirrors_a_row(value: ast.expr | None) -> bool:
+    """`job.state = row.state`: an object takes the state a statement returned (transitions wrote it)."""
+    return isinstance(value, ast.Attribute) and value.attr == "state" and isinstance(value.value, ast.Name)
+
+
+def state_writes(source: str) -> list[tuple[int, str]]:
+    """(line, what) for every write of jobs.state the source makes."""
+    tree = ast.parse(source)
+    aliases = _aliases(tree)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name | ast.Attribute) and (f.id if isinstance(f, ast.Name) else f.attr) == "update":
+                if node.args and _is_jobs_table(node.args[0], aliases):
+                    found.append((node.lineno, "update(Job)"))
+                elif isinstance(f, ast.Attribute) and not node.args and _is_jobs_table(f.value, aliases):
+                    found.append((node.lineno, "Job.__table__.update()"))
+            if isinstance(f, ast.Name) and f.id == "setattr" and len(node.args) >= 2:
+                if isinstance(node.args[1], ast.Constant) and node.args[1].value == "state":
+                    found.append((node.lineno, 'setattr(..., "state", ...)'))
+        for t, value in _assigned(node):
+            if isinstance(t, ast.Attribute) and t.attr == "state" and not _mirrors_a_row(value):
+                if not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")):
+                    found.append((node.lineno, ".state ="))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _RAW_SQL.search(node.value):
+            found.append((node.lineno, "raw SQL UPDATE jobs"))  # an f-string's literal parts are Constants too
+    return found
+
+
+def test_the_detector_sees_every_way_of_writing_state():
+    src = """
+from sqlalchemy import update, text
+_T = cast(Table, Job.__table__)
+update(Job).values(state="failed")
+sqlalchemy.update(Job.__table__)
+update(_T)
+Job.__table__.update()
+job.state = "failed"
+row.state, other = "x", 1
+setattr(job, "state", "failed")
+text("update  jobs set state = 'failed'")
+f"UPDATE jobs SET state = '{s}'"
+self.state = state
+update(Batch).values(status="failed")
+"""
+    kinds = [what for _, what in state_writes(src)]
+    assert kinds.count("update(Job)") == 3
+    assert kinds.count("Job.__table__.update()") == 1
+    assert kinds.count(".state =") == 2
+    assert kinds.count('setattr(..., "state", ...)') == 1
+    assert kinds.count("raw SQL UPDATE jobs") == 2
+    assert len(kinds) == 9  # not: self.state, a row's state copied from a RETURNING row, update(Batch)
+
+
+def test_only_transitions_writes_job_state():
+    writers: dict[str, list[tuple[int, str]]] = {}
+    for pkg in ("api", "core", "workers", "ops"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            found = state_writes(path.read_text())
+            if found and rel != HOME:
+                writers[rel] = found
+    assert not writers, f"jobs.state written outside {HOME}: {writers}"
+
+
+def test_transitions_is_found_writing():
+    """The home itself is seen by the detector: the test above is not passing for want of matches."""
+    assert len(state_writes((ROOT / HOME).read_text())) >= 5
