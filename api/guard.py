@@ -19,8 +19,9 @@ from api.cache import SingleFlight
 from api.errors import APIError, error_response, is_unavailable, unavailable_response
 from core.config import Settings
 from core.errors import DomainError
+from core.infra import redis_keys
 from core.infra.db import async_sessions
-from core.tenancy.keys import Principal, hash_key, lookup_stmt, revoked_key
+from core.tenancy.keys import Principal, hash_key, lookup_stmt
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ async def authenticate(authorization: str | None, redis: Any = None) -> Principa
         return None if row is None else Principal(row[0], row[1])
 
     principal = await _KEYS.get(digest, load)
-    if principal is not None and redis is not None and await redis.exists(revoked_key(digest)):
+    if principal is not None and redis is not None and await redis.exists(redis_keys.revoked(digest)):
         _KEYS.forget(digest)
         principal = await _KEYS.get(digest, load)
     if principal is None:

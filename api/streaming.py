@@ -15,7 +15,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from api.cache import SingleFlight
 from core.generation.events import TerminalRow
-from core.infra import streams
+from core.infra import redis_keys, streams
 from core.infra.db import async_sessions
 from core.jobs import transitions
 from core.jobs.stream import HEARTBEAT, follow
@@ -56,13 +56,9 @@ def terminal_row_check(job_id: str, tenant_id: int):
     return check
 
 
-def readers_key(job_id: str) -> str:
-    return f"job:{job_id}:readers"
-
-
 async def readers(rds: aioredis.Redis, job_id: str) -> int:
     """How many SSE streams follow this job right now (on any API replica)."""
-    return int(await rds.get(readers_key(job_id)) or 0)
+    return int(await rds.get(redis_keys.readers(job_id)) or 0)
 
 
 async def sse_chunks(
@@ -103,8 +99,8 @@ _UNCOUNTING: set[asyncio.Task] = set()
 async def _count_reader(rds: aioredis.Redis, job_id: str) -> bool:
     try:
         pipe = rds.pipeline(transaction=False)
-        pipe.incr(readers_key(job_id))
-        pipe.expire(readers_key(job_id), 3600)
+        pipe.incr(redis_keys.readers(job_id))
+        pipe.expire(redis_keys.readers(job_id), 3600)
         await pipe.execute()
         return True
     except Exception:  # counting readers is best effort: a Redis outage must not end the stream
@@ -114,4 +110,4 @@ async def _count_reader(rds: aioredis.Redis, job_id: str) -> bool:
 async def _uncount_reader(rds: aioredis.Redis, job_id: str, counted: asyncio.Future[bool]) -> None:
     with contextlib.suppress(Exception):
         if await counted:
-            await rds.decr(readers_key(job_id))
+            await rds.decr(redis_keys.readers(job_id))

@@ -22,6 +22,7 @@ from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
 from core.generation.events import ErrorInfo, Failed
+from core.infra import redis_keys
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
 from core.infra.orm import Job, JobState, Tenant
@@ -204,8 +205,8 @@ class Dispatcher:
             if pause > 0.05:
                 # A worker that frees a batch slot wakes us (workers.slot_freed): refill at once.
                 try:
-                    self.rds.blpop([workers.WAKE_KEY], timeout=pause)
-                    self.rds.delete(workers.WAKE_KEY)
+                    self.rds.blpop([redis_keys.DISPATCHER_WAKE], timeout=pause)
+                    self.rds.delete(redis_keys.DISPATCHER_WAKE)
                 except Exception:
                     time.sleep(pause)
             else:

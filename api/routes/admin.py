@@ -11,6 +11,7 @@ from anyio.to_thread import run_sync
 from fastapi import APIRouter, Query
 
 from api.deps import AdminDep
+from core.protocol import render
 from core.protocol.schemas import CreatedKey, KeyList, KeyObject, TenantList, TenantObject, UsageList
 from core.tenancy import service as tenancy
 from core.tenancy.service import KeyCreate, TenantCreate, TenantLimits
@@ -18,39 +19,35 @@ from core.tenancy.service import KeyCreate, TenantCreate, TenantLimits
 router = APIRouter(prefix="/admin")
 
 
-def _list(items: list) -> dict:
-    return {"object": "list", "data": items}
-
-
 @router.get("/tenants", response_model=TenantList)
 async def list_tenants(_: AdminDep) -> dict:
-    return _list([tenancy.tenant_json(t) for t in await run_sync(tenancy.run, tenancy.list_tenants)])
+    return render.listing([render.tenant(t) for t in await run_sync(tenancy.run, tenancy.list_tenants)])
 
 
 @router.post("/tenants", status_code=201, response_model=TenantObject)
 async def create_tenant(body: TenantCreate, _: AdminDep) -> dict:
-    return tenancy.tenant_json(await run_sync(tenancy.run, tenancy.create_tenant, body))
+    return render.tenant(await run_sync(tenancy.run, tenancy.create_tenant, body))
 
 
 @router.patch("/tenants/{name}", response_model=TenantObject)
 async def update_tenant(name: str, body: TenantLimits, _: AdminDep) -> dict:
-    return tenancy.tenant_json(await run_sync(tenancy.run, tenancy.update_tenant, name, body))
+    return render.tenant(await run_sync(tenancy.run, tenancy.update_tenant, name, body))
 
 
 @router.get("/tenants/{name}/keys", response_model=KeyList)
 async def list_keys(name: str, _: AdminDep) -> dict:
-    return _list([tenancy.key_json(k) for k in await run_sync(tenancy.run, tenancy.list_keys, name)])
+    return render.listing([render.api_key(k) for k in await run_sync(tenancy.run, tenancy.list_keys, name)])
 
 
 @router.post("/tenants/{name}/keys", status_code=201, response_model=CreatedKey)
 async def create_key(name: str, body: KeyCreate, _: AdminDep) -> dict:
     plain, k = await run_sync(tenancy.run, tenancy.create_key, name, body)
-    return {**tenancy.key_json(k), "key": plain}  # the only time the key is shown
+    return render.api_key(k, plain)  # the only time the key is shown
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyObject)
 async def revoke_key(key_id: int, _: AdminDep) -> dict:
-    return tenancy.key_json(await run_sync(tenancy.run, tenancy.revoke_key, key_id))
+    return render.api_key(await run_sync(tenancy.run, tenancy.revoke_key, key_id))
 
 
 @router.get("/usage", response_model=UsageList)
@@ -61,4 +58,5 @@ async def all_usage(
     tenant: str | None = None,
     by_key: bool = Query(False),
 ) -> dict:
-    return _list(await run_sync(tenancy.run, tenancy.usage, tenant, start, end, by_key))
+    rows = await run_sync(tenancy.run, tenancy.usage, tenant, start, end, by_key)
+    return render.listing([render.usage_row(r) for r in rows])

@@ -11,11 +11,11 @@ from core.config import Settings
 from core.errors import DomainError
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import workers
+from core.protocol import render
 from core.protocol.schemas import ModelList, ModelObject
 from core.registry import aliases, resolve, served_models, settings_for
 
 router = APIRouter()
-_CREATED = 1735689600  # fixed: the model list is configuration, not a dated object
 
 
 async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
@@ -24,25 +24,14 @@ async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
         ctx = context_length(await anyio.to_thread.run_sync(tokenizer_for, model_id), ms)
     except DomainError:  # its weights are not on this host: listed with its configured context
         ctx = ms.n_ctx
-    live = await workers.live_async(redis, model_id)
-    out = {
-        "id": name,
-        "object": "model",
-        "created": _CREATED,
-        "owned_by": "spool",
-        "context_length": ctx,
-        "live_workers": len(live),  # 0: synchronous requests for it get a 503 with Retry-After
-    }
-    if name != model_id:
-        out["alias_of"] = model_id
-    return out
+    return render.model(name, model_id, ctx, len(await workers.live_async(redis, model_id)))
 
 
 @router.get("/v1/models", response_model=ModelList)
 @router.get("/v1/openai/v1/models", response_model=ModelList, include_in_schema=False)  # Llama Stack's path
 async def list_models(_: TenantDep, settings: SettingsDep, redis: RedisDep) -> dict:
     names = [(m, m) for m in served_models(settings)] + list(aliases(settings).items())
-    return {"object": "list", "data": [await _model(n, m, settings, redis) for n, m in names]}
+    return render.listing([await _model(n, m, settings, redis) for n, m in names])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelObject)

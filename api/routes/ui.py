@@ -21,10 +21,11 @@ from sqlalchemy import func, or_, select
 from api.deps import RedisDep, SettingsDep
 from api.guard import authenticate
 from core.errors import DomainError
+from core.infra import redis_keys
 from core.infra.db import async_sessions, sync_sessions
 from core.infra.orm import ApiKey
 from core.status import Snapshot, snapshot
-from core.tenancy.keys import hash_key, revoked_key
+from core.tenancy.keys import hash_key
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 COOKIE = "spool_ui"
@@ -37,20 +38,16 @@ _env = Environment(
 )
 
 
-def _session_key(token: str) -> str:
-    return f"ui:session:{token}"
-
-
 async def _admin_key(request: Request, redis) -> str | None:
     """The digest of the live admin key behind the session cookie, or None."""
     token = request.cookies.get(COOKIE)
     if not token or len(token) > 64:
         return None
-    digest = await redis.get(_session_key(token))
+    digest = await redis.get(redis_keys.ui_session(token))
     if digest is None:
         return None
     digest = digest if isinstance(digest, str) else digest.decode()
-    if await redis.exists(revoked_key(digest)):
+    if await redis.exists(redis_keys.revoked(digest)):
         return None
     async with async_sessions()() as session:
         live = await session.scalar(
@@ -94,7 +91,7 @@ async def login(redis: RedisDep, key: str = Form(..., max_length=256)) -> Respon
     if principal is None or principal.key.scope != "admin":
         return RedirectResponse("/ui?error=1", status_code=303)
     token = secrets.token_urlsafe(32)
-    await redis.set(_session_key(token), hash_key(key), ex=SESSION_S)  # never the key itself
+    await redis.set(redis_keys.ui_session(token), hash_key(key), ex=SESSION_S)  # never the key itself
     resp = RedirectResponse("/ui", status_code=303)
     resp.set_cookie(COOKIE, token, max_age=SESSION_S, httponly=True, samesite="strict", path="/ui")
     return resp
@@ -104,7 +101,7 @@ async def login(redis: RedisDep, key: str = Form(..., max_length=256)) -> Respon
 async def logout(request: Request, redis: RedisDep) -> Response:
     token = request.cookies.get(COOKIE)
     if token:
-        await redis.delete(_session_key(token))
+        await redis.delete(redis_keys.ui_session(token))
     resp = RedirectResponse("/ui", status_code=303)
     resp.delete_cookie(COOKIE, path="/ui")
     return resp

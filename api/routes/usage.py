@@ -7,6 +7,7 @@ from datetime import date
 from fastapi import APIRouter, Query
 
 from api.deps import SessionDep, TenantDep
+from core.protocol import render
 from core.protocol.schemas import UsageList
 from core.tenancy import service as tenancy
 
@@ -21,5 +22,5 @@ async def usage(
     end: date | None = None,
     by_key: bool = Query(False),
 ) -> dict:
-    rows = (await session.execute(tenancy.usage_rows(tenant.id, start, end, by_key))).all()
-    return {"object": "list", "data": [tenancy.usage_json(r) for r in rows]}
+    rows = (await session.execute(tenancy.usage_rows(tenant.id, start, end, by_key))).mappings()
+    return render.listing([render.usage_row(r) for r in rows])

@@ -7,6 +7,7 @@ from fastapi import APIRouter
 
 from api.deps import LifecycleDep, TenantDep
 from core.batches import webhooks
+from core.protocol import render
 from core.protocol.schemas import WebhookSecret
 
 router = APIRouter(prefix="/v1/webhooks/secret")
@@ -15,11 +16,11 @@ router = APIRouter(prefix="/v1/webhooks/secret")
 @router.get("", response_model=WebhookSecret)
 async def get_secret(tenant: TenantDep, lifecycle: LifecycleDep) -> dict:
     secret = await anyio.to_thread.run_sync(webhooks.tenant_secret, lifecycle.sessions, tenant.id)
-    return {"object": "webhook_secret", "secret": secret}
+    return render.webhook_secret(secret)
 
 
 @router.post("", response_model=WebhookSecret)
 async def rotate_secret(tenant: TenantDep, lifecycle: LifecycleDep) -> dict:
     """A new secret; deliveries from now on are signed with it alone."""
     secret = await anyio.to_thread.run_sync(lambda: webhooks.tenant_secret(lifecycle.sessions, tenant.id, rotate=True))
-    return {"object": "webhook_secret", "secret": secret}
+    return render.webhook_secret(secret)

@@ -339,6 +339,7 @@ def tenant_update(
     as_json: bool = JsonOpt,
 ) -> None:
     """Change a tenant's weight or limits ('none' clears a limit)."""
+    from core.protocol import render
     from core.tenancy import service as tenancy
 
     values = _limits(
@@ -351,15 +352,16 @@ def tenant_update(
         max_storage_bytes=max_storage_bytes,
     )
     body = _service(lambda _s: tenancy.parse(tenancy.TenantLimits, values))
-    _print([tenancy.tenant_json(_service(tenancy.update_tenant, name, body))], as_json, TENANT_COLUMNS)
+    _print([render.tenant(_service(tenancy.update_tenant, name, body))], as_json, TENANT_COLUMNS)
 
 
 @tenant_app.command("list")
 def tenant_list(as_json: bool = JsonOpt) -> None:
     """List tenants and their limits."""
+    from core.protocol import render
     from core.tenancy import service as tenancy
 
-    _print([tenancy.tenant_json(t) for t in _service(tenancy.list_tenants)], as_json, TENANT_COLUMNS)
+    _print([render.tenant(t) for t in _service(tenancy.list_tenants)], as_json, TENANT_COLUMNS)
 
 
 @key_app.command("create")
@@ -383,9 +385,10 @@ def key_create(
 @key_app.command("list")
 def key_list(tenant: str = typer.Option(..., "--tenant"), as_json: bool = JsonOpt) -> None:
     """List a tenant's keys (prefix, scope, expiry, revoked; never the key)."""
+    from core.protocol import render
     from core.tenancy import service as tenancy
 
-    _print([tenancy.key_json(k) for k in _service(tenancy.list_keys, tenant)], as_json, KEY_COLUMNS)
+    _print([render.api_key(k) for k in _service(tenancy.list_keys, tenant)], as_json, KEY_COLUMNS)
 
 
 @key_app.command("revoke")

@@ -13,13 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from core.infra import redis_keys
+
 HEARTBEAT_S = 2.0
 LIVE_S = 10.0  # a worker silent this long is taken for gone
-WAKE_KEY = "spool:dispatcher:wake"  # pushed when a batch slot frees; the dispatcher blocks on it
-
-
-def key(model: str) -> str:
-    return f"spool:workers:{model}"
 
 
 @dataclass(frozen=True)
@@ -33,13 +30,13 @@ class WorkerInfo:
 def beat(rds: Any, model: str, name: str, batch_slots: int, interactive_slots: int) -> None:
     body = json.dumps({"batch_slots": batch_slots, "interactive_slots": interactive_slots, "t": time.time()})
     pipe = rds.pipeline(transaction=False)
-    pipe.hset(key(model), name, body)
-    pipe.expire(key(model), int(LIVE_S * 6))
+    pipe.hset(redis_keys.live_workers(model), name, body)
+    pipe.expire(redis_keys.live_workers(model), int(LIVE_S * 6))
     pipe.execute()
 
 
 def gone(rds: Any, model: str, name: str) -> None:
-    rds.hdel(key(model), name)
+    rds.hdel(redis_keys.live_workers(model), name)
 
 
 def _parse(name: Any, raw: Any) -> WorkerInfo:
@@ -50,13 +47,13 @@ def _parse(name: Any, raw: Any) -> WorkerInfo:
 
 def live(rds: Any, model: str, now: float | None = None) -> list[WorkerInfo]:
     now = time.time() if now is None else now
-    out = [_parse(n, raw) for n, raw in rds.hgetall(key(model)).items()]
+    out = [_parse(n, raw) for n, raw in rds.hgetall(redis_keys.live_workers(model)).items()]
     return [w for w in out if now - w.seen <= LIVE_S]
 
 
 async def live_async(rds: Any, model: str) -> list[WorkerInfo]:
     now = time.time()
-    out = [_parse(n, raw) for n, raw in (await rds.hgetall(key(model))).items()]
+    out = [_parse(n, raw) for n, raw in (await rds.hgetall(redis_keys.live_workers(model))).items()]
     return [w for w in out if now - w.seen <= LIVE_S]
 
 
@@ -67,6 +64,6 @@ def batch_capacity(rds: Any, model: str) -> int:
 def slot_freed(rds: Any) -> None:
     """A batch line ended: wake the dispatcher so the slot is refilled now, not at its next tick."""
     pipe = rds.pipeline(transaction=False)
-    pipe.lpush(WAKE_KEY, 1)
-    pipe.ltrim(WAKE_KEY, 0, 0)
+    pipe.lpush(redis_keys.DISPATCHER_WAKE, 1)
+    pipe.ltrim(redis_keys.DISPATCHER_WAKE, 0, 0)
     pipe.execute()

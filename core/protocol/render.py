@@ -7,6 +7,7 @@ here they become a `text_completion`, its chunks, Spool's job object, or a batch
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
@@ -193,6 +194,102 @@ def page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
         "last_id": data[-1]["id"] if data else None,
         "has_more": more,
     }
+
+
+def listing(data: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's plain list object (no cursor): models, tenants, keys, usage rows."""
+    return {"object": "list", "data": data}
+
+
+# -- Spool's own objects: models, tenants, keys, usage, webhook secret -----------------------------
+
+MODEL_CREATED = 1735689600  # fixed: the model list is configuration, not a dated object
+
+
+def model(name: str, model_id: str, context_length: int | None, live_workers: int) -> dict[str, Any]:
+    """A served model or an alias of one (`alias_of`); `live_workers` 0: synchronous requests for it
+    get a 503 with Retry-After."""
+    out: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": MODEL_CREATED,
+        "owned_by": "spool",
+        "context_length": context_length,
+        "live_workers": live_workers,
+    }
+    if name != model_id:
+        out["alias_of"] = model_id
+    return out
+
+
+TENANT_LIMITS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes")
+
+
+class TenantRecord(Protocol):
+    """What rendering reads from a tenant (the ORM's Tenant has it, with its limits)."""
+
+    id: int
+    name: str
+    created_at: datetime
+
+
+class KeyRecord(Protocol):
+    id: int
+    tenant_id: int
+    prefix: str
+    name: str | None
+    scope: str
+    revoked: bool
+    rpm: int | None
+    tpm: int | None
+    expires_at: datetime | None
+    created_at: datetime
+
+
+def tenant(t: TenantRecord) -> dict[str, Any]:
+    """A tenant and its limits (the admin API; `spool tenant ... --json`)."""
+    return {
+        "object": "tenant",
+        "id": t.id,
+        "name": t.name,
+        **{f: getattr(t, f) for f in TENANT_LIMITS},
+        "created_at": _ts(t.created_at),
+    }
+
+
+def api_key(k: KeyRecord, plain: str | None = None) -> dict[str, Any]:
+    """An API key, never its secret: `plain` is given only by the call that created it, the one time
+    the key is shown."""
+    out: dict[str, Any] = {
+        "object": "api_key",
+        "id": k.id,
+        "tenant_id": k.tenant_id,
+        "prefix": k.prefix,
+        "name": k.name,
+        "scope": k.scope,
+        "revoked": k.revoked,
+        "rpm": k.rpm,
+        "tpm": k.tpm,
+        "expires_at": _ts(k.expires_at),
+        "created_at": _ts(k.created_at),
+    }
+    if plain is not None:
+        out["key"] = plain
+    return out
+
+
+def usage_row(row: Mapping[Any, Any]) -> dict[str, Any]:
+    """One row of usage per day and model (and key)."""
+    d = dict(row)
+    d["day"] = d["day"].isoformat()
+    d["gpu_seconds"] = round(float(d["gpu_seconds"]), 3)
+    for k in ("requests", "failed", "prompt_tokens", "completion_tokens"):
+        d[k] = int(d[k])
+    return d
+
+
+def webhook_secret(secret: str) -> dict[str, Any]:
+    return {"object": "webhook_secret", "secret": secret}
 
 
 # -- stream chunks -----------------------------------------------------------------------------

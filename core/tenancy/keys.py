@@ -30,11 +30,6 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
-def revoked_key(digest: str) -> str:
-    """Set in Redis when a key is revoked, so API processes drop their cached lookup at once."""
-    return f"spool:keys:revoked:{digest}"
-
-
 def lookup_stmt(key: str):
     """SELECT (tenant, key) for a live key: not revoked, not expired. Run it on a sync or an async
     session. It is read on every request, so a revocation takes effect on the next one."""

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from core.infra import redis_keys
+
 ADMIT = r"""
 -- KEYS: 1 rpm_tenant 2 tpm_tenant 3 tpd_tenant 4 active_tenant 5 rpm_key 6 tpm_key 7 reservation
 -- ARGV: 1 now_ms 2 rpm_t 3 tpm_t 4 tpd_t 5 max_queued 6 rpm_k 7 tpm_k 8 cost 9 job_id 10 lease_ms 11 day_ttl_ms
@@ -172,19 +174,19 @@ def _headers(
 
 
 def _keys(tenant_id: int, key_id: int, job_id: str, day: str) -> list[str]:
+    """KEYS of the ADMIT script, in the order it reads them."""
     return [
-        f"rl:t{tenant_id}:rpm",
-        f"rl:t{tenant_id}:tpm",
-        f"rl:t{tenant_id}:tpd:{day}",
-        f"rl:t{tenant_id}:active",
-        f"rl:k{key_id}:rpm",
-        f"rl:k{key_id}:tpm",
+        redis_keys.tenant_limit(tenant_id, "rpm"),
+        redis_keys.tenant_limit(tenant_id, "tpm"),
+        redis_keys.tenant_limit(tenant_id, f"tpd:{day}"),
+        redis_keys.tenant_limit(tenant_id, "active"),
+        redis_keys.key_limit(key_id, "rpm"),
+        redis_keys.key_limit(key_id, "tpm"),
         reservation_key(job_id),
     ]
 
 
-def reservation_key(job_id: str) -> str:
-    return f"rl:res:{job_id}"
+reservation_key = redis_keys.reservation  # what the SETTLE script is given
 
 
 def _decode(raw: list[Any]) -> Decision:

@@ -12,20 +12,19 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import RowMapping, Select, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.config import get_settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
-from core.infra import kv
+from core.infra import kv, redis_keys
 from core.infra.db import sync_sessions
 from core.infra.orm import ApiKey, Tenant, UsageDaily
 from core.protocol.errors import from_validation
-from core.tenancy.keys import SCOPES, hash_key, new_key, revoked_key
+from core.tenancy.keys import SCOPES, hash_key, new_key
 
 log = logging.getLogger(__name__)
-LIMIT_FIELDS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes")
 PosInt = Annotated[int, Field(ge=1, le=2**31 - 1)] | None  # Postgres integer columns
 BigPosInt = Annotated[int, Field(ge=1, le=2**63 - 1)] | None
 T = TypeVar("T")
@@ -68,35 +67,6 @@ def run(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     """Run one service function in its own session (the CLI; the API from a thread)."""
     with sync_sessions()() as session:
         return fn(session, *args, **kw)
-
-
-# -- JSON shapes (admin API and `--json` CLI output) ---------------------------------------------
-
-
-def tenant_json(t: Tenant) -> dict[str, Any]:
-    return {
-        "object": "tenant",
-        "id": t.id,
-        "name": t.name,
-        **{f: getattr(t, f) for f in LIMIT_FIELDS},
-        "created_at": int(t.created_at.timestamp()) if t.created_at else None,
-    }
-
-
-def key_json(k: ApiKey) -> dict[str, Any]:
-    return {
-        "object": "api_key",
-        "id": k.id,
-        "tenant_id": k.tenant_id,
-        "prefix": k.prefix,
-        "name": k.name,
-        "scope": k.scope,
-        "revoked": k.revoked,
-        "rpm": k.rpm,
-        "tpm": k.tpm,
-        "expires_at": int(k.expires_at.timestamp()) if k.expires_at else None,
-        "created_at": int(k.created_at.timestamp()) if k.created_at else None,
-    }
 
 
 # -- tenants -------------------------------------------------------------------------------------
@@ -178,7 +148,7 @@ def revoke_key(session: Session, key_id: int) -> ApiKey:
         raise not_found(f"No key with id {key_id}.", param="key_id", code="key_not_found")
     session.commit()
     try:  # API processes cache key lookups for seconds: tell them now
-        kv.client(get_settings().redis_url).set(revoked_key(k.key_hash), 1, ex=3600)
+        kv.client(get_settings().redis_url).set(redis_keys.revoked(k.key_hash), 1, ex=3600)
     except kv.TRANSIENT:
         log.warning("could not announce the revocation of key %s; caches drop it within seconds", key_id)
     return k
@@ -224,17 +194,8 @@ def usage_rows(tenant_id: int | None, start: date | None, end: date | None, by_k
     return stmt
 
 
-def usage_json(row: Any) -> dict[str, Any]:
-    d = dict(row._mapping)
-    d["day"] = d["day"].isoformat()
-    d["gpu_seconds"] = round(float(d["gpu_seconds"]), 3)
-    for k in ("requests", "failed", "prompt_tokens", "completion_tokens"):
-        d[k] = int(d[k])
-    return d
-
-
 def usage(
     session: Session, tenant_name: str | None, start: date | None, end: date | None, by_key: bool
-) -> list[dict[str, Any]]:
+) -> list[RowMapping]:
     tid = tenant(session, tenant_name).id if tenant_name else None
-    return [usage_json(r) for r in session.execute(usage_rows(tid, start, end, by_key))]
+    return list(session.execute(usage_rows(tid, start, end, by_key)).mappings())

@@ -1,0 +1,49 @@
+"""The names of Spool's Redis keys: one place to see every namespace, what each key holds and who uses it.
+
+A key's literal lives only in core/infra (tests/unit/test_homes.py checks it): here, or, for the
+job's event stream and its cancel flag and fence, beside the code that reads them
+(core/infra/streams.py). Celery's broker keys are kombu's own (core/infra/broker.py).
+Namespaces: `job:` (one job), `rl:` (rate limits), `spool:` (the deployment), `ui:` (the status page).
+"""
+
+from __future__ import annotations
+
+
+def readers(job_id: str) -> str:
+    """A counter: how many SSE streams follow the job right now, on any API replica (api/streaming.py)."""
+    return f"job:{job_id}:readers"
+
+
+def tenant_limit(tenant_id: int, name: str) -> str:
+    """A tenant's rate-limit state (`rpm`, `tpm`, `tpd:<day>`, `active`), kept by the Lua scripts of
+    core/tenancy/ratelimit.py."""
+    return f"rl:t{tenant_id}:{name}"
+
+
+def key_limit(key_id: int, name: str) -> str:
+    """An API key's own rate-limit state (`rpm`, `tpm`), beside its tenant's."""
+    return f"rl:k{key_id}:{name}"
+
+
+def reservation(job_id: str) -> str:
+    """The tokens a job reserved on admission, refunded once by the settlement when it ends."""
+    return f"rl:res:{job_id}"
+
+
+def revoked(digest: str) -> str:
+    """Set when an API key is revoked, so API processes drop their cached lookup at once."""
+    return f"spool:keys:revoked:{digest}"
+
+
+def live_workers(model: str) -> str:
+    """A hash of the worker heartbeats serving a model (core/jobs/workers.py)."""
+    return f"spool:workers:{model}"
+
+
+# A list pushed when a batch slot frees; the dispatcher blocks on it.
+DISPATCHER_WAKE = "spool:dispatcher:wake"
+
+
+def ui_session(token: str) -> str:
+    """A status-page session: the digest of the admin key that opened it, never the key."""
+    return f"ui:session:{token}"
