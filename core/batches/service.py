@@ -3,6 +3,8 @@ by the dispatcher process (never the API: a million-line file must not share the
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,7 +24,10 @@ from core.infra import threads
 from core.infra.orm import Batch
 from core.tenancy.keys import Principal
 
+log = logging.getLogger(__name__)
+
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
+WAKE_TIMEOUT_S = 2.0  # the wake-up may hold a created batch's answer this long at most
 
 
 def _not_found(batch_id: str) -> DomainError:
@@ -91,8 +96,19 @@ async def create(
     session.add(b)
     await idempotency.record(claim, b.id, session)
     await session.commit()
-    await rds.lpush(WAKE_KEY, b.id)  # wake a validator now rather than at its next poll
+    await _wake_validator(rds, b.id)
     return b
+
+
+async def _wake_validator(rds: aioredis.Redis, batch_id: str) -> None:
+    """Wake a validator now rather than at its next poll: best-effort, after the commit. The batch
+    is stored, so nothing here may turn the answer into an error: a 503 made the SDK retry and
+    create a second batch. A validator that misses the wake finds the batch at its next poll."""
+    try:
+        async with asyncio.timeout(WAKE_TIMEOUT_S):
+            await rds.lpush(WAKE_KEY, batch_id)
+    except Exception as exc:  # Redis away, slow or refusing: the poll picks the batch up
+        log.warning("batch %s stored; could not wake a validator (%s): it starts at the next poll", batch_id, exc)
 
 
 async def list_page(
