@@ -23,6 +23,7 @@ from workers.engine.exl2_mapping import (
     events_from_result,
     job_arguments,
     logit_bias_pairs,
+    output_penalties,
     prompt_entries,
     sampler_settings,
     stop_token_ids,
@@ -85,7 +86,7 @@ def test_greedy_is_top_k_1_untempered_and_keeps_penalties_bias_dry():
     assert (s["temperature"], s["top_k"], s["temperature_last"]) == (1.0, 1, False)
     assert (s["top_p"], s["min_p"], s["typical"]) == (1.0, 0.0, 0.0)
     assert s["token_bias"] == {3: -100.0}
-    assert s["token_presence_penalty"] == 1.0
+    assert output_penalties(GenerationParams(temperature=0, presence_penalty=1.0)) == (1.0, 0.0)
     assert settings(temperature=0, dry_multiplier=0.5)["dry_multiplier"] == 0.5
 
 
@@ -121,8 +122,11 @@ def test_penalties_and_dry():
         ),
         frozenset({7, 9}),
     )
+    # The sampler's one penalty pass spans the prompt: it keeps only the repetition penalty, and the
+    # job applies presence and frequency over the output (tests/unit/test_gpu_promises.py).
     penalties = (s["token_repetition_penalty"], s["token_frequency_penalty"], s["token_presence_penalty"])
-    assert penalties == (1.2, 0.5, -0.5)
+    assert penalties == (1.2, 0.0, 0.0)
+    assert output_penalties(GenerationParams(frequency_penalty=0.5, presence_penalty=-0.5)) == (-0.5, 0.5)
     assert (s["token_repetition_range"], s["token_repetition_decay"]) == (-1, 0)  # whole sequence, no decay
     assert (s["dry_multiplier"], s["dry_base"], s["dry_allowed_length"]) == (2.0, 1.5, 3)
     assert s["dry_sequence_breakers"] == frozenset({7, 9}) and s["dry_range"] == 0

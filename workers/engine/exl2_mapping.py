@@ -141,8 +141,10 @@ def sampler_settings(p: GenerationParams, dry_breakers: frozenset[int] | None = 
     s = _neutral()
     s.update(
         token_repetition_penalty=p.repetition_penalty,
-        token_frequency_penalty=p.frequency_penalty,  # OpenAI's: minus count x penalty
-        token_presence_penalty=p.presence_penalty,  # minus penalty once per token present
+        # Presence and frequency are not the sampler's: its one penalty pass spans the prompt too (a
+        # single range for all three). The job applies them over the output only (`output_penalties`).
+        token_frequency_penalty=0.0,
+        token_presence_penalty=0.0,
         token_bias=dict(sorted(p.logit_bias.items())) or None,  # added to the logits, like OpenAI's
         mirostat_tau=p.mirostat_tau,
         mirostat_eta=p.mirostat_eta,
@@ -174,6 +176,14 @@ def sampler_settings(p: GenerationParams, dry_breakers: frozenset[int] | None = 
         typical=p.typical_p if p.typical_p < 1 else 0.0,
     )
     return s
+
+
+def output_penalties(p: GenerationParams) -> tuple[float, float]:
+    """(presence, frequency) as OpenAI defines them, over the tokens generated so far only (llama.cpp's
+    engine and TabbyAPI count the output alone): the engine's job subtracts `frequency x count +
+    presence x [count > 0]` per token, before the library's sampler (repetition penalty over prompt
+    and output, bias, DRY, ...) sees the row. exllamav2's own pass would count the prompt too."""
+    return p.presence_penalty, p.frequency_penalty
 
 
 def dry_breaker_ids(breakers: Iterable[str], pieces: Sequence[str]) -> frozenset[int]:

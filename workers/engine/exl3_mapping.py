@@ -4,9 +4,10 @@ installed; the adapter that drives `exllamav3.Generator` with them needs a CUDA 
 
 Names and semantics are those of exllamav3's `generator/sampler/presets.py: ComboSampler` (logit
 bias, then repetition penalty, then presence/frequency penalties over the last `rep_sustain_range`
-tokens, then temperature, min-p, top-k, top-p, sample; `temperature == 0` or `top_k == 1` is argmax)
-and `generator/job.py: Job` (`max_new_tokens`, `min_new_tokens`, `seed`, `stop_conditions`,
-`return_top_tokens`, `identifier`). DRY is its `SS_DRY` step (1.6.5; breakers as token ids, range 0 =
+tokens, prompt included, which the engine narrows to the output (`output_window`), then temperature,
+min-p, top-k, top-p, sample; `temperature == 0` or `top_k == 1` is argmax) and `generator/job.py:
+Job` (`max_new_tokens`, `min_new_tokens`, `seed`, `stop_conditions`, `return_top_tokens`,
+`identifier`). DRY is its `SS_DRY` step (1.6.5; breakers as token ids, range 0 =
 the whole context). Its sampler has no typical-p or Mirostat: those are refused
 at the edge (core/generation/capabilities.py), and asked again here so an adapter cannot ignore them.
 """
@@ -55,6 +56,13 @@ def sampler_args(p: GenerationParams, dry_breakers: frozenset[int] | None = None
         "dry_range": 0,
         "dry_sequence_breakers": dry_breakers if p.dry_multiplier > 0 else None,
     }
+
+
+def output_window(p: GenerationParams) -> int:
+    """How many of the latest *output* tokens presence and frequency penalties count: all of them
+    unless `repeat_last_n` narrows it. ComboSampler's own range would reach into the prompt; the
+    engine's sampler (exllamav3.sampler_class) cuts it to the output before every token."""
+    return WHOLE_SEQUENCE if p.penalty_last_n is None else max(p.penalty_last_n, 0)
 
 
 def job_args(spec: SeqSpec, eos_ids: Iterable[int], filters: list[Any] | None = None) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 The dynamic generator is what base.py was modelled on: `enqueue` a job per sequence, `iterate()`
 advances every active job by one token (prefilling new prompts in chunks between), `cancel` drops a
 job. With flash-attn (>= 2.5.7) its cache is paged: jobs are batched continuously and a prompt whose
-leading 256-token pages are already cached (from any earlier job) skips them. Without flash-attn it
-runs unpaged, one job at a time.
+leading 256-token pages are already cached by an earlier job of the same tenant skips them (job_class
+keeps tenants apart). Without flash-attn it runs unpaged, one job at a time.
 
 What the mapping cannot express is done here with the model at hand: logit bias as a padded
 vocabulary tensor, DRY breakers as token ids, the llguidance grammar as an `ExLlamaV2Filter`, and
@@ -36,13 +36,26 @@ from workers.engine.exl2_mapping import (
     events_from_result,
     job_arguments,
     logit_bias_pairs,
+    output_penalties,
     prompt_entries,
     round_up,
     sampler_settings,
     stop_token_ids,
     unsupported,
 )
-from workers.engine.gpu_plan import clamp_chunk, kv_bytes_per_token, plan_cache, weights_bytes
+from workers.engine.gpu_plan import (
+    UNCLAIMED,
+    cache_salt,
+    claim_pages,
+    clamp_chunk,
+    hashing_for,
+    kv_bytes_per_token,
+    own_first_pages_only,
+    plan_cache,
+    release_pages,
+    salted_checksum,
+    weights_bytes,
+)
 
 KV_BYTES = {"fp16": 2, "q8": 1, "q6": 1, "q4": 1}  # bytes per cached K/V value, rounded up (scales included)
 
@@ -136,6 +149,110 @@ def grammar_filter_class() -> type:
     return LLGuidanceFilter
 
 
+@cache
+def job_class() -> type:
+    """`ExLlamaV2DynamicJob` keeping the CPU engine's promises (built on first use: the base class
+    lives in exllamav2). Set on each job by `make_job`: `spool_salt`, `spool_output_from`,
+    `spool_penalties`.
+
+    - Prefix reuse within one scope (tenant) only: the job hashes its pages (`prepare_for_queue`:
+      `page_hashes`, `all_unique_hashes`; `receive_sample`: a page completed while generating) with
+      its tenant's salt as the chain root (gpu_plan.salted_checksum on the module's
+      `_tensor_hash_checksum`), so pages of another tenant never match by hash; the partial-page copy
+      in `prefill`, keyed by the predecessor hash (None for a first page), sees only first pages its
+      scope held. Unpaged (one page, no flash-attn), the page the last job left is reused only by the
+      same scope. `cached_pages`/`cached_tokens`, what the job reports, count only those reuses.
+    - `receive_logits` hands the sampler a copy of the row when logprobs are asked for:
+      `ExLlamaV2Sampler.sample` edits its row in place (penalties, blocked EOS, bias, DRY), and the
+      generator then stores that same row as the job's returned logits. Ours stays the model's.
+    - Presence and frequency penalties count the output only (exl2_mapping.output_penalties).
+    """
+    import torch
+    from exllamav2.generator import ExLlamaV2DynamicJob, dynamic
+
+    dynamic._tensor_hash_checksum = salted_checksum(dynamic._tensor_hash_checksum)
+
+    class ScopedJob(ExLlamaV2DynamicJob):
+        spool_salt: bytes | None = None
+        spool_output_from: int = 0  # where this sequence's output starts in sequence_ids
+        spool_penalties: tuple[float, float] = (0.0, 0.0)  # presence, frequency over the output
+
+        def prepare_for_queue(self, generator: Any, serial_number: int) -> Any:
+            with hashing_for(self.spool_salt):
+                return super().prepare_for_queue(generator, serial_number)
+
+        def allocate_pages(self) -> Any:
+            gen = self.generator
+            last_scope = getattr(gen.all_pages[0], "spool_scope", UNCLAIMED)
+            out = super().allocate_pages()
+            if not gen.paged and last_scope != self.spool_salt:
+                # One page, which keeps what the last job left as a prefix to reuse (its length is
+                # `kv_position_revert`, the backup taken as the page was handed to this job): not
+                # another scope's.
+                gen.all_pages[0].kv_position_revert = 0
+            for seq in self.sequences:
+                claim_pages(seq.allocated_pages, self.spool_salt)
+            return out
+
+        def deallocate_pages(self) -> Any:
+            for seq in self.sequences:
+                release_pages(seq.allocated_pages or [])
+            return super().deallocate_pages()
+
+        def prefill(self, results: list[Any]) -> Any:
+            if not self.generator.paged:
+                return super().prefill(results)
+            with own_first_pages_only(self.generator.all_pages, self.spool_salt):
+                return super().prefill(results)
+
+        def receive_logits(self, logits: Any) -> Any:
+            row = logits.clone() if self.return_logits else logits
+            presence, frequency = self.spool_penalties
+            if presence or frequency:
+                out = self.sequences[0].sequence_ids.torch()[0, self.spool_output_from :]
+                if out.numel():
+                    counts = torch.bincount(out, minlength=row.shape[-1])[: row.shape[-1]].to(row.dtype)
+                    row[..., :] -= counts * frequency + (counts > 0).to(row.dtype) * presence
+            return super().receive_logits(row)
+
+        def receive_sample(self, *args: Any, **kwargs: Any) -> Any:
+            with hashing_for(self.spool_salt):
+                return super().receive_sample(*args, **kwargs)
+
+    return ScopedJob
+
+
+def make_job(spec: SeqSpec, stop_ids: list[int], settings: Any, filters: list[Any] | None = None) -> Any:
+    """The generator job for one sequence (job_class), scoped to its tenant."""
+    import torch
+
+    job = job_class()(
+        input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),
+        gen_settings=settings,
+        filters=filters,
+        **job_arguments(spec, stop_ids),
+    )
+    job.spool_salt = cache_salt(spec.cache_scope, spec.params.cache_prompt, spec.key)
+    job.spool_output_from = len(spec.prompt_ids) - spec.prior  # a resumed sequence's earlier output counts
+    job.spool_penalties = output_penalties(spec.params)
+    return job
+
+
+def gen_settings(p: Any, n_vocab: int, padded_vocab: int, breakers: frozenset[int] | None = None) -> Any:
+    """A fresh `ExLlamaV2Sampler.Settings` for one job (Mirostat's mu and DRY's n-gram trie live in
+    it), with logit bias as the padded-vocabulary tensor the sampler adds to every row."""
+    import torch
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    kw = sampler_settings(p, breakers)
+    pairs = logit_bias_pairs(kw["token_bias"], n_vocab)
+    if pairs:
+        bias = torch.zeros(padded_vocab, dtype=torch.float)
+        bias[[t for t, _ in pairs]] = torch.tensor([b for _, b in pairs], dtype=torch.float)
+        kw["token_bias"] = bias
+    return ExLlamaV2Sampler.Settings(**kw)
+
+
 class ExLlamaV2Engine:
     def __init__(
         self,
@@ -155,13 +272,10 @@ class ExLlamaV2Engine:
             raise ValueError(f"cache quantization must be one of {sorted(CACHE_CLASSES)}, not {cache_quant!r}")
         import torch
         from exllamav2.attn import has_flash_attn_with_paged
-        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
         if not torch.cuda.is_available():
             raise RuntimeError("the exllamav2 engine needs a CUDA GPU")
         self._torch = torch
-        self._job_class = ExLlamaV2DynamicJob
-        self._settings_class = ExLlamaV2Sampler.Settings
         self.model_id = model_id
         self._chunk = chunk_size(chunk)
         config = self._read_config(Path(path), n_ctx)
@@ -332,19 +446,14 @@ class ExLlamaV2Engine:
         return out
 
     def _start(self, spec: SeqSpec) -> list[TokenEvent | PromptEvent]:
-        torch, p = self._torch, spec.params
+        p = spec.params
         entries = self._score_prompt(spec) if spec.prompt_logprobs is not None else None
         if spec.max_new_tokens == 0:  # prefill only: the scores are all that was asked for
             return [PromptEvent(spec.key, 0, entries), TokenEvent(spec.key, None, None, "length", t=time.monotonic())]
         grammar = None
         if spec.matcher is not None:
             grammar = grammar_filter_class()(self._model, self._tok, spec.matcher, self.n_vocab)
-        job = self._job_class(
-            input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),
-            gen_settings=self._settings(spec),
-            filters=[grammar] if grammar is not None else None,
-            **job_arguments(spec, self._stop_ids),
-        )
+        job = make_job(spec, self._stop_ids, self._settings(spec), [grammar] if grammar is not None else None)
         self._gen.enqueue(job)
         state = SeqState(spec.key, p.needs_token_logprobs, p.logprobs or 0, entries, grammar=grammar)
         self._live[spec.key] = (job, state)
@@ -353,14 +462,8 @@ class ExLlamaV2Engine:
     def _settings(self, spec: SeqSpec) -> Any:
         """A fresh Settings per job: Mirostat's mu and DRY's n-gram trie live in it."""
         p = spec.params
-        kw = sampler_settings(p, self._breaker_ids(p.dry_sequence_breakers) if p.dry_multiplier > 0 else None)
-        pairs = logit_bias_pairs(kw["token_bias"], self.n_vocab)
-        if pairs:
-            # Added to every row by the sampler, so it spans the padded row (a multiple of 32).
-            bias = self._torch.zeros(self._gen.padded_vocab_size, dtype=self._torch.float)
-            bias[[t for t, _ in pairs]] = self._torch.tensor([b for _, b in pairs], dtype=self._torch.float)
-            kw["token_bias"] = bias
-        return self._settings_class(**kw)
+        breakers = self._breaker_ids(p.dry_sequence_breakers) if p.dry_multiplier > 0 else None
+        return gen_settings(p, self.n_vocab, self._gen.padded_vocab_size, breakers)
 
     def _breaker_ids(self, breakers: tuple[str, ...]) -> frozenset[int]:
         if breakers not in self._breakers:

@@ -1,14 +1,17 @@
 """GPU engine: ExLlamaV3's Generator/Job API (exllamav3 1.6.5) behind the engine interface (base.py).
 
 `Generator.enqueue(Job)` per sequence, `iterate()` advances every active job by one token with
-continuous batching over a paged cache, `cancel(job)` drops one. Its results have the shape of
-exllamav2's dynamic generator (stage, identifier, token_ids, top_k_*, logits, eos, eos_reason, job),
-so exl2_mapping.events_from_result turns them into events. Logprobs come from `return_logits`: the
-job holds the model's row before the sampler stack (which writes its edits to a new buffer), i.e.
-before penalties, bias and masks. Grammars run as an exllamav3 `Filter` over our already-advanced
-llguidance matcher. Sampler arguments: exl3_mapping. Cache size, batch and chunk: gpu_plan.
+continuous batching over a paged cache, `cancel(job)` drops one. Jobs are `job_class` (prefix reuse
+within one tenant) with an `OutputPenaltySampler` (presence/frequency over the output only). Its
+results have the shape of exllamav2's dynamic generator (stage, identifier, token_ids, top_k_*,
+logits, eos, eos_reason, job), so exl2_mapping.events_from_result turns them into events. Logprobs
+come from `return_logits`: the job holds the model's row before the sampler stack (which writes its
+edits to a new buffer: penalties, bias, the blocked EOS of min_tokens are all out of place), i.e. the
+model's own distribution. Grammars run as an exllamav3 `Filter` over our already-advanced llguidance
+matcher. Sampler arguments: exl3_mapping. Cache size, batch and chunk: gpu_plan.
 
-exllamav3 and torch are imported only when an engine is built (they need CUDA).
+exllamav3 and torch are imported only when an engine is built (they need CUDA). What the CI checks of
+this module run on the real library with its CUDA extension stubbed: tests/unit/test_gpu_promises.py.
 Needs a GPU to verify: tests/gpu/test_exllamav3_engine.py.
 """
 
@@ -25,8 +28,19 @@ from typing import Any
 
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
 from workers.engine.exl2_mapping import SeqState, dry_breaker_ids, events_from_result, stop_token_ids
-from workers.engine.exl3_mapping import Unsupported, job_args, sampler_args
-from workers.engine.gpu_plan import clamp_chunk, kv_bytes_per_token, plan_cache, weights_bytes
+from workers.engine.exl3_mapping import Unsupported, job_args, output_window, sampler_args
+from workers.engine.gpu_plan import (
+    cache_salt,
+    claim_pages,
+    clamp_chunk,
+    hashing_for,
+    kv_bytes_per_token,
+    own_first_pages_only,
+    plan_cache,
+    release_pages,
+    salted_checksum,
+    weights_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +85,99 @@ def grammar_filter_class() -> type:
     return MatcherFilter
 
 
+@cache
+def job_class() -> type:
+    """exllamav3's `Job`, its prefix reuse kept within one scope (tenant); `spool_salt` is set per job
+    by `make_job`. The page checksum of `generator/job.py` (pages completed while generating, in
+    `hash_completed_page`) and of `generator/pagetable.py` (the prompt's pages, `Sequence.prepare` in
+    `prepare_for_queue`) is wrapped (gpu_plan.salted_checksum) so that while this job hashes, its
+    chain starts from its tenant's salt: page lookups by hash (VRAM, CPU and disk tiers, recurrent
+    checkpoints) find only that tenant's pages, and the partial-page copy in `prefill` (first pages:
+    predecessor None) sees only first pages its scope held. First pages keep the library's None
+    predecessor, so eviction and defragmentation still see them as the roots of their chains.
+    `Job.__init__` runs again on a requeue (same object), which keeps these attributes."""
+    from exllamav3 import Job
+    from exllamav3.generator import job as job_module
+    from exllamav3.generator import pagetable
+
+    job_module.tensor_hash_checksum = salted_checksum(job_module.tensor_hash_checksum)
+    pagetable.tensor_hash_checksum = salted_checksum(pagetable.tensor_hash_checksum)
+
+    class ScopedJob(Job):
+        spool_salt: bytes | None = None
+
+        def prepare_for_queue(self, *args: Any, **kwargs: Any) -> Any:
+            with hashing_for(self.spool_salt):
+                return super().prepare_for_queue(*args, **kwargs)
+
+        def hash_completed_page(self, *args: Any, **kwargs: Any) -> Any:
+            with hashing_for(self.spool_salt):
+                return super().hash_completed_page(*args, **kwargs)
+
+        def allocate_pages(self) -> Any:
+            out = super().allocate_pages()
+            for seq in self.sequences:
+                claim_pages(seq.allocated_pages, self.spool_salt)
+            return out
+
+        def deallocate_pages(self) -> Any:
+            for seq in self.sequences:
+                release_pages(seq.allocated_pages or [])
+            return super().deallocate_pages()
+
+        def prefill(self, *args: Any, **kwargs: Any) -> Any:
+            with own_first_pages_only(self.pagetable.all_pages, self.spool_salt):
+                return super().prefill(*args, **kwargs)
+
+    return ScopedJob
+
+
+@cache
+def sampler_class() -> type:
+    """`ComboSampler` whose presence and frequency penalties count the output only (llama.cpp's engine
+    and TabbyAPI do): its `SS_PresFreqP` step takes the last `sustain_range` past ids, prompt included,
+    so before each token the range is cut to the tokens generated so far (within the penalty window).
+    The repetition penalty keeps its range over prompt and output. The step stays the library's own
+    class, so the fused sampling path still takes it."""
+    from exllamav3 import ComboSampler
+    from exllamav3.generator.sampler.custom import SS_PresFreqP
+
+    class OutputPenaltySampler(ComboSampler):
+        def __init__(self, *, output_from: int, output_window: int, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.output_from = output_from  # where the output starts in the past ids
+            self.output_window = output_window
+
+        def forward(self, logits: Any, sequence_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if sequence_ids is not None:
+                generated = max(sequence_ids.shape[-1] - self.output_from, 0)
+                for step in self.steps:
+                    if isinstance(step, SS_PresFreqP):
+                        step.sustain_range = min(generated, self.output_window)
+                        step.decay_range = 0
+            return super().forward(logits, sequence_ids, *args, **kwargs)
+
+    return OutputPenaltySampler
+
+
+def make_job(
+    spec: SeqSpec, stop_ids: list[int], filters: list[Any] | None = None, breakers: frozenset[int] | None = None
+) -> Any:
+    """The generator job for one sequence, scoped to its tenant, with output-only presence/frequency."""
+    import torch
+
+    p = spec.params
+    sampler = sampler_class()(
+        output_from=len(spec.prompt_ids) - spec.prior,  # a resumed sequence's earlier output counts
+        output_window=output_window(p),
+        **sampler_args(p, breakers),
+    )
+    ids = torch.tensor([spec.prompt_ids], dtype=torch.long)
+    job = job_class()(input_ids=ids, sampler=sampler, **job_args(spec, stop_ids, filters))
+    job.spool_salt = cache_salt(spec.cache_scope, p.cache_prompt, spec.key)
+    return job
+
+
 class ExLlamaV3Engine:
     def __init__(
         self,
@@ -86,11 +193,10 @@ class ExLlamaV3Engine:
         if not (path / "config.json").is_file():
             raise ValueError(f"the exllamav3 engine needs a model folder with config.json (SPOOL_MODEL_PATH): {path}")
         import torch
-        from exllamav3 import Cache, ComboSampler, Config, Generator, Job, Model, Tokenizer
+        from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
         if not torch.cuda.is_available():
             raise RuntimeError("the exllamav3 engine needs a CUDA GPU")
-        self._torch, self._job_class, self._sampler_class = torch, Job, ComboSampler
         self.model_id = model_id
         raw = json.loads((path / "config.json").read_text())
         config = Config.from_directory(str(path))
@@ -223,17 +329,14 @@ class ExLlamaV3Engine:
         return self._breakers[p.dry_sequence_breakers]
 
     def _start(self, spec: SeqSpec) -> None:
-        torch, p = self._torch, spec.params
+        p = spec.params
         if spec.max_new_tokens == 0:
             self._ready += [PromptEvent(spec.key, 0), TokenEvent(spec.key, None, None, "length", t=time.monotonic())]
             return
         grammar = None
         if spec.matcher is not None:
             grammar = grammar_filter_class()(self._tok, spec.matcher, self.n_vocab)
-        job = self._job_class(
-            input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),
-            sampler=self._sampler_class(**sampler_args(p, self._breaker_ids(p) if p.dry_multiplier > 0 else None)),
-            **job_args(spec, self._stop_ids, [grammar] if grammar is not None else None),
-        )
+        breakers = self._breaker_ids(p) if p.dry_multiplier > 0 else None
+        job = make_job(spec, self._stop_ids, [grammar] if grammar is not None else None, breakers)
         self._gen.enqueue(job)
         self._live[spec.key] = (job, SeqState(spec.key, p.needs_token_logprobs, p.logprobs or 0, grammar=grammar))

@@ -6,12 +6,24 @@ Both libraries key their prefix cache by a chain of 16-byte blake2b hashes over 
 the first page hashed with no predecessor (`prev_hash=None`). Any job whose first pages match reuses
 them, whoever sent them. Seeding the chain with a per-tenant salt instead of None makes equal
 prompts of two tenants hash apart at every page, so neither reuse nor `cached_tokens` crosses tenants.
+
+How the engines apply it (their Job subclasses, workers/engine/exllamav2.py and exllamav3.py):
+- the library's page checksum is wrapped once (`salted_checksum`) so that, while one of our jobs
+  hashes (`hashing_for(salt)`: queueing, pages completed during generation), a chain root of None
+  means that job's salt. Full-page reuse (`page_hashes`, `all_unique_hashes`, the dedupe of a page
+  completed during generation, exllamav3's CPU and disk tiers) goes by these hashes.
+- the libraries also copy a *partial* page from any cached page with the same predecessor hash; for
+  a prompt's first page that predecessor is None, shared by every tenant. Pages remember the scope
+  of the job that last held them (`claim_pages`), and while a job prefills, first pages of other
+  scopes are hidden from that search (`own_first_pages_only`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +36,74 @@ def scope_salt(scope: Hashable) -> bytes | None:
     if scope is None:
         return None
     return hashlib.blake2b(repr(scope).encode(), digest_size=16, person=b"spool-scope").digest()
+
+
+def cache_salt(scope: Hashable, cache_prompt: bool, key: Hashable) -> bytes | None:
+    """A sequence's chain salt: its tenant's, or one of its own when it asked for no prefix reuse
+    (`cache_prompt: false`, which llama.cpp's engine honours too): its pages are then found by no one."""
+    return scope_salt(scope) if cache_prompt else scope_salt(("no-reuse", key))
+
+
+_SALT: ContextVar[bytes | None] = ContextVar("spool_page_salt", default=None)
+
+
+def salted_checksum(checksum: Callable[[Any, bytes | None], bytes]) -> Callable[[Any, bytes | None], bytes]:
+    """The library's `checksum(tensor, prev_hash)` with a chain root of None read as the salt of the
+    job now hashing (`hashing_for`); outside one, exactly the library's. Wrapping twice is a no-op."""
+    if getattr(checksum, "spool_salted", False):
+        return checksum
+
+    def checksum_salted(tensor: Any, prev_hash: bytes | None) -> bytes:
+        return checksum(tensor, _SALT.get() if prev_hash is None else prev_hash)
+
+    checksum_salted.spool_salted = True  # type: ignore[attr-defined]
+    return checksum_salted
+
+
+@contextmanager
+def hashing_for(salt: bytes | None) -> Iterator[None]:
+    token = _SALT.set(salt)
+    try:
+        yield
+    finally:
+        _SALT.reset(token)
+
+
+UNCLAIMED = b"spool-unclaimed"  # the scope of a page no job of ours has held yet
+HIDDEN_ROOT = b"spool-hidden-root"  # a predecessor hash no page search looks for (not 16 bytes)
+
+
+def claim_pages(pages: Iterable[Any], salt: bytes | None) -> None:
+    """Record that a job of this scope now holds (and writes) these cache pages. A page taken while
+    it still holds an earlier job's tokens (`can_revert`) goes back to them if this job never writes
+    it; it remembers its scope for that (`release_pages`)."""
+    for page in pages:
+        if page.can_revert:
+            page.spool_scope_revert = getattr(page, "spool_scope", UNCLAIMED)
+        page.spool_scope = salt
+
+
+def release_pages(pages: Iterable[Any]) -> None:
+    """Before the library releases a job's pages: one the job never wrote (still `can_revert`, and
+    this job its last holder) reverts to its earlier tokens, and so to their scope."""
+    for page in pages:
+        if page.can_revert and page.ref_count == 1:
+            page.spool_scope = getattr(page, "spool_scope_revert", UNCLAIMED)
+
+
+@contextmanager
+def own_first_pages_only(pages: Iterable[Any], salt: bytes | None) -> Iterator[None]:
+    """While a job of this scope prefills: first pages (predecessor None) last held by another scope
+    are out of the library's partial-page search, which looks for `prev_hash == None`."""
+    hidden = [p for p in pages if p.prev_hash is None and getattr(p, "spool_scope", UNCLAIMED) != salt]
+    for p in hidden:
+        p.prev_hash = HIDDEN_ROOT
+    try:
+        yield
+    finally:
+        for p in hidden:
+            if p.prev_hash == HIDDEN_ROOT:
+                p.prev_hash = None
 
 
 def page_checksum(page: bytes, prev_hash: bytes | None) -> bytes:

@@ -1,0 +1,421 @@
+"""The GPU engines keep the CPU engine's promises, shown on the real generators of the pinned
+exllamav2 and exllamav3 (.venv/gpu-contract, as in test_gpu_contract.py), with no GPU:
+
+- prefix reuse never crosses tenants, and `cached_tokens` counts only the tenant's own prefix;
+- presence and frequency penalties count the output only;
+- logprobs are of the model's row, before penalties, bias and the blocked EOS of min_tokens;
+- the EOS token that ends a sequence is reported with its logprob.
+
+Each case runs in a subprocess (this file as a script), which stubs what needs CUDA and nothing
+else: the libraries' compiled extensions (a MagicMock module, with the few kernels these paths call
+ported to torch from the C++/CUDA sources in the wheels: prefix match count, repetition and
+presence/frequency penalties, greedy sampling, row add, exllamav3's decode staging stores), pinned
+host memory and CUDA synchronize, flash-attn's presence (exllamav2's paged mode asks for it), and
+the model and its KV cache: a stand-in whose forward returns fixed logits rows. Everything else is
+the libraries' own code: `ExLlamaV2DynamicGenerator` and `exllamav3.Generator` built by their
+constructors and driven by `iterate()` (page table, hashing, allocation, prefill, sampling,
+streaming), with jobs made by the engines' own `make_job` and results read by
+`exl2_mapping.events_from_result`, as the engines do. exllamav3's fused sampling kernel is off
+(EXL3_FUSED_SAMPLER=0, its step-by-step path); the penalty steps it keeps ahead of it are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.test_gpu_contract import contract_path  # noqa: F401  (the fixture installing the pinned wheels)
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = 256
+V = 1000  # vocabulary of the stand-in model (its head is padded to 1024)
+EOS = 2
+LONG = [(i * 7919) % 997 + 3 for i in range(5 * PAGE + 17)]  # five full pages and 17 tokens
+SHORT = [(i * 31) % 991 + 3 for i in range(200)]  # less than one page
+TAIL = [(i * 17) % 983 + 3 for i in range(10)]
+
+
+def run_case(case: str, target: Path) -> Any:
+    pytest.importorskip("torch", reason="the library generators run on CPU torch (the eval extra)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(ROOT)]), "EXL3_FUSED_SAMPLER": "0"}
+    out = subprocess.run(
+        [sys.executable, __file__, case], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+ENGINES = ["exllamav2", "exllamav3"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_long_prompt_two_tenants_no_reuse_across_reuse_within(engine: str, contract_path: Path) -> None:  # noqa: F811
+    got = run_case(f"{engine}:prefix", contract_path)
+    # A's prompt cached; B sends the same tokens: nothing reused, nothing reported; A again: every
+    # full page plus the partial last page (all but the last prompt token, which is never cached).
+    assert got["long"] == {"A": 0, "B": 0, "A again": len(LONG) - 1}
+    # A prompt shorter than a page is reused only as a partial copy of a first page: the page whose
+    # predecessor hash is None, which every tenant's first page shares. Not B's to copy; A's own (its
+    # whole first prompt: its last token was written to the page with the first output token).
+    assert got["short"] == {"A": 0, "B": 0, "A again": len(SHORT)}
+    # Pages completed while generating are hashed with the tenant's salt too: a later prompt that
+    # starts with A's prompt and output reuses that page for A only.
+    assert got["generated"] == {"B": 0, "A": PAGE}
+    # cache_prompt: false reuses nothing and leaves the tenant's cached pages for its next request.
+    assert got["no_reuse"] == {"A, cache_prompt false": 0, "A": len(LONG) - 1}
+
+
+def test_unpaged_exllamav2_reuses_the_last_prompt_only_for_its_tenant(contract_path: Path) -> None:  # noqa: F811
+    """Without flash-attn exllamav2 runs one job at a time on one page, and a new job reuses what the
+    last one left there when it starts with the same tokens."""
+    got = run_case("exllamav2:unpaged", contract_path)
+    assert got == {"A": 0, "A again": len(SHORT) - 1, "B": 0, "A after B": 0, "A again after A": len(SHORT) - 1}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_presence_frequency_count_the_output_only(engine: str, contract_path: Path) -> None:  # noqa: F811
+    """The stand-in model returns the same row at every step: token 7 at 5.0, 9 at 4.0, EOS at 3.0, the
+    rest 0, and the prompt repeats token 7. With presence 3.0 over the output only, greedy picks 7 (the
+    prompt's sevens do not count), then 9 (7 is now at 2.0), then EOS (9 at 1.0). Counting the prompt
+    would pick 9 first. Frequency 1.0 on top: 7, 9, then EOS (7 at 1.0, 9 at 0.0)."""
+    got = run_case(f"{engine}:penalties", contract_path)
+    assert got == {"presence": [7, 9, EOS], "frequency": [7, 9, EOS]}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_logprobs_of_the_model_row_and_the_eos_token_reported(engine: str, contract_path: Path) -> None:  # noqa: F811
+    """The stand-in model's row follows the last token (5 -> 7 -> 9 -> EOS at 5.0, a few others above
+    0). min_tokens=1 blocks EOS for the first token and a logit bias sits on token 4: neither may show in
+    the logprobs, which are log-softmax of the model's own row, for every token and for the EOS that
+    ends the sequence. (exllamav3's sampler never edited the row; exllamav2's edited it in place.)"""
+    got = run_case(f"{engine}:logprobs", contract_path)
+    assert got["tokens"] == [7, 9]
+    assert got["eos_id"] == EOS and got["finish"] == "stop"
+    assert len(got["logprobs"]) == 3  # 7, 9 and the EOS token
+    assert got["logprobs"] == pytest.approx(got["raw_logprobs"], abs=1e-5)
+    assert [[t for t, _ in top] for top in got["top"]] == [[7], [9], [EOS]]
+    assert [lp for top in got["top"] for _, lp in top] == pytest.approx(got["raw_logprobs"], abs=1e-5)
+
+
+# -- the subprocess ---------------------------------------------------------------------------------
+def _child(case: str) -> Any:
+    import functools
+    import types
+    from unittest import mock
+
+    class Stub(types.ModuleType):  # a compiled extension / triton: any attribute is a mock
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return mock.MagicMock(name=name)
+
+    for name in ("exllamav2.ext", "exllamav3.ext", "triton", "triton.language"):
+        sys.modules[name] = Stub(name)
+    ext2 = sys.modules["exllamav2.ext"].exllamav2_ext = mock.MagicMock(name="exllamav2_ext")  # type: ignore[attr-defined]
+    ext3 = sys.modules["exllamav3.ext"].exllamav3_ext = mock.MagicMock(name="exllamav3_ext")  # type: ignore[attr-defined]
+
+    import torch
+
+    def unpinned(fn: Any) -> Any:  # pinned host memory needs a CUDA driver
+        @functools.wraps(fn)
+        def call(*a: Any, pin_memory: bool = False, **kw: Any) -> Any:
+            return fn(*a, **kw)
+
+        return call
+
+    for fn in ("zeros", "empty", "full", "ones", "tensor"):
+        setattr(torch, fn, unpinned(getattr(torch, fn)))
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    # -- kernels, ported from the wheels' sources ----------------------------------------------
+    def count_match(a: Any, b: Any, limit: int) -> int:  # leading equal tokens, at most `limit`
+        x, y = a[0, :limit], b[0, :limit]
+        n = min(len(x), len(y))
+        diff = (x[:n] != y[:n]).nonzero()
+        return int(diff[0, 0]) if len(diff) else n
+
+    def rep_penalty(seq: Any, rep_p: float, sustain: int, decay: int, freq: float, pres: float, logits: Any) -> None:
+        """exllamav2_ext/cpp/sampling.cpp: apply_rep_penalty_cpu (no decay)."""
+        assert decay == 0
+        row = logits.view(-1)
+        ids = seq[0].tolist()
+        window = ids[max(len(ids) - (len(ids) if sustain == -1 else sustain), 0) :]
+        seen: set[int] = set()
+        for t in reversed(window):
+            if t not in seen:
+                row[t] = row[t] / rep_p if row[t] > 0 else row[t] * rep_p
+                row[t] -= pres
+                seen.add(t)
+            row[t] -= freq
+
+    def sample_basic(logits: Any, temperature: float, top_k: int, *rest: Any) -> list[float]:
+        """exllamav2_ext sample_basic, greedy only (top_k 1): the argmax, probability 1."""
+        assert top_k == 1
+        tokens, probs = rest[6], rest[7]
+        tokens[:, 0] = logits[:, 0, :].argmax(-1)
+        probs[:, 0] = 1.0
+        return []
+
+    def fadd(a: Any, b: Any) -> None:
+        a += b
+
+    ext2.count_match.side_effect = count_match
+    ext2.apply_rep_penalty.side_effect = rep_penalty
+    ext2.sample_basic.side_effect = sample_basic
+    ext2.fast_fadd_cpu.side_effect = fadd
+    ext2.partial_strings_match.return_value = -1
+
+    def pens(factor: Any, past: Any, sustain: int, decay: int) -> Any:
+        """Which vocabulary entries the last `sustain` past ids hold (exllamav3_ext/generator/rep_pen.cu)."""
+        assert decay == 0
+        ids = past[0, max(past.shape[-1] - sustain, 0) :] if sustain > 0 else past[0, :0]
+        return torch.bincount(ids, minlength=factor.shape[-1])[: factor.shape[-1]].to(torch.float)
+
+    def rep_pens(inp: Any, out: Any, past: Any, rep_p: float, sustain: int, decay: int) -> None:
+        seen = pens(inp, past, sustain, decay) > 0
+        v = inp.float()
+        out.copy_(torch.where(seen, torch.where(v > 0, v / rep_p, v * rep_p), v))
+
+    def pres_freq_pens(inp: Any, out: Any, past: Any, pres: float, freq: float, sustain: int, decay: int) -> None:
+        counts = pens(inp, past, sustain, decay)
+        out.copy_(inp.float() - counts * freq - (counts > 0).float() * pres)
+
+    def stage_decode(arena: Any, width: int, block_index: Any, kv_position: Any, rope: Any, *decode: Any) -> None:
+        """exllamav3_ext/generator/staging.cpp: the token stores (the tables are the model's business)."""
+        batch_ids, seq_ids, page_seq, page_offset = decode
+        for b, ids in enumerate(seq_ids):
+            tok = ids.view(-1)[kv_position[b]]
+            batch_ids[b, 0] = tok
+            page_seq[b].view(-1)[page_offset[b]] = tok
+
+    ext3.count_match_tensor.side_effect = count_match
+    ext3.generator_stage_decode.side_effect = stage_decode
+    ext3.apply_rep_pens.side_effect = rep_pens
+    ext3.apply_pres_freq_pens.side_effect = pres_freq_pens
+
+    engine, _, what = case.partition(":")
+    return (_exl2 if engine == "exllamav2" else _exl3)(what)
+
+
+ROW = {7: 5.0, 9: 4.0, EOS: 3.0}  # the stand-in model's constant row (the rest 0)
+CHAIN = {5: 7, 7: 9, 9: EOS}  # ... or, for the logprobs case, the winner after each token
+CHAIN_BASE = {11: 2.0, 12: 1.0, 7: 0.5, 9: 0.25, EOS: 0.125}
+
+
+def _model_row(width: int, last: int | None = None) -> Any:
+    import torch
+
+    row = torch.zeros(width)
+    values = ROW if last is None else {**CHAIN_BASE, CHAIN.get(last, 7): 5.0}
+    for t, v in values.items():
+        row[t] = v
+    return row
+
+
+def _stand_ins(paged: bool, chain: bool = False) -> tuple[Any, Any, Any]:
+    import torch
+
+    class Config:
+        vocab_size = V
+        max_input_len = 2048
+        max_batch_size = 16
+        max_seq_len = 4096
+        no_flash_attn = False
+        infer_params = None
+
+        class arch:
+            class lm:
+                mrope = False
+
+    class Model:  # the GPU: a forward that returns the same row at every position
+        config = Config()
+        caps: dict[str, Any] = {}
+        output_device = torch.device("cpu")
+        loaded_tp = False
+
+        def logits(self, ids: Any) -> Any:
+            if not chain:
+                return _model_row(1024).repeat(ids.shape[0], ids.shape[1], 1)
+            rows = [[_model_row(1024, int(t)) for t in seq] for seq in ids]
+            return torch.stack([torch.stack(r) for r in rows])
+
+        def forward_chunk(self, input_ids: Any, preprocess_only: bool = False, **kw: Any) -> Any:
+            return None if preprocess_only else {"logits": self.logits(input_ids)}
+
+        def forward(self, input_ids: Any, params: Any = None, **kw: Any) -> Any:
+            return self.logits(input_ids)
+
+        def prefill(self, input_ids: Any, params: Any) -> None:
+            pass
+
+        def get_cache_layers(self) -> list[Any]:
+            return []
+
+        def prefetch_tokens(self, ids: Any) -> None:
+            pass
+
+    class Cache:  # KV storage: the copies are the GPU's business, the page table is the library's
+        max_seq_len = 64 * PAGE if paged else 4096  # room for every case: nothing is evicted
+        max_num_tokens = 64 * PAGE
+        batch_size = 1
+        initialized = True
+
+        def all_tensors(self) -> list[Any]:
+            return []
+
+        def copy_states(self, *a: Any) -> None:
+            pass
+
+        def copy_page(self, *a: Any) -> None:
+            pass
+
+    class Tokenizer:
+        actual_vocab_size = V
+
+        def get_id_to_piece_list(self, special: bool = False) -> list[str]:
+            return [f"<{i}>" for i in range(V)]
+
+        def get_vocab_size(self) -> int:
+            return V
+
+    return Model(), Cache(), Tokenizer()
+
+
+def _drive(gen: Any, job: Any, key: Any, want_logprobs: bool = False) -> tuple[int, list[Any]]:
+    """Run one job to its end as the engine's step() does: (the prompt tokens its PromptEvent reports
+    as cached, which become the usage's `cached_tokens`; its TokenEvents)."""
+    from workers.engine.base import PromptEvent
+    from workers.engine.exl2_mapping import SeqState, events_from_result
+
+    gen.enqueue(job)
+    state = SeqState(key, want_logprobs, 1 if want_logprobs else 0)
+    events: list[Any] = []
+    for _ in range(100):
+        for result in gen.iterate():
+            events += events_from_result(result, {key: state}, n_vocab=V)
+        if events and not isinstance(events[-1], PromptEvent) and events[-1].ended:
+            (prompt,) = [e for e in events if isinstance(e, PromptEvent)]
+            return prompt.cached, [e for e in events if not isinstance(e, PromptEvent)]
+    raise AssertionError("the job did not end")
+
+
+def _spec(key: Any, tenant: str, ids: list[int], n: int = 4, **params: Any) -> Any:
+    from core.generation.params import GenerationParams
+    from workers.engine.base import SeqSpec
+
+    p = GenerationParams(**{"temperature": 0.0, **params})
+    return SeqSpec(key=key, prompt_ids=ids, max_new_tokens=n, params=p, seed=1, cache_scope=tenant)
+
+
+def _logprobs(events: list[Any]) -> dict[str, Any]:
+    from workers.engine.logits import log_softmax
+
+    tokens = [e.token_id for e in events if e.token_id is not None]
+    last = events[-1]
+    inputs = [5, *tokens]  # the token each step's row follows
+    scored = [*tokens, last.eos_id]
+    raw = [float(log_softmax(_model_row(1024, i)[:V].numpy())[t]) for i, t in zip(inputs, scored, strict=True)]
+    return {
+        "tokens": tokens,
+        "eos_id": last.eos_id,
+        "finish": last.finish_reason,
+        "logprobs": [e.logprob for e in events if e.logprob is not None],
+        "raw_logprobs": raw,
+        "top": [[list(pair) for pair in e.top] for e in events if e.top],
+    }
+
+
+def _output(events: list[Any]) -> list[int]:
+    return [e.token_id if e.eos_id is None else e.eos_id for e in events if e.token_id is not None or e.eos_id]
+
+
+def _exl2(what: str) -> Any:
+    from exllamav2 import attn
+
+    attn.has_flash_attn_with_paged = True  # flash-attn's presence; its kernels are the model's business
+    from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+    from workers.engine.exllamav2 import gen_settings, make_job
+
+    model, cache, tok = _stand_ins(paged=what != "unpaged", chain=what == "logprobs")
+    gen = ExLlamaV2DynamicGenerator(
+        model=model,
+        cache=cache,
+        tokenizer=tok,
+        max_batch_size=4,
+        max_seq_len=4096,
+        max_chunk_size=512,
+        paged=what != "unpaged",
+        max_sampling_threads=1,
+        filter_background_eval=False,
+    )
+    serial = iter(range(1000))
+
+    def run(tenant: str, ids: list[int], n: int = 4, **params: Any) -> tuple[int, list[Any]]:
+        key = ("job", next(serial), 0)
+        spec = _spec(key, tenant, ids, n, **params)
+        job = make_job(spec, [EOS], gen_settings(spec.params, V, gen.padded_vocab_size))
+        return _drive(gen, job, key, spec.params.needs_token_logprobs)
+
+    return _cases(what, run)
+
+
+def _exl3(what: str) -> Any:
+    from exllamav3 import Generator
+
+    from workers.engine.exllamav3 import make_job
+
+    model, cache, tok = _stand_ins(paged=True, chain=what == "logprobs")
+    gen = Generator(model=model, cache=cache, tokenizer=tok, max_batch_size=4, max_chunk_size=512)
+    serial = iter(range(1000))
+
+    def run(tenant: str, ids: list[int], n: int = 4, **params: Any) -> tuple[int, list[Any]]:
+        key = ("job", next(serial), 0)
+        spec = _spec(key, tenant, ids, n, **params)
+        return _drive(gen, make_job(spec, [EOS]), key, spec.params.needs_token_logprobs)
+
+    return _cases(what, run)
+
+
+def _cases(what: str, run: Any) -> Any:
+    def cached(tenant: str, ids: list[int], n: int = 4, **params: Any) -> int:
+        return run(tenant, ids, n, **params)[0]
+
+    if what == "penalties":
+        prompt = [7] * 20 + [5]
+        return {
+            "presence": _output(run("A", prompt, 8, presence_penalty=3.0)[1]),
+            "frequency": _output(run("A", prompt, 8, presence_penalty=3.0, frequency_penalty=1.0)[1]),
+        }
+    if what == "logprobs":
+        return _logprobs(run("A", [3, 4, 5], 8, logprobs=1, min_tokens=1, logit_bias={4: 0.5})[1])
+    if what == "unpaged":
+        return {
+            "A": cached("A", SHORT),
+            "A again": cached("A", SHORT),
+            "B": cached("B", SHORT),
+            "A after B": cached("A", SHORT),
+            "A again after A": cached("A", SHORT),
+        }
+    out = {
+        "long": {"A": cached("A", LONG), "B": cached("B", LONG), "A again": cached("A", LONG)},
+        "short": {"A": cached("A", SHORT), "B": cached("B", SHORT + TAIL), "A again": cached("A", SHORT + TAIL)},
+    }
+    # A's 250-token prompt and 10 greedy tokens: page 0 fills up while generating (250 + 6 tokens).
+    head = [(i * 13) % 977 + 3 for i in range(250)]  # sent by no one before
+    _, events = run("A", head, 10, ignore_eos=True)
+    output = [e.token_id for e in events if e.token_id is not None]
+    follow = head + output[:6] + LONG[:50]  # page 0 is A's prompt and output; LONG does not start with 7
+    out["generated"] = {"B": cached("B", follow), "A": cached("A", follow)}
+    out["no_reuse"] = {"A, cache_prompt false": cached("A", LONG, cache_prompt=False), "A": cached("A", LONG)}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1])))
