@@ -2,10 +2,17 @@
 exllamav3 mappings and the null/paced engines' capabilities. For each request an engine either
 honours the parameter (its mapping carries the value) or refuses it up front (capabilities.unsupported
 names it, which the API turns into a 400): never a silent difference. REFUSED states where they differ.
+
+Then the promises every model engine keeps (DESIGN.md, "Engines and models"): presence/frequency over
+the output only, logprobs of the model's own row, the EOS token reported, prefix reuse and
+`cached_tokens` within one tenant. PROMISES names, per engine, the test that shows each one on that
+engine's real code path (the GPU engines': the pinned libraries' own generators, CUDA stubbed); the
+mapping-level half of the penalty promise is checked here for every engine.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +20,7 @@ import pytest
 from core.generation import capabilities
 from core.generation.params import GenerationParams
 from workers.engine import exl2_mapping, exl3_mapping
-from workers.engine.llamacpp import sampler_plan
+from workers.engine.llamacpp import SEES_PROMPT, sampler_plan
 
 # request (GenerationParams fields) -> the parameter name a refusal would carry
 REQUESTS: dict[str, tuple[dict[str, Any], str]] = {
@@ -72,8 +79,8 @@ def exl2_honours(name: str, p: GenerationParams) -> bool:
         "mirostat2": s["mirostat"] is True,
         "mirostat1": False,
         "dry": s["dry_multiplier"] == 0.8,
-        "presence": s["token_presence_penalty"] == 0.5,
-        "frequency": s["token_frequency_penalty"] == 0.5,
+        "presence": exl2_mapping.output_penalties(p)[0] == 0.5,  # applied by the job, over the output
+        "frequency": exl2_mapping.output_penalties(p)[1] == 0.5,
         "repetition": s["token_repetition_penalty"] == 1.1,
         "repeat_last_n": s["token_repetition_range"] == 64,
         "logit_bias": bool(s["token_bias"]),
@@ -126,3 +133,75 @@ def test_modelless_engines_refuse_what_needs_logits(engine: str) -> None:
     ]
     for fields, _ in REQUESTS.values():
         assert capabilities.unsupported(engine, GenerationParams(**fields)) == []
+
+
+# -- promises ---------------------------------------------------------------------------------------
+GPU = "tests/unit/test_gpu_promises.py"
+LLAMA = "tests/integration/test_llamacpp_engine.py"
+PROMISES: dict[str, dict[str, str | None]] = {
+    "presence and frequency count the output only": {
+        "llamacpp": "tests/e2e/test_clients.py::"
+        "test_presence_penalty_ignores_the_prompt_and_repetition_penalty_does_not",
+        "exllamav2": f"{GPU}::test_presence_frequency_count_the_output_only",
+        "exllamav3": f"{GPU}::test_presence_frequency_count_the_output_only",
+    },
+    "logprobs of the model's row, before penalties, bias and the blocked EOS": {
+        "llamacpp": None,  # a gap: no test pins it on the CPU engine yet (it reads its row before sampling)
+        "exllamav2": f"{GPU}::test_logprobs_of_the_model_row_and_the_eos_token_reported",
+        "exllamav3": f"{GPU}::test_logprobs_of_the_model_row_and_the_eos_token_reported",
+    },
+    "the EOS token that ends a sequence is reported": {
+        "llamacpp": "tests/integration/test_eos_count.py::"
+        "test_the_end_of_sequence_token_is_counted_and_marked_on_the_last_delta",
+        "exllamav2": f"{GPU}::test_logprobs_of_the_model_row_and_the_eos_token_reported",
+        "exllamav3": f"{GPU}::test_logprobs_of_the_model_row_and_the_eos_token_reported",
+    },
+    "prefix reuse and cached_tokens within one tenant only": {
+        "llamacpp": f"{LLAMA}::test_prompt_prefixes_are_reused_only_within_a_tenant",
+        "exllamav2": f"{GPU}::test_same_long_prompt_two_tenants_no_reuse_across_reuse_within",
+        "exllamav3": f"{GPU}::test_same_long_prompt_two_tenants_no_reuse_across_reuse_within",
+    },
+}
+KNOWN_GAPS = {("logprobs of the model's row, before penalties, bias and the blocked EOS", "llamacpp")}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("promise", sorted(PROMISES))
+def test_every_model_engine_shows_every_promise(promise: str) -> None:
+    """Each engine that samples from a model names the test that shows the promise, and it exists;
+    a missing one is a stated gap, not a silent one."""
+    shown = PROMISES[promise]
+    assert set(shown) == set(HONOURS), f"{promise!r}: an engine is missing from the table"
+    for engine, ref in shown.items():
+        if ref is None:
+            assert (promise, engine) in KNOWN_GAPS
+            continue
+        path, _, name = ref.partition("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{engine}: {ref} does not exist"
+
+
+@pytest.mark.parametrize("engine", sorted(HONOURS))
+def test_presence_and_frequency_reach_the_engine_as_output_only_penalties(engine: str) -> None:
+    """The mapping half of the penalty promise: no engine hands presence or frequency to a sampler
+    that sees the prompt. llama.cpp: its own penalties sampler fed generated tokens only. exllamav2:
+    its sampler's penalty pass (one range, prompt included) gets zero, the job applies them over the
+    output. exllamav3: ComboSampler's step keeps them, its range cut to the output before each token."""
+    p = GenerationParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1)
+    if engine == "llamacpp":
+        plan = dict(sampler_plan(p, 1, 1000, 4096))
+        assert plan["output_penalties"][2:] == (1.0, 0.25, 0.5)  # no repetition, frequency, presence
+        assert plan["penalties"][2:] == (1.1, 0.0, 0.0)  # the one that sees the prompt: repetition only
+        assert "output_penalties" not in SEES_PROMPT and "penalties" in SEES_PROMPT
+    elif engine == "exllamav2":
+        s = exl2_mapping.sampler_settings(p)
+        assert (s["token_repetition_penalty"], s["token_presence_penalty"], s["token_frequency_penalty"]) == (
+            1.1,
+            0.0,
+            0.0,
+        )
+        assert exl2_mapping.output_penalties(p) == (0.5, 0.25)
+    else:
+        a = exl3_mapping.sampler_args(p)
+        assert (a["rep_p"], a["pres_p"], a["freq_p"]) == (1.1, 0.5, 0.25)
+        assert exl3_mapping.output_window(p) == exl3_mapping.WHOLE_SEQUENCE
+        assert exl3_mapping.output_window(GenerationParams(presence_penalty=0.5, penalty_last_n=64)) == 64

@@ -55,6 +55,13 @@ EXL2_DIRECT: list[tuple[str, list[str], list[str]]] = [
         ],
     ),
     *[(f"exllamav2:{cls}", ["max_seq_len", "lazy"], []) for cls in sorted(set(exl2_mapping.CACHE_CLASSES.values()))],
+    (  # what exllamav2.job_class overrides (the tenant-scoped prefix cache, logprobs, output penalties)
+        "exllamav2.generator:ExLlamaV2DynamicJob",
+        [],
+        ["prepare_for_queue", "allocate_pages", "deallocate_pages", "prefill", "receive_logits", "receive_sample"],
+    ),
+    ("exllamav2.generator.dynamic:ExLlamaV2DynamicJob.prepare_for_queue", ["generator", "serial_number"], []),
+    ("exllamav2.generator.dynamic:CachePage", ["prev_hash", "kv_position_revert", "can_revert", "ref_count"], []),
 ]
 EXL3_DIRECT: list[tuple[str, list[str], list[str]]] = [  # workers/engine/exllamav3.py
     ("exllamav3:Config.from_directory", [], []),
@@ -70,8 +77,22 @@ EXL3_DIRECT: list[tuple[str, list[str], list[str]]] = [  # workers/engine/exllam
     ),
     ("exllamav3:Filter", [], ["reset", "accept_token", "rollback_tokens", "get_next_logit_mask", "is_completed"]),
     ("exllamav3:Filter.__init__", ["tokenizer", "trigger_token", "prefix_str", "eos_after_completed"], []),
+    (  # what exllamav3.job_class and sampler_class override
+        "exllamav3:Job",
+        [],
+        ["prepare_for_queue", "hash_completed_page", "allocate_pages", "deallocate_pages", "prefill"],
+    ),
+    ("exllamav3.generator.pagetable:CachePage", ["prev_hash", "can_revert", "ref_count"], []),
+    ("exllamav3:ComboSampler.forward", ["logits", "sequence_ids"], []),
+    ("exllamav3.generator.sampler.custom:SS_PresFreqP", ["pres_p", "freq_p", "sustain_range", "decay_range"], []),
 ]
-EXL2_ATTRS = ["exllamav2.attn:has_flash_attn_with_paged"]
+EXL2_ATTRS = ["exllamav2.attn:has_flash_attn_with_paged", "exllamav2.generator.dynamic:_tensor_hash_checksum"]
+EXL3_ATTRS = [
+    "exllamav3.generator.job:tensor_hash_checksum",  # wrapped by gpu_plan.salted_checksum
+    "exllamav3.generator.pagetable:tensor_hash_checksum",
+    "exllamav3.generator.pagetable:CachePage.__dataclass_fields__",
+    "exllamav3:CustomSampler",
+]
 
 
 def pins() -> dict[str, str]:
@@ -195,7 +216,7 @@ def test_exllamav3_contract(contract_path: Path) -> None:
         ("exllamav3:Job", ["input_ids", "sampler", *sorted(exl3_mapping.job_args(sample_spec(logprobs=3), [2]))], []),
         *EXL3_DIRECT,
     ]
-    result = check(contract_path, calls, [])
+    result = check(contract_path, calls, EXL3_ATTRS)
     assert result["versions"]["exllamav3"] == pins()["exllamav3"]
     assert result["origins"]["exllamav3"].startswith(str(contract_path))
     assert result["problems"] == []
