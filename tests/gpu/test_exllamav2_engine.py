@@ -23,13 +23,13 @@ pytestmark = pytest.mark.gpu
 PROMPT = "Once upon a time, in a land far away, there lived"
 
 
-def spec(engine: Any, key: Hashable, n: int, prompt: str = PROMPT, **params: Any) -> SeqSpec:
+def spec(engine: Any, key: Hashable, n: int, prompt: str = PROMPT, scope: Any = None, **params: Any) -> SeqSpec:
     p = GenerationParams(**{"seed": 7, **params})
     ids = engine.tokenize(prompt)
     extra = {}
     if p.prompt_logprobs is not None:
         extra = {"prompt_logprobs": p.prompt_logprobs, "prompt_logprobs_len": len(ids)}
-    return SeqSpec(key=key, prompt_ids=ids, max_new_tokens=n, params=p, seed=p.seed, **extra)
+    return SeqSpec(key=key, prompt_ids=ids, max_new_tokens=n, params=p, seed=p.seed, cache_scope=scope, **extra)
 
 
 def run(engine: Any, specs: list[SeqSpec], max_steps: int = 5000) -> dict[Hashable, list]:
@@ -222,3 +222,24 @@ def test_a_sequence_that_cannot_start_fails_alone(engine):
     good = spec(engine, "good", 3, ignore_eos=True)
     out = run(engine, [bad, good])
     assert out["bad"][-1].error and len(tokens(out["good"])) == 3
+
+
+def test_prefix_reuse_within_a_tenant_never_across(engine):
+    """Paged (flash-attn) or not, a tenant's cached prompt serves that tenant only, and the PromptEvent's
+    `cached` (the usage's cached_tokens) says so. CI runs the same on the library's own generator with
+    CUDA stubbed (tests/unit/test_gpu_promises.py); this is the real cache."""
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)  # > 2 pages of 256 tokens
+    a1 = run(engine, [spec(engine, "a1", 2, prompt=long, scope="tenant-a", temperature=0)])["a1"]
+    a2 = run(engine, [spec(engine, "a2", 2, prompt=long, scope="tenant-a", temperature=0)])["a2"]
+    b1 = run(engine, [spec(engine, "b1", 2, prompt=long, scope="tenant-b", temperature=0)])["b1"]
+    assert isinstance(a1[0], PromptEvent) and a1[0].cached == 0
+    assert a2[0].cached >= 512 and b1[0].cached == 0
+
+
+def test_presence_and_frequency_leave_the_prompt_alone(engine):
+    prompt = "The cat. " * 60 + "The"
+    plain = run(engine, [spec(engine, "pp", 1, prompt=prompt, temperature=0, ignore_eos=True)])["pp"]
+    pen = spec(
+        engine, "pq", 1, prompt=prompt, temperature=0, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+    )
+    assert tokens(run(engine, [pen])["pq"]) == tokens(plain)

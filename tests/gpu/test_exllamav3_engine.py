@@ -135,10 +135,17 @@ def test_logprobs_are_of_the_unedited_distribution(engine):
     assert first.top == other.top  # penalties change the pick, never the reported distribution
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engines do not yet seed exllamav3's page-hash chain with gpu_plan.scope_salt: reuse crosses tenants",
-)
+def test_presence_and_frequency_leave_the_prompt_alone(engine):
+    """On a prompt of one repeated phrase, output-only penalties cannot change the first greedy token
+    (CI shows the sampler part on the library's own code: tests/unit/test_gpu_promises.py)."""
+    prompt = "The cat. " * 60 + "The"
+    plain = run(engine, [spec(engine, "pp", 1, prompt=prompt, temperature=0, ignore_eos=True)])["pp"]
+    pen = spec(
+        engine, "pq", 1, prompt=prompt, temperature=0, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+    )
+    assert tokens(run(engine, [pen])["pq"]) == tokens(plain)
+
+
 def test_prefix_reuse_within_a_tenant_never_across(engine):
     long = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)  # > 2 pages of 256 tokens
     a1 = run(engine, [spec(engine, "a1", 2, prompt=long, scope="tenant-a", temperature=0)])["a1"]
