@@ -116,6 +116,12 @@ class Settings(BaseSettings):
         "(below the `openai` SDK's 600 s timeout, so the client sees the 202 instead of retrying).",
     )
     idempotency_ttl_h: float = Field(24.0, description="How long an `Idempotency-Key` keeps its outcome.")
+    idempotency_lock_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a request holds its `Idempotency-Key` without renewing it (it renews every third "
+        "of this while it works); a key held past it, its request dead, is taken over by the next retry.",
+    )
     retention_jobs_days: float = Field(
         30.0, description="Finished jobs older than this are deleted by the retention sweeper (usage rows stay)."
     )

@@ -35,15 +35,11 @@ async def create_batch(
     settings: SettingsDep,
 ) -> dict:
     key = request.headers.get("idempotency-key")
-    claim = await idempotency.claim(principal.tenant.id, key, "/v1/batches", body.model_dump(mode="json"))
-    if claim is not None and claim.replay is not None:
-        return await service.view(session, await service.get(session, claim.replay, principal.tenant.id))
-    try:
+    async with idempotency.held(principal.tenant.id, key, "/v1/batches", body.model_dump(mode="json")) as claim:
+        if claim is not None and claim.replay is not None:
+            return await service.view(session, await service.get(session, claim.replay, principal.tenant.id))
         rid = getattr(request.state, "request_id", None)
         b = await service.create(session, redis, principal, settings, **body.model_dump(), claim=claim, request_id=rid)
-    except BaseException:
-        await idempotency.release(claim)
-        raise
     return await service.view(session, b)
 
 

@@ -69,24 +69,20 @@ async def upload(request: Request, tenant: TenantDep, session: SessionDep, setti
             raise APIError(
                 400, "Missing required form field 'purpose'.", param="purpose", code="missing_required_parameter"
             )
-        # A retried upload (same key, purpose, name and size) returns the file the first one stored.
-        payload = {"purpose": purpose, "filename": got.filename, "bytes": up.bytes}
-        claim = await idempotency.claim(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload)
-        if claim is not None and claim.replay is not None:
-            f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
-            if f is not None:
-                await uploads.abort(up)  # the first request's file is the answer: this copy goes
-                return files.file_json(f)
+        # The whole request: a retried upload (same key, purpose, name and content) returns the file
+        # the first one stored; another file under the same key is a 422, whatever its size.
+        payload = {"purpose": purpose, "filename": got.filename, "bytes": up.bytes, "sha256": up.sha256}
+        async with idempotency.held(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload) as claim:
+            if claim is not None and claim.replay is not None:
+                f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
+                if f is not None:
+                    await uploads.abort(up)  # the first request's file is the answer: this copy goes
+                    return files.file_json(f)
+            # Stored and named by the key in one transaction, only while this request holds the key.
+            stored = await threads.run("upload", up.finish, purpose, idempotency.record_statement(claim, up.file_id))
     except BaseException:
         await uploads.abort(up)
         raise
-    try:
-        stored = await threads.run("upload", up.finish, purpose)
-    except BaseException:
-        await uploads.abort(up)
-        await idempotency.release(claim)
-        raise
-    await idempotency.record(claim, stored.id)
     return files.file_json(stored)
 
 

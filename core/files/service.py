@@ -11,10 +11,12 @@ removed by the tenant's next upload.
 
 from __future__ import annotations
 
+import hashlib
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, delete, func, or_, select, text, update
+from sqlalchemy import Update, and_, delete, func, or_, select, text, update
 
+from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid
 from core.files import storage
@@ -47,6 +49,7 @@ class Upload:
         self.file_id = storage.new_file_id()
         self.bytes = self.lines = self.seq = 0
         self.last = b""
+        self._sha = hashlib.sha256()  # of the content, for the request's idempotency fingerprint
 
     def begin(self, filename: str | None) -> None:
         with sync_sessions()() as s:
@@ -120,9 +123,17 @@ class Upload:
             s.commit()
         self.seq += 1
         self.last = data[-1:]
+        self._sha.update(data)
 
-    def finish(self, purpose: str) -> File:
-        """Make the stored file visible (and kept for 30 days)."""
+    @property
+    def sha256(self) -> str:
+        """The hex SHA-256 of everything written so far."""
+        return self._sha.hexdigest()
+
+    def finish(self, purpose: str, record: Update | None = None) -> File:
+        """Make the stored file visible (and kept for 30 days). `record`: the statement that names it
+        as its Idempotency-Key's object (idempotency.record_statement), run in the same transaction:
+        when it matches nothing (a retry took the key over) nothing is kept and the upload is a 409."""
         if self.bytes == 0:
             raise invalid("file", "The file is empty.", "empty_file")
         lines = self.lines + (self.last != b"\n")  # a last line without a newline
@@ -139,6 +150,9 @@ class Upload:
                 )
                 .returning(File)
             )
+            if f is not None and record is not None and s.execute(record).first() is None:
+                s.rollback()
+                raise idempotency.in_progress()
             s.commit()
         if f is None:  # removed as dead meanwhile (it went silent for STALE): nothing kept
             raise invalid("file", "The upload took too long between two parts; please send it again.", "upload_expired")

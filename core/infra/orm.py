@@ -227,3 +227,8 @@ class IdempotencyKey(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     object_id: Mapped[str | None] = mapped_column(String(40))  # None while the first request is in flight
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    # While no object is recorded: which request holds the key (a random token), and until when (the
+    # database's clock). The holder renews it while it works; past it, a retry takes the key over,
+    # and the old holder's record, fenced by its token, no longer matches.
+    lock_token: Mapped[str | None] = mapped_column(String(32))
+    locked_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

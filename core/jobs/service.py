@@ -70,16 +70,12 @@ async def create_completion(
     payload = None  # only a key's request hash needs it; a big body's dump is not for the event loop
     if idempotency_key is not None:
         payload = await threads.run("prepare", lambda: body.model_dump(mode="json", exclude_unset=True, by_alias=False))
-    claim = await idempotency.claim(principal.tenant.id, idempotency_key, endpoint, payload)
-    if claim is not None and claim.replay is not None:
-        job = await get(claim.replay, principal.tenant.id)
-        if job is not None:
-            return Created(job, {"idempotent-replayed": "true"}, replayed=True)
-    try:
+    async with idempotency.held(principal.tenant.id, idempotency_key, endpoint, payload) as claim:
+        if claim is not None and claim.replay is not None:
+            job = await get(claim.replay, principal.tenant.id)
+            if job is not None:
+                return Created(job, {"idempotent-replayed": "true"}, replayed=True)
         return await _create(rds, principal, body, settings, claim, queued, request_id)
-    except BaseException:
-        await asyncio.shield(idempotency.release(claim))  # nothing stored: the key is free again
-        raise
 
 
 async def _create(
