@@ -87,10 +87,15 @@ def _drain_on_sigterm(app: FastAPI) -> None:
     """On SIGTERM, mark the process as draining before uvicorn's own handler stops it: streams it
     then closes end without cancelling their jobs (the jobs go on; clients re-attach elsewhere)."""
     app.state.draining = False
+    # Set when draining starts: requests waiting for a job's answer give up their wait at once
+    # (api/routes/completions.py) instead of being cancelled by uvicorn's shutdown timeout (a 500).
+    app.state.drained = drained = asyncio.Event()
+    loop = asyncio.get_running_loop()
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum: int, frame: Any) -> None:
         app.state.draining = True
+        loop.call_soon_threadsafe(drained.set)
         if callable(previous):
             previous(signum, frame)
 

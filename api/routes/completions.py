@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated
+from collections.abc import Coroutine
+from typing import Annotated, Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -15,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from api.bodies import json_body, openapi_body
 from api.deps import HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
+from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
 from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
@@ -63,6 +65,34 @@ async def create_chat_completion(
     return await _serve(body, "/v1/chat/completions", request, principal, redis, hub, settings, lifecycle)
 
 
+T = TypeVar("T")
+
+# What a client waiting for an answer gets when this API process is told to stop: the job goes on,
+# and the same request again (with its Idempotency-Key) reaches it through another process.
+_RESTARTING = (
+    "This server is restarting. Your request was stored and goes on: send it again with the same "
+    "Idempotency-Key for its answer."
+)
+
+
+async def _wait_unless_draining(waiting: Coroutine[Any, Any, T], request: Request) -> T:
+    """The wait, unless this process starts draining first: then a 503 with Retry-After, answered
+    before uvicorn's shutdown timeout would cancel the wait into a 500."""
+    drained: asyncio.Event | None = getattr(request.app.state, "drained", None)
+    if drained is None:
+        return await waiting
+    wait_task = asyncio.ensure_future(waiting)
+    drain_task = asyncio.ensure_future(drained.wait())
+    try:
+        await asyncio.wait({wait_task, drain_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        drain_task.cancel()
+    if wait_task.done():
+        return wait_task.result()
+    wait_task.cancel()
+    raise APIError(503, _RESTARTING, code="server_restarting", headers={"Retry-After": "1"})
+
+
 async def _serve(body, endpoint: str, request: Request, principal, redis, hub, settings, lifecycle: Lifecycle):
     """One flow for both endpoints: create the job, then stream it, wait for it, or answer 202."""
     queued = "respond-async" in request.headers.get("prefer", "")
@@ -78,7 +108,7 @@ async def _serve(body, endpoint: str, request: Request, principal, redis, hub, s
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage)
         return _StreamOrCancel(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
-    row = await service.wait(hub, job.id, tenant_id, settings.wait_timeout_s)
+    row = await _wait_unless_draining(service.wait(hub, job.id, tenant_id, settings.wait_timeout_s), request)
     if row is None:
         return _accepted(job, headers)
     if row.state == "succeeded":
