@@ -183,3 +183,28 @@ def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": _inline(schema, defs)}}}}
+
+
+def openapi_answers(model: type[BaseModel], chunk: type[BaseModel], job: type[BaseModel], error: type[BaseModel]):
+    """`responses` of a route that answers `model` as JSON, or with `stream: true` a stream of `chunk`
+    events (text/event-stream, described: OpenAPI 3.1 has no schema for a sequence of events, so the
+    chunk's schema rides along, inlined, as `x-sse-data`), 202 with `job` when the client asked to
+    run it async (or the wait ran out), and `error` for the job that did not succeed."""
+    schema = chunk.model_json_schema()
+    chunk_schema = _inline(schema, schema.pop("$defs", {}))
+    sse = {
+        "type": "string",
+        "description": "Server-sent events with `stream: true`: each event has an `id:` (send it back as "
+        f"`Last-Event-ID` to resume) and one `data:` line holding a {chunk.__name__} as JSON; the last "
+        'event is `data: [DONE]`. A job that fails mid-stream sends `data: {"error": ...}` before it. '
+        "Keep-alives are comment lines.",
+        "x-sse-data": chunk_schema,
+    }
+    return {
+        200: {"description": f"The {model.__name__}, or its stream", "content": {"text/event-stream": {"schema": sse}}},
+        202: {"model": job, "description": "Stored and running (`Prefer: respond-async`, or the wait ran out)"},
+        400: {"model": error, "description": "The request is invalid (nothing stored), or the job ended on it"},
+        409: {"model": error, "description": "The job was cancelled"},
+        422: {"model": error, "description": "The job failed"},
+        429: {"model": error, "description": "A rate limit or quota refused it (see `retry-after`)"},
+    }

@@ -14,14 +14,23 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 from starlette.requests import ClientDisconnect
 
-from api.bodies import json_body, openapi_body
+from api.bodies import json_body, openapi_answers, openapi_body
 from api.deps import HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
 from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
 from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
 from core.protocol import render
-from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from core.protocol.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    ErrorResponse,
+    JobObject,
+)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -35,9 +44,13 @@ _Completion = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))
 _Chat = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
 _COMPLETION_DOC = openapi_body(CompletionRequest)
 _CHAT_DOC = openapi_body(ChatCompletionRequest)
+# What they answer, for /openapi.json: the handlers return responses of their own (JSON, SSE or 202),
+# so the models document the wire and never re-serialize it.
+_COMPLETION_ANSWERS = openapi_answers(Completion, CompletionChunk, JobObject, ErrorResponse)
+_CHAT_ANSWERS = openapi_answers(ChatCompletion, ChatCompletionChunk, JobObject, ErrorResponse)
 
 
-@router.post("/v1/completions", response_model=None, openapi_extra=_COMPLETION_DOC)
+@router.post("/v1/completions", response_model=Completion, responses=_COMPLETION_ANSWERS, openapi_extra=_COMPLETION_DOC)
 @router.post("/v1/openai/v1/completions", response_model=None, include_in_schema=False)  # Llama Stack's path
 async def create_completion(
     body: _Completion,
@@ -51,7 +64,7 @@ async def create_completion(
     return await _serve(body, "/v1/completions", request, principal, redis, hub, settings, lifecycle)
 
 
-@router.post("/v1/chat/completions", response_model=None, openapi_extra=_CHAT_DOC)
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_CHAT_ANSWERS, openapi_extra=_CHAT_DOC)
 @router.post("/v1/openai/v1/chat/completions", response_model=None, include_in_schema=False)
 async def create_chat_completion(
     body: _Chat,

@@ -282,6 +282,36 @@ class ChatCompletion(_Response):
     usage: UsageObject | None = None
 
 
+class CompletionChunk(_Response):
+    """One `data:` event of a streamed completion: OpenAI's stream repeats the `text_completion`
+    object with the new text of one choice (`usage` on the last, with `stream_options.include_usage`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageObject | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: dict[str, Any]  # the role first, then `content` or `tool_calls` pieces
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One `data:` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageObject | None = None
+
+
 class ErrorObject(_Response):
     message: str
     type: str | None = None

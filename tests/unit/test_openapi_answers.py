@@ -1,0 +1,89 @@
+"""/openapi.json describes what the two main routes answer, and what render builds fits it.
+
+The app's document is built in-process (no services: the lifespan does not run). Rendered bodies
+are checked against the very schemas the document publishes, so the declared models cannot drift
+from the wire."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import jsonschema
+import pytest
+
+from api.app import create_app
+from core.generation.events import ChoiceResult, Delta, Done, JobResult, Usage
+from core.protocol import render
+from tests.unit.test_chunks import _chat_job, _job
+
+ROUTES = {
+    "/v1/completions": ("Completion", "CompletionChunk"),
+    "/v1/chat/completions": ("ChatCompletion", "ChatCompletionChunk"),
+}
+
+
+@cache
+def _doc() -> dict[str, Any]:
+    return create_app().openapi()
+
+
+def _answers(path: str) -> dict[str, Any]:
+    return _doc()["paths"][path]["post"]["responses"]
+
+
+def _validate(instance: Any, schema: dict[str, Any]) -> None:
+    jsonschema.validate(instance, {**schema, "components": _doc()["components"]})
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_the_json_answer_and_the_stream_are_described(path):
+    model, chunk = ROUTES[path]
+    ok = _answers(path)["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+    sse = ok["text/event-stream"]["schema"]
+    assert sse["type"] == "string" and "[DONE]" in sse["description"] and chunk in sse["description"]
+    assert sse["x-sse-data"]["title"] == chunk
+    assert _answers(path)["202"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/JobObject"}
+    for status in ("400", "409", "422", "429"):
+        assert _answers(path)[status]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"
+        }
+
+
+def _succeeded():
+    job = _job()
+    job.result = JobResult(choices=[ChoiceResult(index=0, text="Hello", finish_reason="stop")]).model_dump()
+    job.usage = Usage(prompt_tokens=3, completion_tokens=1).model_dump()
+    return job
+
+
+def test_a_rendered_completion_and_its_chunks_fit_the_published_schemas():
+    ok = _answers("/v1/completions")["200"]["content"]
+    _validate(render.response(_succeeded()), ok["application/json"]["schema"])
+    chunks = render.CompletionChunks(_job(), include_usage=True)
+    out = [*chunks.render(Delta(choice=0, text="Hi")), *chunks.render(Done(usage=Usage(prompt_tokens=1)))]
+    bodies = [c for c in out if isinstance(c, dict)]
+    assert len(bodies) == 2 and out[-1] == render.DONE
+    for body in bodies:
+        _validate(body, ok["text/event-stream"]["schema"]["x-sse-data"])
+    _validate(render.job(_succeeded()), _answers("/v1/completions")["202"]["content"]["application/json"]["schema"])
+
+
+def test_a_rendered_chat_completion_and_its_chunks_fit_the_published_schemas():
+    ok = _answers("/v1/chat/completions")["200"]["content"]
+    job = _chat_job("Hello there", "stop", None)
+    _validate(render.response(job), ok["application/json"]["schema"])
+    chunks = render.ChatChunks(_chat_job("", "stop", None), include_usage=False)
+    out = [c for c in chunks.render(Delta(choice=0, text="Hello", finish_reason="stop")) if isinstance(c, dict)]
+    assert out and out[0]["object"] == "chat.completion.chunk"
+    for body in out:
+        _validate(body, ok["text/event-stream"]["schema"]["x-sse-data"])
+
+
+def test_a_wrong_body_does_not_fit():
+    """The schemas are not vacuous: a completion without choices is refused."""
+    body = render.response(_succeeded())
+    del body["choices"]
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(body, _answers("/v1/completions")["200"]["content"]["application/json"]["schema"])
