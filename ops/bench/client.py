@@ -233,6 +233,23 @@ def bench_http(cfg: BenchConfig) -> list[Summary]:
 
 
 # -- reporting --------------------------------------------------------------------------------------
+def bench_engine(cfg: BenchConfig) -> list[Summary]:
+    """The same prompts on the engine alone (ops/bench/engine.py), in a process of its own: the engine
+    lives in workers/, which the benchmark's client side does not import."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "ops.bench.engine", cfg.model_dump_json()],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
+    return [Summary(**d) for d in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
 def to_json(summaries: list[Summary]) -> list[dict]:
     return [asdict(s) for s in summaries]
 

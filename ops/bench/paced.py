@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from ops.bench.client import BenchConfig, Summary, bench_http
+from ops.bench.client import BenchConfig, Summary, bench_engine, bench_http
 
 ROOT = Path(__file__).resolve().parents[2]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -64,14 +62,7 @@ def client_cpu() -> float:
 
 
 def engine_alone(cfg: BenchConfig) -> Summary:
-    out = subprocess.run(
-        [sys.executable, "-m", "ops.bench.engine", cfg.model_dump_json()],
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    return Summary(**json.loads(out.stdout.strip().splitlines()[-1])[0])
+    return bench_engine(cfg)[0]
 
 
 def measured(cfg: BenchConfig, pids: dict[str, int]) -> tuple[Summary, dict[str, float]]:
