@@ -59,18 +59,18 @@ class Settings(BaseSettings):
     paced_step_ms: float = Field(
         8.0,
         ge=0,
-        description="Paced engine (tuning): the fixed part of one decode step, in milliseconds, spent sleeping.",
+        description="Paced engine: the fixed part of one decode step, in milliseconds, spent sleeping.",
     )
     paced_seq_ms: float = Field(
         0.25,
         ge=0,
-        description="Paced engine (tuning): milliseconds each live sequence adds to a decode step "
+        description="Paced engine: milliseconds each live sequence adds to a decode step "
         "(defaults 8 + 0.25: an 8B model at 4 bits on an H100-class GPU).",
     )
     paced_prefill_tps: float = Field(
         10_000.0,
         gt=0,
-        description="Paced engine (tuning): prompt tokens per second of prefill, spent sleeping.",
+        description="Paced engine: prompt tokens per second of prefill, spent sleeping.",
     )
     model_path: str | None = Field(
         None,
@@ -284,6 +284,105 @@ class Settings(BaseSettings):
     @property
     def celery_broker_url(self) -> str:
         return self.broker_url or self.redis_url
+
+
+# The README's configuration table, by concern (`spool settings` prints it; tests/unit/test_docs.py
+# checks that every setting is in exactly one group and that the README shows what it prints).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Connections": ("database_url", "redis_url", "redis_max_connections", "broker_url", "api_host", "api_port"),
+    "Models and engines": (
+        "models",
+        "models_file",
+        "worker_models",
+        "model_aliases",
+        "chat_templates",
+        "accept_any_model",
+        "engine",
+        "model_path",
+        "n_ctx",
+        "n_threads",
+        "exl2_cache_tokens",
+        "exl2_cache_quant",
+        "exl2_chunk_size",
+        "paced_step_ms",
+        "paced_seq_ms",
+        "paced_prefill_tps",
+    ),
+    "Requests and limits": (
+        "max_body_bytes",
+        "default_max_tokens",
+        "unknown_params",
+        "context_overflow",
+        "max_sequences_per_job",
+        "max_logprob_entries",
+        "wait_timeout_s",
+        "cancel_on_disconnect",
+        "disconnect_grace_s",
+        "idempotency_ttl_h",
+        "idempotency_lock_s",
+        "max_file_bytes",
+        "tenant_storage_bytes",
+        "upload_max_fields",
+        "upload_max_field_bytes",
+        "upload_threads",
+        "prepare_threads",
+    ),
+    "Worker": (
+        "worker_concurrency",
+        "max_batch",
+        "interactive_slots",
+        "batch_prefetch",
+        "lease_s",
+        "max_attempts",
+        "infra_retry_s",
+        "engine_stall_s",
+        "events_ttl_s",
+    ),
+    "Dispatcher": (
+        "dispatcher_interval_s",
+        "dispatcher_batch",
+        "queue_depth",
+        "dispatch_timeout_s",
+        "batch_group",
+        "retention_jobs_days",
+    ),
+    "Batches": (
+        "max_file_lines",
+        "batch_max_lines",
+        "batch_max_errors",
+        "batch_max_enqueued_tokens",
+        "batch_validation_lease_s",
+        "batch_publish_s",
+    ),
+    "Webhooks": ("webhook_allow", "webhook_timeout_s", "webhook_retry_s", "dns_threads"),
+    "Observability": ("log_format", "metrics_port", "api_metrics_port"),
+}
+
+# Tuning knobs: they change how fast or how much at once, never what an answer says.
+TUNING = frozenset(
+    {
+        "redis_max_connections",
+        "n_threads",
+        "exl2_cache_tokens",
+        "exl2_cache_quant",
+        "exl2_chunk_size",
+        "paced_step_ms",
+        "paced_seq_ms",
+        "paced_prefill_tps",
+        "upload_threads",
+        "prepare_threads",
+        "worker_concurrency",
+        "max_batch",
+        "interactive_slots",
+        "batch_prefetch",
+        "dispatcher_interval_s",
+        "dispatcher_batch",
+        "queue_depth",
+        "batch_group",
+        "batch_publish_s",
+        "dns_threads",
+    }
+)
 
 
 @lru_cache

@@ -175,13 +175,25 @@ def bench(ctx: typer.Context) -> None:
 
 @app.command("settings")
 def settings_table() -> None:
-    """Print every SPOOL_* setting with its default and meaning, as a Markdown table."""
-    from core.config import Settings
+    """Print every SPOOL_* setting with its default and meaning, as Markdown tables by concern."""
+    typer.echo(settings_markdown())
 
-    typer.echo("| variable | default | meaning |\n| --- | --- | --- |")
-    for name, f in Settings.model_fields.items():
-        default = "(unset)" if f.default is None else f"`{f.default}`"
-        typer.echo(f"| `SPOOL_{name.upper()}` | {default} | {f.description or ''} |")
+
+def settings_markdown() -> str:
+    """The README's configuration tables: one per group of core/config.py's GROUPS, tuning knobs marked."""
+    from core.config import GROUPS, TUNING, Settings
+
+    out: list[str] = []
+    for group, names in GROUPS.items():
+        out += [f"**{group}**", "", "| variable | default | meaning |", "| --- | --- | --- |"]
+        for name in names:
+            f = Settings.model_fields[name]
+            value = f.get_default(call_default_factory=True)
+            default = "(unset)" if value is None else "(empty)" if value == "" else f"`{value}`"
+            tuning = "*Tuning.* " if name in TUNING else ""
+            out.append(f"| `SPOOL_{name.upper()}` | {default} | {tuning}{f.description or ''} |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
 
 
 LimitOpt = typer.Option(None, help="Limit: a positive number, or 'none' for unlimited (omit: leave as is).")
