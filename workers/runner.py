@@ -253,7 +253,10 @@ class _Attempt:
                 type_="server_error",
                 code="resume_impossible",
             )
-        prior = self._prior_progress() if job.attempt > 1 and not self.buffered else {}
+        # Read (and logged: entry positions continue after them) even when not resumed from.
+        prior = self._prior_progress() if job.attempt > 1 else {}
+        if self.buffered:
+            prior = {}
         wants_prompt_scores = p.prompt_logprobs is not None or (p.echo and p.logprobs is not None)
         specs: list[SeqSpec] = []
         for pi, ids in enumerate(self.prompts):
@@ -405,7 +408,8 @@ class _Attempt:
             self._stream_checked = now
             if not rds.exists(streams.stream_key(self.job.id)):
                 self._rebuild_lost_stream()
-        ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out)
+        # Positional: this attempt's log holds every entry of the stream (earlier attempts' too).
+        ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
         self.log += zip(ids, (encode(e) for e in out), strict=True)
 
     def _rebuild_lost_stream(self) -> None:

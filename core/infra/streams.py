@@ -68,11 +68,29 @@ def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) ->
 
 # Append only if no newer attempt has claimed the job (compare-and-append, atomic in Redis): a worker
 # that lost its lease but still runs cannot interleave its tokens with its successor's.
+# A job's deltas carry positional ids, `0-<n>` for its n-th entry: an append whose answer was lost
+# (Redis died after writing it) and is sent again writes nothing twice, and after Redis comes back
+# empty the same entries get the same ids again, so a reader's Last-Event-ID still means the same
+# place (time-based ids made such a reader receive the same tokens twice). Terminal events get
+# time-based ids (`Lifecycle.publish`): above every position, and once one is there nothing more is
+# appended (the job ended some other way: a cancel).
 _FENCED_APPEND = """
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
 if fence > tonumber(ARGV[1]) then return false end
+local top_seq = 0
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 then
+  local ms, seq = string.match(top[1][1], '^(%d+)-(%d+)$')
+  if ms ~= '0' then return false end
+  top_seq = tonumber(seq)
+end
+local start = tonumber(ARGV[3])
 local ids = {}
-for i = 3, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'e', ARGV[i]) end
+for i = 4, #ARGV do
+  local seq = start + i - 4
+  if seq > top_seq then redis.call('XADD', KEYS[1], '0-' .. seq, 'e', ARGV[i]) end
+  ids[#ids + 1] = '0-' .. seq
+end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return ids
 """
@@ -96,8 +114,10 @@ def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
     return int(redis.eval(_RAISE_FENCE, 1, fence_key(job_id), attempt, ttl_s))
 
 
-def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int) -> list[str]:
-    ids = redis.eval(_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, *payloads)
+def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
+    """Append `payloads` as the job's entries number `start`, `start + 1`, ... (1-based): those
+    already there (a retried append) are not written again."""
+    ids = redis.eval(_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, start, *payloads)
     if ids is None:
         raise Fenced(f"job {job_id}: attempt {attempt} was superseded")
     return [_text(i) for i in ids]
@@ -126,8 +146,8 @@ class GroupAppender:
         self._thread: threading.Thread | None = None
         self.flushes = 0  # round trips made (tests and the bench read it)
 
-    def append(self, job_id: str, attempt: int, payloads: list[str], ttl_s: int) -> list[str]:
-        item = _Pending([_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, *payloads])
+    def append(self, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
+        item = _Pending([_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, start, *payloads])
         with self._lock:  # started on first use: processes that never stream hold no thread
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stream-appender", daemon=True)

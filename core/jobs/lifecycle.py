@@ -97,13 +97,14 @@ class Lifecycle:
         ids = out[1:-1] if cancel_flag else out[:-1]
         return [i if isinstance(i, str) else i.decode() for i in ids]
 
-    def publish_deltas(self, job_id: str, attempt: int, evs: Sequence[Delta]) -> list[str]:
-        """A running attempt's output: appended only while no newer attempt has claimed the job
-        (streams.Fenced otherwise)."""
-        payloads = [encode(e) for e in evs]
+    def publish_deltas(self, job_id: str, attempt: int, evs: Sequence[Delta], start: int) -> list[str]:
+        """A running attempt's output, as the job's entries number `start`... (1-based, positional
+        ids: a retried append writes nothing twice): appended only while no newer attempt has
+        claimed the job (streams.Fenced otherwise)."""
+        payloads, ttl = [encode(e) for e in evs], self.settings.events_ttl_s
         if self.appender is not None:  # a worker: grouped with its other jobs' appends, one round trip
-            return self.appender.append(job_id, attempt, payloads, self.settings.events_ttl_s)
-        return streams.append_fenced(self.redis, job_id, attempt, payloads, self.settings.events_ttl_s)
+            return self.appender.append(job_id, attempt, payloads, ttl, start)
+        return streams.append_fenced(self.redis, job_id, attempt, payloads, ttl, start)
 
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod

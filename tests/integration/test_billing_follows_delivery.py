@@ -19,9 +19,11 @@ PROMPT = [{"ids": [5, 6, 7, 8], "text": None}]
 def _streamed(rds, job, lifecycle: Lifecycle) -> None:
     """The job's attempt streamed five tokens, the last delta ending with an end-of-sequence token."""
     streams.raise_fence(rds, job.id, job.attempt, 60)
-    lifecycle.publish_deltas(job.id, job.attempt, [Delta(attempt=job.attempt, choice=0, text="a b", token_ids=[1, 2])])
     lifecycle.publish_deltas(
-        job.id, job.attempt, [Delta(attempt=job.attempt, choice=0, text=" c d", token_ids=[3, 4], eos=True)]
+        job.id, job.attempt, [Delta(attempt=job.attempt, choice=0, text="a b", token_ids=[1, 2])], start=1
+    )
+    lifecycle.publish_deltas(
+        job.id, job.attempt, [Delta(attempt=job.attempt, choice=0, text=" c d", token_ids=[3, 4], eos=True)], start=2
     )
 
 

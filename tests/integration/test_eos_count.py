@@ -65,7 +65,7 @@ def test_a_resumed_attempt_keeps_counting_an_end_an_earlier_one_streamed(session
     streams.raise_fence(rds, job.id, 1, 60)
     words = EndingEngine(MODEL, n_ctx=512, max_batch=1)._words[:2]
     ended = Delta(attempt=1, choice=0, text="x", token_ids=words, finish_reason="stop", eos=True)
-    streams.append_fenced(rds, job.id, 1, [encode(ended)], 60)
+    streams.append_fenced(rds, job.id, 1, [encode(ended)], 60, start=1)
     assert JobRunner(loop, it_settings, rds, sessions, "w-eos").run(job.id, 2) == "succeeded"
     row = session.get(Job, job.id, populate_existing=True)
     assert row.usage["completion_tokens"] == 3
@@ -77,5 +77,5 @@ def test_a_job_that_ends_early_bills_a_streamed_end_of_sequence(session, session
     streams.raise_fence(rds, job.id, 1, 60)
     done = Delta(attempt=1, choice=0, text="ab", token_ids=[10, 11], finish_reason="stop", eos=True)
     going = Delta(attempt=1, choice=1, text="c", token_ids=[12])
-    streams.append_fenced(rds, job.id, 1, [encode(done), encode(going)], 60)
+    streams.append_fenced(rds, job.id, 1, [encode(done), encode(going)], 60, start=1)
     assert Lifecycle(sessions, rds, it_settings).produced(job).completion_tokens == 4

@@ -46,7 +46,7 @@ def test_sixteen_jobs_appends_go_out_in_one_round_trip_each_fenced_alone(rds):
     def one(job_id: str, attempt: int) -> None:
         payload = encode(Delta(attempt=attempt, choice=0, text=job_id, token_ids=[1]))
         try:
-            results[job_id] = app.append(job_id, attempt, [payload], 60)
+            results[job_id] = app.append(job_id, attempt, [payload], 60, start=1)
         except streams.Fenced as e:
             results[job_id] = e
 
@@ -75,4 +75,4 @@ def test_a_redis_error_reaches_every_caller_of_that_flush(rds):
 
     app = streams.GroupAppender(Broken())
     with pytest.raises(ConnectionError):
-        app.append("job-grp-broken", 1, ["{}"], 60)
+        app.append("job-grp-broken", 1, ["{}"], 60, start=1)

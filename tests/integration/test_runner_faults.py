@@ -29,10 +29,10 @@ def test_a_superseded_attempt_cannot_write_the_stream(rds, it_settings):
     assert streams.raise_fence(rds, job_id, 1, 60) == 2  # never lowered
     late = encode(Delta(attempt=1, choice=0, text="stale", token_ids=[1]))
     with pytest.raises(streams.Fenced):
-        streams.append_fenced(rds, job_id, 1, [late], 60)
+        streams.append_fenced(rds, job_id, 1, [late], 60, start=1)
     assert streams.entries(rds, job_id) == []
     ok = encode(Delta(attempt=2, choice=0, text="fresh", token_ids=[2]))
-    assert len(streams.append_fenced(rds, job_id, 2, [ok], 60)) == 1
+    assert len(streams.append_fenced(rds, job_id, 2, [ok], 60, start=1)) == 1
     assert [p for _, p in streams.entries(rds, job_id)] == [ok]
 
 
@@ -81,3 +81,38 @@ def test_a_wedged_engine_stops_renewing_and_lets_its_job_go(session, sessions, r
         assert session.execute(transitions.renew_lease(job.id, 1, 30)).first() is None  # attempt 1 is over
     finally:
         engine.release.set()
+
+
+def test_a_retried_append_writes_nothing_twice_and_a_lost_stream_keeps_its_ids(rds):
+    """Issue 24, found by the fault harness: Redis died after writing an append but before answering
+    it; the attempt sent it again into the stream rebuilt after Redis came back empty, under new
+    time-based ids, and a client whose Last-Event-ID was one of the lost entries received those
+    tokens a second time (its text had a phrase twice). Entries are positional now."""
+    job_id = "job-pos-" + str(time.time_ns())
+    streams.raise_fence(rds, job_id, 1, 60)
+    evs = [encode(Delta(attempt=1, choice=0, text=f" t{i}", token_ids=[i])) for i in range(1, 6)]
+    first = streams.append_fenced(rds, job_id, 1, evs[:3], 60, start=1)
+    # The answer to this append is lost; the attempt sends it again.
+    again = streams.append_fenced(rds, job_id, 1, evs[:3], 60, start=1)
+    assert again == first and [p for _, p in streams.entries(rds, job_id)] == evs[:3]
+    client_saw = first[-1]  # a reader's Last-Event-ID
+    # Redis comes back empty: the attempt rebuilds what it had logged (the first entry only: the
+    # others' answer was lost), then sends the rest again, from where its log ends.
+    rds.delete(streams.stream_key(job_id))
+    streams.rebuild(rds, job_id, [(first[0], evs[0])], 60)
+    streams.raise_fence(rds, job_id, 1, 60)
+    streams.append_fenced(rds, job_id, 1, evs[1:], 60, start=2)
+    after = [p for i, p in streams.entries(rds, job_id) if streams._order(i) > streams._order(client_saw)]
+    assert after == evs[3:]  # what the reader had not seen yet, once
+    assert [p for _, p in streams.entries(rds, job_id)] == evs
+
+
+def test_nothing_is_appended_after_a_terminal_event(rds):
+    job_id = "job-pos-end-" + str(time.time_ns())
+    streams.raise_fence(rds, job_id, 1, 60)
+    streams.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text="a", token_ids=[1]))], 60, start=1)
+    rds.xadd(streams.stream_key(job_id), {streams.FIELD: "{}"})  # a cancel's terminal event (time-based id)
+    with pytest.raises(streams.Fenced):
+        streams.append_fenced(
+            rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text="b", token_ids=[2]))], 60, start=2
+        )
