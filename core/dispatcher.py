@@ -89,7 +89,7 @@ class Dispatcher:
         s = self.settings
         counts: dict[str, int] = {}
         with self.sessions() as session:
-            counts["batches_ended"] = batches.advance(session)
+            counts["batches_ended"] = batches.advance(session, self.lifecycle)
             self._gauges(session)
         # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
         with self.sessions() as session:

@@ -19,10 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.batches.status import LIVE, BatchStatus, end, ending
-from core.config import get_settings
 from core.files import storage as files
-from core.infra import kv
-from core.infra.db import sync_sessions
 from core.infra.orm import Batch, File, Job, JobState
 from core.jobs.lifecycle import BATCH_CANCELLED, BATCH_EXPIRED, Lifecycle
 from core.protocol import render
@@ -156,18 +153,12 @@ SLICE = 5000
 
 
 @lru_cache
-def _default_lifecycle() -> Lifecycle:
-    settings = get_settings()
-    return Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
-
-
-def advance(session: Session, limit: int = 20, slice_rows: int = SLICE, lifecycle: Lifecycle | None = None) -> int:
+def advance(session: Session, lifecycle: Lifecycle, limit: int = 20, slice_rows: int = SLICE) -> int:
     """Move live batches along: counts, expiry, cancellation, finalization. Returns how many ended.
 
     A batch's queued lines end (expired or cancelled) through the job lifecycle like every job: the
     state change and one usage count per line in this pass's transaction, then, once it committed,
     each line's reservation settled and its terminal event published."""
-    lifecycle = lifecycle or _default_lifecycle()
     ended = 0
     lines: list[tuple[list[Any], JobState]] = []
     rows = session.scalars(

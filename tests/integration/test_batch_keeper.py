@@ -10,6 +10,7 @@ from core.batches import progress
 from core.batches.status import BatchStatus
 from core.dispatcher import Dispatcher
 from core.infra.orm import Batch, Job
+from core.jobs.lifecycle import Lifecycle
 from tests import factories
 
 
@@ -42,13 +43,14 @@ def _states(session, batch_id: str) -> dict[str, int]:
     return dict(rows.all())
 
 
-def test_an_expired_batch_is_worked_through_in_slices(session):
+def test_an_expired_batch_is_worked_through_in_slices(session, sessions, rds, it_settings):
+    lifecycle = Lifecycle(sessions, rds, it_settings)
     batch_id = _expired_batch(session, 12)
-    progress.advance(session, slice_rows=5)
+    progress.advance(session, lifecycle, slice_rows=5)
     assert _states(session, batch_id) == {"expired": 5, "queued": 7}
     assert session.get(Batch, batch_id).status == BatchStatus.in_progress  # not finalized meanwhile
-    progress.advance(session, slice_rows=5)
-    progress.advance(session, slice_rows=5)
+    progress.advance(session, lifecycle, slice_rows=5)
+    progress.advance(session, lifecycle, slice_rows=5)
     assert _states(session, batch_id) == {"expired": 12}
     b = session.get(Batch, batch_id)
     assert b.status == BatchStatus.expired and b.request_counts == {"total": 12, "completed": 0, "failed": 12}
