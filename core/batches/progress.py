@@ -12,7 +12,6 @@ import re
 import secrets
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import func, select
@@ -152,7 +151,6 @@ def write_results(session: Session, b: Batch) -> None:
 SLICE = 5000
 
 
-@lru_cache
 def advance(session: Session, lifecycle: Lifecycle, limit: int = 20, slice_rows: int = SLICE) -> int:
     """Move live batches along: counts, expiry, cancellation, finalization. Returns how many ended.
 
