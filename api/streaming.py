@@ -18,7 +18,7 @@ from core.generation.events import TerminalRow
 from core.infra import redis_keys, streams
 from core.infra.db import async_sessions
 from core.jobs import transitions
-from core.jobs.stream import HEARTBEAT, follow
+from core.jobs.stream import HEARTBEAT, coalesce, follow_batches
 from core.protocol.render import JobRecord, chunks_for
 
 
@@ -80,13 +80,20 @@ async def sse_chunks(
     counted = asyncio.ensure_future(_count_reader(rds, job.id))
     try:
         await asyncio.shield(counted)
-        async for item in follow(reader, job.id, terminal_row_check(job.id, tenant_id), last_id=last_id):
-            if item is HEARTBEAT:
-                yield sse_comment("keep-alive")
-                continue
-            entry_id, ev = item  # type: ignore[misc]
-            for chunk in chunks.render(ev):
-                yield sse(chunk, entry_id if isinstance(chunk, dict) else None)
+        check = terminal_row_check(job.id, tenant_id)
+        async with contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id)) as batches:
+            async for batch in batches:
+                if batch is HEARTBEAT:
+                    yield sse_comment("keep-alive")
+                    continue
+                # Everything that arrived while this client was being written to goes out in one
+                # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
+                out = bytearray()
+                for entry_id, ev in coalesce(batch):  # type: ignore[arg-type]
+                    for chunk in chunks.render(ev):
+                        out += sse(chunk, entry_id if isinstance(chunk, dict) else None)
+                if out:
+                    yield bytes(out)
     finally:
         task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, counted))
         _UNCOUNTING.add(task)

@@ -14,7 +14,7 @@ import queue
 import re
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any, Protocol
 
 from core.infra.kv import TRANSIENT
@@ -215,6 +215,13 @@ class Reader(Protocol):
 
     def read(self, job_id: str, last_id: str, block_ms: int) -> AsyncIterator[tuple[str, str] | None]: ...
 
+    def read_batches(
+        self, job_id: str, last_id: str, block_ms: int
+    ) -> AsyncGenerator[list[tuple[str, str]] | None, None]:
+        """The same entries, as lists of everything that had arrived when the caller asked again: a
+        caller that fell behind (a slow client) gets the backlog at once."""
+        ...
+
 
 # A stream entry id as Redis reads it: ASCII digits only (str.isdigit also takes "²" and
 # Arabic-Indic digits), each part within 64 bits. Anything else makes XREAD fail for every stream
@@ -274,6 +281,17 @@ class Hub:
         """(entry id, payload) after `last_id`, forever; None whenever `block_ms` passes in silence
         (Redis away included: the caller consults Postgres meanwhile). An id Redis would refuse
         raises InvalidStreamId here, before it can reach the shared read."""
+        async with contextlib.aclosing(self.read_batches(job_id, last_id, block_ms)) as batches:
+            async for batch in batches:  # closed with this generator: the follower leaves at once
+                if batch is None:
+                    yield None
+                    continue
+                for item in batch:
+                    yield item
+
+    async def read_batches(
+        self, job_id: str, last_id: str, block_ms: int
+    ) -> AsyncGenerator[list[tuple[str, str]] | None, None]:
         start = parse_id(last_id)
         if start is None:
             raise InvalidStreamId(f"invalid stream entry id {last_id!r}")
@@ -294,8 +312,15 @@ class Hub:
                     continue
                 if isinstance(entries, Exception):
                     raise entries
-                for item in entries:
-                    yield item
+                batch = list(entries)
+                while not f.inbox.empty():  # whatever else arrived while the caller was busy
+                    more = f.inbox.get_nowait()
+                    if isinstance(more, Exception):
+                        if batch:
+                            yield batch
+                        raise more
+                    batch += more
+                yield batch
         finally:
             peers = self._followers.get(f.key)
             if peers is not None:

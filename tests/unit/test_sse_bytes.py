@@ -52,3 +52,23 @@ def test_a_browser_eventsource_gets_every_event_and_id_and_no_keep_alive():
         ("message", '{"b":2}', "2-0"),
         ("message", "[DONE]", "2-0"),
     ]
+
+
+def test_coalesce_keeps_echo_finish_and_scores_boundaries():
+    from core.generation.events import Delta, TokenScore
+    from core.jobs.stream import coalesce
+
+    s = TokenScore(id=1, text="a", logprob=-1.0)
+    echo = Delta(choice=0, text="Hi a", token_ids=[1], prefix_len=2, scores=[s])
+    more = Delta(choice=0, text="a", token_ids=[2], scores=[s])
+    end = Delta(choice=0, text="a", token_ids=[3], scores=[s], finish_reason="stop", eos=True)
+    after = Delta(choice=0, text="x", token_ids=[4], scores=[s])  # never merged into a finished run
+    out = coalesce([("0-1", echo), ("0-2", more), ("0-3", end), ("0-4", after)])
+    assert [i for i, _ in out] == ["0-3", "0-4"]
+    merged = out[0][1]
+    assert isinstance(merged, Delta)
+    assert (merged.text, merged.prefix_len, merged.token_ids) == ("Hi aaa", 2, [1, 2, 3])
+    assert merged.scores == [s, s, s] and merged.finish_reason == "stop" and merged.eos
+    # A delta that carries an echoed prompt starts a run of its own.
+    out = coalesce([("0-1", more), ("0-2", echo)])
+    assert [i for i, _ in out] == ["0-1", "0-2"]
