@@ -5,18 +5,19 @@ from __future__ import annotations
 from core.batches import webhooks
 from core.config import get_settings
 from core.infra.broker import DELIVER_WEBHOOK, RUN_JOB, RUN_JOBS, celery_app
+from workers.outcome import Outcome
 from workers.runtime import runner
 
 app = celery_app()
 
 
 @app.task(name=RUN_JOB)
-def run_job(job_id: str, attempt: int) -> str:
+def run_job(job_id: str, attempt: int) -> Outcome:
     return runner().run(job_id, attempt)
 
 
 @app.task(name=RUN_JOBS)
-def run_jobs(pairs: list[list]) -> list[str]:
+def run_jobs(pairs: list[list]) -> list[Outcome]:
     return runner().run_group([(str(job_id), int(attempt)) for job_id, attempt in pairs])
 
 

@@ -3,7 +3,7 @@
 Every form the seed documents accept (`grammar` as GBNF or mistral.rs's {type, value}, `json_schema`,
 `response_format`, `regex`, `guided_choice`) becomes an llguidance grammar string here. Engines
 then build an `LLMatcher` from it with their own tokenizer and mask each step's logits; that part
-is shared too: workers/runner.py builds one `LLMatcher` per sequence for every engine.
+is shared too: workers/attempt.py builds one `LLMatcher` per sequence for every engine.
 """
 
 from __future__ import annotations

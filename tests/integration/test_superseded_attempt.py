@@ -14,9 +14,10 @@ from core.infra.orm import JobState
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from tests import factories
+from workers.attempt import Attempt
 from workers.engine.loop import EngineLoop
 from workers.engine.null import NullEngine
-from workers.runner import JobRunner, _Attempt
+from workers.runner import JobRunner
 
 MODEL = "smollm2-135m-instruct"
 
@@ -34,14 +35,14 @@ def _claim(sessions, job_id: str, attempt: int, worker: str, lease_s: float):
     return row
 
 
-def _started(session, sessions, rds, it_settings, engine_loop, lease_s: float) -> _Attempt:
+def _started(session, sessions, rds, it_settings, engine_loop, lease_s: float) -> Attempt:
     """Attempt 1 of a new job, claimed, fenced, with one delta streamed."""
     t = factories.tenant(session)
     job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8))
     claimed = _claim(sessions, job.id, 1, "w-old", lease_s)
     runner = JobRunner(engine_loop, it_settings, rds, sessions, "w-old")
     runner.lifecycle.appender = None  # this test's appends go straight to Redis
-    a = _Attempt(runner, claimed)
+    a = Attempt(runner, claimed)
     streams.raise_fence(rds, job.id, 1, 60)
     a._emit([Delta(attempt=1, choice=0, text="first", token_ids=[11])])
     return a

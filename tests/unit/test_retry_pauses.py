@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from core.config import Settings
-from workers import runner
+from workers import retry
 
 
 @pytest.mark.parametrize("lease_s", [3.0, 30.0])
 def test_pauses_stay_within_a_third_of_the_lease(monkeypatch, lease_s):
     timeline: list[tuple[str, float]] = []
-    monkeypatch.setattr(runner.time, "sleep", lambda s: timeline.append(("sleep", s)))
+    monkeypatch.setattr(retry.time, "sleep", lambda s: timeline.append(("sleep", s)))
     calls = iter(range(30))
 
     def flaky() -> str:
@@ -22,7 +22,7 @@ def test_pauses_stay_within_a_third_of_the_lease(monkeypatch, lease_s):
         return "ok"
 
     settings = Settings(lease_s=lease_s, infra_retry_s=3600)
-    assert runner.retrying(settings, "publish", flaky, on_wait=lambda: timeline.append(("renew", 0.0))) == "ok"
+    assert retry.retrying(settings, "publish", flaky, on_wait=lambda: timeline.append(("renew", 0.0))) == "ok"
 
     pauses = [s for what, s in timeline if what == "sleep"]
     assert len(pauses) == 25 and max(pauses) <= min(5.0, lease_s / 3)

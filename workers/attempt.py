@@ -1,0 +1,260 @@
+"""One attempt at one job, its I/O: fence the stream, read what earlier attempts streamed, submit
+the sequences, then follow the engine's events, publishing deltas, polling for a cancel, renewing
+the lease and watching for a stalled engine, and finally end the job through the lifecycle.
+
+What is made of the events is pure (workers/choices.py, workers/resume.py); this module only moves
+it between the engine, Redis and Postgres.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+from core.generation.events import Delta, JobResult, decode, encode
+from core.generation.params import GenerationParams, choice_index
+from core.infra import streams
+from core.infra.metrics import ITL, QUEUE_WAIT, TTFT
+from core.infra.orm import Job
+from workers import choices, resume
+from workers.choices import Choice
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
+from workers.engine.text import ChoiceText
+from workers.outcome import EngineError, JobError, Outcome
+from workers.retry import TRANSIENT, Abandoned, retrying
+
+if TYPE_CHECKING:
+    from workers.runner import JobRunner
+
+log = logging.getLogger(__name__)
+
+
+class Attempt:
+    def __init__(self, runner: JobRunner, job: Job) -> None:
+        self.runner = runner
+        self.loop = runner.loop
+        self.engine = runner.loop.engine
+        self.settings = runner.settings
+        self.job = job
+        self.p = GenerationParams.from_json(job.params)
+        self.prompts: list[list[int]] = [list(x["ids"]) for x in job.prompts]
+        self.buffered = self.p.best_of > self.p.n  # best_of: publish only the winners, at the end
+        self.choices: dict[int, Choice] = {}
+        self.engine_s = 0.0
+        # Every entry of the job's stream so far (earlier attempts' too): if Redis loses the stream
+        # (a restart), it is rebuilt with the same entry ids, so readers resume exactly where they were.
+        self.log: list[tuple[str, str]] = []
+        self._stream_checked = 0.0
+        self._next_wait_renew = 0.0
+        self._first_token_at: float | None = None
+
+    # -- setup ------------------------------------------------------------------------------
+    def _build(self) -> list[SeqSpec]:
+        job, p, engine, rds = self.job, self.p, self.engine, self.runner.redis
+        # Fence older attempts off the stream before reading it: what they wrote before is read here,
+        # anything later is refused (a worker that lost its lease may still be generating).
+        retrying(
+            self.settings, f"fence {job.id}", streams.raise_fence, rds, job.id, job.attempt, self.settings.events_ttl_s
+        )
+        if job.attempt > 1 and streams.trimmed(rds, job.id):
+            raise JobError(
+                "This job's progress log was trimmed, so it cannot resume exactly.",
+                type_="server_error",
+                code="resume_impossible",
+            )
+        # Read (and logged: entry positions continue after them) even when not resumed from.
+        self.log = streams.entries(rds, job.id) if job.attempt > 1 else []
+        prior = {} if self.buffered else resume.prior_progress(decode(raw) for _, raw in self.log)
+        wants_scores = p.prompt_logprobs is not None or (p.echo and p.logprobs is not None)
+        specs: list[SeqSpec] = []
+        for pi, ids in enumerate(self.prompts):
+            total = resume.budget(engine.n_ctx, len(ids), p.max_tokens, pi)
+            echo_text = self._echo_text(pi) if p.echo else ""
+            for j in range(p.candidates):
+                c = choice_index(pi, j, p.candidates)
+                ch = Choice(c, pi, ChoiceText(p.stop, engine.token_bytes), (job.id, job.attempt, c))
+                ch.prefix_text = echo_text
+                ch.lp = [] if p.logprobs is not None else None
+                before = prior.get(c, resume.Prior())
+                ch.resume(before, p.echo, wants_scores)
+                self.choices[c] = ch
+                if ch.done:
+                    continue
+                done = before.ids
+                specs.append(
+                    SeqSpec(
+                        key=ch.key,
+                        prompt_ids=ids + done,
+                        max_new_tokens=resume.remaining(total, len(done)),
+                        params=p,
+                        seed=resume.seed_for(p.seed, c, len(done)),
+                        prior=len(done),
+                        matcher=self._matcher(done) if p.grammar else None,
+                        prompt_logprobs=(p.logprobs if p.prompt_logprobs is None else p.prompt_logprobs)
+                        if wants_scores and not before.prefix_sent
+                        else None,
+                        prompt_logprobs_len=len(ids),
+                        interactive=job.kind != "batch",
+                        cache_scope=job.tenant_id,  # one tenant's cached prefix is never another's
+                    )
+                )
+        return specs
+
+    def _echo_text(self, pi: int) -> str:
+        given = self.job.prompts[pi].get("text")
+        if given is not None:
+            return given
+        return b"".join(self.engine.token_bytes(t) for t in self.prompts[pi]).decode(errors="replace")
+
+    def _matcher(self, done_ids: list[int]) -> Any:
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.engine.ll_tokenizer(), self.p.grammar or "", log_level=0)
+        if done_ids:
+            m.consume_tokens(done_ids)
+        if m.is_error():
+            raise JobError(f"Invalid grammar: {m.get_error()}", param="grammar", code="invalid_grammar")
+        return m
+
+    # -- the attempt ------------------------------------------------------------------------
+    def run(self) -> Outcome:
+        job, every = self.job, self.settings
+        if job.started_at is not None and job.created_at is not None:
+            QUEUE_WAIT.labels(job.model, job.kind).observe((job.started_at - job.created_at).total_seconds())
+        specs = self._build()
+        if not self.buffered:
+            self._publish([ch for ch in self.choices.values() if ch.prefix_ready])
+        inbox: queue.SimpleQueue[TokenEvent | PromptEvent] = queue.SimpleQueue()
+        self.loop.submit(specs, inbox.put)
+        live = {s.key for s in specs}
+        by_key: dict[Hashable, Choice] = {ch.key: ch for ch in self.choices.values()}
+        next_control, next_renew = time.monotonic() + 0.5, time.monotonic() + every.lease_s / 3
+        unsent: dict[Choice, None] = {}  # touched since the last publish, in arrival order
+        publish_every, next_publish = (every.batch_publish_s if job.kind == "batch" else 0.0), 0.0
+        try:
+            while live:
+                try:
+                    batch = [inbox.get(timeout=0.25)]
+                except queue.Empty:
+                    batch = []
+                while True:  # coalesce: one Redis round trip for everything that is ready
+                    try:
+                        batch.append(inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for ev in batch:
+                    unsent[self._accept(by_key[ev.key], ev, live)] = None
+                now = time.monotonic()
+                # A stream reader wants every token at once; a batch line's progress is only read to
+                # resume it, and publishing it per token took CPU from the decode on small hosts.
+                if unsent and not self.buffered and (now >= next_publish or any(ch.done for ch in unsent)):
+                    self._publish(list(unsent))
+                    unsent.clear()
+                    next_publish = now + publish_every
+                if now >= next_control:
+                    next_control = now + 0.5
+                    if self._cancelled():
+                        log.info("job %s cancelled; dropping its sequences", job.id)
+                        return Outcome.cancelled
+                if now >= next_renew:
+                    next_renew = now + every.lease_s / 3
+                    if self.loop.stalled_for() > every.engine_stall_s:
+                        # A wedged engine must not keep its jobs: stop renewing, the lease lapses and the
+                        # job resumes elsewhere from its streamed tokens.
+                        raise Abandoned(f"engine stalled {self.loop.stalled_for():.0f}s")
+                    if not retrying(every, f"renew {job.id}", self.runner.renew, job):
+                        log.info("job %s attempt %s lost its lease (cancelled or reassigned)", job.id, job.attempt)
+                        return Outcome.lost
+        finally:
+            if live:
+                self.loop.cancel(list(live))
+        final = choices.best_of(self.choices, len(self.prompts), self.p.n, self.p.candidates)
+        if self.buffered:
+            self._publish(list(final.values()), index_of={ch: i for i, ch in final.items()})
+        result = JobResult(choices=[choices.result(i, ch) for i, ch in sorted(final.items())])
+        u = choices.usage(self.choices.values(), [len(ids) for ids in self.prompts])
+        if not retrying(every, f"finish {job.id}", self.runner.lifecycle.succeed, job, result, u, self.engine_s):
+            return Outcome.lost
+        return Outcome.succeeded
+
+    def _accept(self, ch: Choice, ev: TokenEvent | PromptEvent, live: set) -> Choice:
+        """Apply one engine event to its choice."""
+        if isinstance(ev, PromptEvent):
+            choices.take_prompt(ch, ev, self.prompts[ch.prompt], self.engine.token_text)
+            return ch
+        self.engine_s += ev.engine_s
+        if ch.done:
+            return ch
+        if ev.error is not None:
+            raise (Abandoned if ev.retry else EngineError)(ev.error)
+        if ev.token_id is not None:
+            self._time_token(ch)
+        if choices.take_token(ch, ev, self.engine.token_text):
+            self.loop.cancel([ch.key])
+        if ch.done:
+            live.discard(ch.key)
+        return ch
+
+    def _time_token(self, ch: Choice) -> None:
+        now = time.monotonic()
+        if self._first_token_at is None:
+            self._first_token_at = now
+            if self.job.created_at is not None:
+                TTFT.labels(self.job.model, self.job.kind).observe(time.time() - self.job.created_at.timestamp())
+        elif ch.last_token_at is not None:
+            ITL.labels(self.job.model).observe(now - ch.last_token_at)
+        ch.last_token_at = now
+
+    # -- publishing -------------------------------------------------------------------------
+    def _publish(self, touched: list[Choice], index_of: dict[Choice, int] | None = None) -> None:
+        out = choices.deltas(touched, self.job.attempt, self.p.echo, index_of)
+        if out:
+            # While Redis is away the attempt waits here, and keeps renewing its lease in Postgres: an
+            # outage must not hand the job to a second attempt, which would find the stream empty.
+            retrying(self.settings, f"publish {self.job.id}", self._emit, out, on_wait=self._renew_while_waiting)
+
+    def _emit(self, out: list[Delta]) -> None:
+        rds = self.runner.redis
+        # Look for a lost stream at most once a second, not per publish (a hot path): a rebuild
+        # rewrites every logged entry, so entries written into a fresh stream meanwhile are kept.
+        now = time.monotonic()
+        if self.log and now >= self._stream_checked + 1.0:
+            self._stream_checked = now
+            if not rds.exists(streams.stream_key(self.job.id)):
+                self._rebuild_lost_stream()
+        # Positional: this attempt's log holds every entry of the stream (earlier attempts' too).
+        ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
+        self.log += zip(ids, (encode(e) for e in out), strict=True)
+
+    def _rebuild_lost_stream(self) -> None:
+        """The stream is gone (Redis restarted empty), and its fence with it: only the attempt that
+        still owns the job may write it again. Ownership is asked of Postgres first (renewing the
+        lease is the compare-and-set on state and attempt, and keeps a newer attempt from claiming
+        the job while this one rebuilds); then the fence is raised to this attempt, and a fence
+        already higher (a newer attempt got there) stops it before it writes anything."""
+        job, rds, ttl = self.job, self.runner.redis, self.settings.events_ttl_s
+        if not self.runner.renew(job):
+            raise streams.Fenced(f"job {job.id}: attempt {job.attempt} no longer owns it; not rebuilding its stream")
+        if streams.raise_fence(rds, job.id, job.attempt, ttl) > job.attempt:
+            raise streams.Fenced(f"job {job.id}: attempt {job.attempt} was superseded; not rebuilding its stream")
+        log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", job.id)
+        streams.rebuild(rds, job.id, self.log, ttl)
+
+    def _renew_while_waiting(self) -> None:
+        now = time.monotonic()
+        if now < self._next_wait_renew:
+            return
+        self._next_wait_renew = now + self.settings.lease_s / 3
+        try:
+            self.runner.renew(self.job)
+        except TRANSIENT:
+            pass  # Postgres away too: the lease may lapse, and the job resumes elsewhere
+
+    def _cancelled(self) -> bool:
+        try:
+            return bool(self.runner.redis.exists(streams.cancel_key(self.job.id)))
+        except TRANSIENT:
+            return False  # unknown while Redis is away: keep going; a cancel also ends the lease
