@@ -103,3 +103,26 @@ def test_prompt_prefixes_are_reused_only_within_a_tenant(engine):
     # Another tenant with the same prefix neither reuses it nor learns its length.
     assert _cached(engine, ("p", 2), system + "Hi", "tenant-b") == 0
     assert _cached(engine, ("p", 3), system + "Hey", "tenant-a") > 10
+
+
+# A chat prompt (SmolLM2's template) whose greedy answer has near-ties: found by the fault harness,
+# where answers resumed by a later attempt went another way than the undisturbed run's.
+CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nFault test 6: once upon a time<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def test_a_resumed_sequence_continues_exactly_from_any_point(engine):
+    """A resumed attempt gets the prompt plus the tokens streamed so far (`prior`). Prefilled in one
+    batch, those tokens' KV differed slightly from their one-at-a-time decode, and greedy answers
+    flipped at near-ties (3 of 13 resume points of this prompt; fails on the old engine). Fed back
+    one per step, every resume point continues to the uninterrupted text."""
+    ids = engine.tokenize(CHAT)
+    p = GenerationParams(max_tokens=40, temperature=0.0, ignore_eos=True, cache_prompt=False)
+    whole, _ = run(engine, [SeqSpec("whole", ids, 40, p, 0, interactive=False)])
+    ref = whole["whole"]
+    assert len(ref) == 40
+    for k in range(1, 40, 3):
+        resumed, _ = run(engine, [SeqSpec(("r", k), ids + ref[:k], 40 - k, p, 0, prior=k, interactive=False)])
+        assert resumed[("r", k)] == ref[k:], f"resumed after {k} tokens went another way"

@@ -129,6 +129,11 @@ class _Seq:
     top_k: int = 0
     prompt_lp: list[tuple[float | None, int | None, list | None]] | None = None
     fed: list[int] = field(default_factory=list)  # every token now in this slot's KV, in order
+    # The last `replay` pending tokens were generated earlier (by a dead attempt, or before this
+    # sequence was displaced): fed back one per step, as they were first decoded. Prefilled together
+    # their KV came out slightly different (a batched matmul sums in another order), and a greedy
+    # choice at a near-tie then went another way: 3 of 13 resumed chat answers in one test.
+    replay: int = 0
 
     def unfed(self) -> list[int]:
         """Every token this sequence has, in order: what a new slot must decode to continue it."""
@@ -360,6 +365,7 @@ class LlamaCppEngine(VocabEngine):
         slot, keep = lane.pick_slot(tokens, reuse=True, scope=seq.spec.cache_scope)
         llc.llama_memory_seq_rm(lane.mem, slot, keep, -1)
         seq.slot, seq.pos, seq.fed, seq.pending = slot, keep, list(tokens[:keep]), list(tokens[keep:])
+        seq.replay = min(len(seq.pending), seq.spec.prior + seq.generated)
         lane.live[seq.spec.key] = seq
 
     def _start(self, lane: _Lane, spec: SeqSpec) -> None:
@@ -387,6 +393,7 @@ class LlamaCppEngine(VocabEngine):
             argmax=plan == [("greedy", ())],
             top_k=p.logprobs or 0,
             fed=list(spec.prompt_ids[:keep]),
+            replay=min(len(spec.prompt_ids) - keep, spec.prior),
         )
         if spec.matcher is not None:
             seq.grammar = GrammarMask(spec.matcher, self.n_vocab)
@@ -421,7 +428,12 @@ class LlamaCppEngine(VocabEngine):
         for s in ordered:  # prompt chunks fill the rest of the batch
             if not s.pending or n >= lane.n_batch:
                 continue
-            take = min(len(s.pending), lane.n_batch - n)
+            prompt_left = len(s.pending) - s.replay
+            # The prompt in chunks as large as the batch allows, up to its end; generated tokens
+            # (replay) one per step, exactly as they were decoded the first time.
+            take = min(prompt_left, lane.n_batch - n) if prompt_left > 0 else 1
+            if prompt_left <= 0:
+                s.replay -= 1
             chunk, s.pending = s.pending[:take], s.pending[take:]
             for i, tok in enumerate(chunk):
                 last = not s.pending and i == take - 1
