@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -18,6 +18,7 @@ from api.bodies import json_body, openapi_answers, openapi_body
 from api.deps import HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
 from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
+from core.config import Settings
 from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
 from core.protocol import render
@@ -31,6 +32,7 @@ from core.protocol.schemas import (
     ErrorResponse,
     JobObject,
 )
+from core.tenancy.keys import Principal
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -50,32 +52,41 @@ _COMPLETION_ANSWERS = openapi_answers(Completion, CompletionChunk, JobObject, Er
 _CHAT_ANSWERS = openapi_answers(ChatCompletion, ChatCompletionChunk, JobObject, ErrorResponse)
 
 
-@router.post("/v1/completions", response_model=Completion, responses=_COMPLETION_ANSWERS, openapi_extra=_COMPLETION_DOC)
-@router.post("/v1/openai/v1/completions", response_model=None, include_in_schema=False)  # Llama Stack's path
-async def create_completion(
-    body: _Completion,
+class _Call(NamedTuple):
+    """What both routes need besides their body."""
+
+    request: Request
+    principal: Principal
+    redis: Any
+    hub: Any
+    settings: Settings
+    lifecycle: Lifecycle
+
+
+def _call(
     request: Request,
     principal: PrincipalDep,
     redis: RedisDep,
     hub: HubDep,
     settings: SettingsDep,
     lifecycle: LifecycleDep,
-):
-    return await _serve(body, "/v1/completions", request, principal, redis, hub, settings, lifecycle)
+) -> _Call:
+    return _Call(request, principal, redis, hub, settings, lifecycle)
+
+
+_CallDep = Annotated[_Call, Depends(_call)]
+
+
+@router.post("/v1/completions", response_model=Completion, responses=_COMPLETION_ANSWERS, openapi_extra=_COMPLETION_DOC)
+@router.post("/v1/openai/v1/completions", response_model=None, include_in_schema=False)  # Llama Stack's path
+async def create_completion(body: _Completion, call: _CallDep):
+    return await _serve(body, "/v1/completions", call)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_CHAT_ANSWERS, openapi_extra=_CHAT_DOC)
 @router.post("/v1/openai/v1/chat/completions", response_model=None, include_in_schema=False)
-async def create_chat_completion(
-    body: _Chat,
-    request: Request,
-    principal: PrincipalDep,
-    redis: RedisDep,
-    hub: HubDep,
-    settings: SettingsDep,
-    lifecycle: LifecycleDep,
-):
-    return await _serve(body, "/v1/chat/completions", request, principal, redis, hub, settings, lifecycle)
+async def create_chat_completion(body: _Chat, call: _CallDep):
+    return await _serve(body, "/v1/chat/completions", call)
 
 
 T = TypeVar("T")
@@ -106,8 +117,9 @@ async def _wait_unless_draining(waiting: Coroutine[Any, Any, T], request: Reques
     raise APIError(503, _RESTARTING, code="server_restarting", headers={"Retry-After": "1"})
 
 
-async def _serve(body, endpoint: str, request: Request, principal, redis, hub, settings, lifecycle: Lifecycle):
+async def _serve(body, endpoint: str, call: _Call):
     """One flow for both endpoints: create the job, then stream it, wait for it, or answer 202."""
+    request, principal, redis, hub, settings, lifecycle = call
     queued = "respond-async" in request.headers.get("prefer", "")
     key = request.headers.get("idempotency-key")
     rid = getattr(request.state, "request_id", None)

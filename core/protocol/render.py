@@ -151,9 +151,14 @@ def completion(job: JobRecord) -> dict[str, Any]:
         if p.prompt_logprobs is not None and "prompt_logprobs" not in ch:
             ch["prompt_logprobs"] = None
         choices.append(ch)
+    return _finished(job, "text_completion", choices)
+
+
+def _finished(job: JobRecord, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """A finished completion or chat completion around its choices."""
     return {
         "id": job.id,
-        "object": "text_completion",
+        "object": kind,
         "created": _ts(job.created_at),
         "model": job.model,
         "system_fingerprint": fingerprint(job.model),
@@ -389,15 +394,7 @@ def chat_completion(job: JobRecord) -> dict[str, Any]:
         message, finish = _message(job, c.index, c.text, c.finish_reason)
         lp = chat_logprobs(list(c.scores or []), k) if k is not None and c.scores is not None else None
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
-    return {
-        "id": job.id,
-        "object": "chat.completion",
-        "created": _ts(job.created_at),
-        "model": job.model,
-        "system_fingerprint": fingerprint(job.model),
-        "choices": choices,
-        "usage": usage(usage_of(job)) if job.usage is not None else None,
-    }
+    return _finished(job, "chat.completion", choices)
 
 
 def response(job: JobRecord) -> dict[str, Any]:
