@@ -143,7 +143,8 @@ def test_admin_needs_an_admin_key_and_usage_is_per_tenant(stack):
         assert admin.patch("/admin/tenants/metered", json={"rpm": None}).json()["rpm"] is None
         bad = admin.patch("/admin/tenants/metered", json={"weight": None})  # found by schemathesis: was a 500
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight"
-    metrics = admin.get("/metrics").text
+    with stack.http(stack.keys["admin"]) as admin:
+        metrics = admin.get("/metrics").text
     assert "spool_requests_admitted_total" in metrics
 
 
@@ -224,7 +225,8 @@ def test_tenant_b_gets_404_for_every_object_of_tenant_a(stack):
 
 
 def test_a_job_whose_worker_keeps_dying_releases_its_reservation(stack, db):
-    """The reaper's last-attempt path: the job fails with worker_lost and its tokens come back."""
+    """The reaper's last-attempt path: the job fails with worker_lost, bills what its stream carried
+    (issue 24: as a cancel does), and the rest of its reservation comes back."""
     from sqlalchemy import text
 
     key = stack.new_tenant("tpm450", tpm=450)
@@ -243,7 +245,11 @@ def test_a_job_whose_worker_keeps_dying_releases_its_reservation(stack, db):
             conn.execute(text("UPDATE jobs SET attempt = 3 WHERE id = :i"), {"i": job_id})
         job = wait_for(lambda: (j := http.get(f"/v1/jobs/{job_id}").json())["status"] == "failed" and j, 60, "reaped")
         assert job["error"]["code"] == "worker_lost"
-        assert _post(http, max_tokens=400).status_code == 200
+        (row,) = http.get("/v1/usage").json()["data"]
+        billed = row["prompt_tokens"] + row["completion_tokens"]
+        assert 0 < row["completion_tokens"] < 400  # what was streamed, not what was reserved
+        prompt = len(http.post("/tokenize", json={"model": MODEL, "content": CHAT_DONE}).json()["tokens"])
+        assert _post(http, max_tokens=450 - billed - prompt).status_code == 200  # the rest came back
 
 
 def _tenant_id(http: httpx.Client) -> int:
