@@ -116,7 +116,7 @@ CHAT = (
 def test_a_resumed_sequence_continues_exactly_from_any_point(engine):
     """A resumed attempt gets the prompt plus the tokens streamed so far (`prior`). Prefilled in one
     batch, those tokens' KV differed slightly from their one-at-a-time decode, and greedy answers
-    flipped at near-ties (3 of 13 resume points of this prompt; fails on the old engine). Fed back
+    flipped at near-ties (2 of these 13 resume points; fails on the old engine). Fed back
     one per step, every resume point continues to the uninterrupted text."""
     ids = engine.tokenize(CHAT)
     p = GenerationParams(max_tokens=40, temperature=0.0, ignore_eos=True, cache_prompt=False)

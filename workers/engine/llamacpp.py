@@ -132,7 +132,7 @@ class _Seq:
     # The last `replay` pending tokens were generated earlier (by a dead attempt, or before this
     # sequence was displaced): fed back one per step, as they were first decoded. Prefilled together
     # their KV came out slightly different (a batched matmul sums in another order), and a greedy
-    # choice at a near-tie then went another way: 3 of 13 resumed chat answers in one test.
+    # choice at a near-tie then went another way: at 3 of 26 resume points of two chat answers.
     replay: int = 0
 
     def unfed(self) -> list[int]:
