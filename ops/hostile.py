@@ -118,11 +118,82 @@ def upload_bomb(st: Stack, statuses: list[int]) -> None:
             statuses.append(r.status_code)
 
 
+def _batch(http, lines: list[dict], window: str, webhook: str | None = None) -> str:
+    blob = "\n".join(json.dumps(line) for line in lines).encode()
+    r = http.post("/v1/files", files={"file": ("hostile.jsonl", blob)}, data={"purpose": "batch"})
+    r.raise_for_status()
+    body = {"input_file_id": r.json()["id"], "endpoint": "/v1/completions", "completion_window": window}
+    if webhook:
+        body["webhook_url"] = webhook
+    b = http.post("/v1/batches", json=body)
+    b.raise_for_status()
+    return b.json()["id"]
+
+
+def _line(i: int) -> dict:
+    body = {"model": "default", "prompt": f"Line {i}", "max_tokens": 4}
+    return {"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def huge_batch_one_second_window(st: Stack, statuses: list[int]) -> None:
+    """20,000 lines whose window ends a second after submission: the keeper expires them through
+    the lifecycle in slices (usage, settle, terminal event each) off the dispatcher's loop."""
+    with st.http(st.keys["beta"]) as http:
+        batch_id = _batch(http, [_line(i) for i in range(20_000)], "1s")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            r = http.get(f"/v1/batches/{batch_id}")
+            statuses.append(r.status_code)
+            if r.json()["status"] in ("expired", "completed", "failed", "cancelled"):
+                return
+            time.sleep(0.5)
+
+
+def slow_header_webhook(st: Stack, statuses: list[int]) -> None:
+    """Batches whose webhook receiver (127.0.0.1) accepts the connection and never answers: each
+    delivery is cut at SPOOL_WEBHOOK_TIMEOUT_S on the webhook pool, never on an inference thread."""
+    import socket
+
+    held: list[socket.socket] = []
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def accept_and_hold() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            held.append(conn)  # read nothing, answer nothing
+
+    t = threading.Thread(target=accept_and_hold, daemon=True)
+    t.start()
+    try:
+        with st.http(st.keys["beta"]) as http:
+            ids = [_batch(http, [_line(i) for i in range(3)], "24h", f"http://127.0.0.1:{port}/hook") for _ in range(4)]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and len(held) < len(ids):
+                for b in ids:
+                    statuses.append(http.get(f"/v1/batches/{b}").status_code)
+                time.sleep(0.5)
+            time.sleep(5)  # the held deliveries reach their deadline while the victims stream
+    finally:
+        stop.set()
+        t.join(2)
+        for c in held:
+            c.close()
+        server.close()
+
+
 SCENARIOS: dict[str, Callable[[Stack, list[int]], None]] = {
     "poisoned_resume_ids": poisoned_resume_ids,
     "max_penalty_windows": max_penalty_windows,
     "big_bodies_1rpm": big_bodies_from_a_1rpm_key,
     "upload_bomb": upload_bomb,
+    "huge_batch_one_second_window": huge_batch_one_second_window,
+    "slow_header_webhook": slow_header_webhook,
 }
 
 
