@@ -22,6 +22,11 @@ import yaml
 
 from tests.conftest import ROOT, TEST_DB, TEST_REDIS, Stack, free_port, wait_for
 
+# A database and Redis db of its own: the rehearsal starts from empty ones, and must not wipe the
+# session's shared stack (it did: every later test on that stack then got 401s).
+COMPOSE_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_compose"
+COMPOSE_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/9"
+
 SERVICES = ("migrate", "api", "dispatcher", "worker", "worker-gpu")
 
 
@@ -86,8 +91,8 @@ def _service_env(svc: dict, env_file: dict[str, str], registry: Path) -> dict[st
         env["SPOOL_DATABASE_URL"].startswith("postgresql+psycopg://") and "@postgres:5432/" in env["SPOOL_DATABASE_URL"]
     )
     assert env["SPOOL_REDIS_URL"].startswith("redis://redis:6379/")
-    env["SPOOL_DATABASE_URL"] = TEST_DB
-    env["SPOOL_REDIS_URL"] = TEST_REDIS
+    env["SPOOL_DATABASE_URL"] = COMPOSE_DB
+    env["SPOOL_REDIS_URL"] = COMPOSE_REDIS
     # Container paths -> files on disk (the registry is mounted at /etc/spool/models.toml).
     mounts = {m.rsplit(":", 2)[1]: m for m in svc.get("volumes", [])}
     assert env["SPOOL_MODELS_FILE"] in mounts
@@ -117,8 +122,8 @@ def test_compose_services_serve_a_stream_for_the_gpu_and_the_cpu_model(tmp_path)
     assert gpu_model == env_file["SPOOL_GPU_MODEL"] and gpu_model != cpu_model
     registry = _rehearsal_registry(tmp_path, gpu_model)
 
-    drop_database(TEST_DB)
-    redis_lib.Redis.from_url(TEST_REDIS).flushdb()
+    drop_database(COMPOSE_DB)
+    redis_lib.Redis.from_url(COMPOSE_REDIS).flushdb()
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("SPOOL_")}
     st = Stack(env={**base, "PYTHONUNBUFFERED": "1"}, logdir=tmp_path, port=port)
