@@ -25,7 +25,7 @@ from tests.conftest import ROOT, TEST_DB, TEST_REDIS, Stack, free_port, wait_for
 # A database and Redis db of its own: the rehearsal starts from empty ones, and must not wipe the
 # session's shared stack (it did: every later test on that stack then got 401s).
 COMPOSE_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_compose"
-COMPOSE_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/9"
+COMPOSE_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/7"
 
 SERVICES = ("migrate", "api", "dispatcher", "worker", "worker-gpu")
 

@@ -16,6 +16,11 @@ import pytest
 
 from tests.conftest import MODEL, TEST_DB, TEST_REDIS, Stack, running_stack, wait_for
 
+# A database and Redis db of their own: a second stack on the session's would drop its database
+# (every later test got 401s) and share its dispatcher, which knows none of these limits.
+LIMITS_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_limits"
+LIMITS_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/8"
+
 MAX_LINES = 5
 MAX_ENQUEUED = 300
 MAX_FILE = 3 << 20
@@ -28,7 +33,7 @@ def limited(tmp_path_factory) -> Iterator[Stack]:
         "SPOOL_BATCH_MAX_ENQUEUED_TOKENS": str(MAX_ENQUEUED),
         "SPOOL_MAX_FILE_BYTES": str(MAX_FILE),
     }
-    with running_stack(tmp_path_factory.mktemp("limits"), TEST_DB, TEST_REDIS, **env) as st:
+    with running_stack(tmp_path_factory.mktemp("limits"), LIMITS_DB, LIMITS_REDIS, **env) as st:
         yield st
 
 
@@ -168,7 +173,7 @@ def test_concurrent_uploads_cannot_all_pass_through_the_same_room(limited):
 
     t = threading.Thread(target=upload_a)
     t.start()
-    engine = create_engine(TEST_DB)
+    engine = create_engine(LIMITS_DB)
     try:
 
         def a_reserved() -> bool:
