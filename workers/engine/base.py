@@ -87,6 +87,37 @@ class VocabEngine:
         return self.vocab.token_text(token_id)
 
 
+class ExLlamaTokens:
+    """Text <-> tokens for the ExLlama engines: the library's tokenizer encodes (`self._tok`, with
+    `self._add_bos`), llguidance's view of the vocabulary (`self._ll`) gives each token's bytes."""
+
+    _tok: Any
+    _add_bos: bool
+    _ll: Any
+    _bytes: dict[int, bytes]
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_bos=self._add_bos, encode_special_tokens=True)
+        return ids[0].tolist()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to generated text; special tokens add none (as in llama.cpp's)."""
+        piece = self._bytes.get(token_id)
+        if piece is None:
+            piece = b"" if self._ll.is_special_token(token_id) else self._ll.decode_bytes([token_id])
+            self._bytes[token_id] = piece
+        return piece
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text for logprobs and /tokenize: special tokens by their name."""
+        if self._ll.is_special_token(token_id):
+            return self._ll.decode_str([token_id])
+        return self.token_bytes(token_id).decode(errors="replace")
+
+    def ll_tokenizer(self) -> Any:
+        return self._ll
+
+
 class Engine(Protocol):
     model_id: str
     n_ctx: int  # context length per sequence

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
+from workers.engine.base import ExLlamaTokens, PromptEvent, SeqSpec, TokenEvent, check_spec
 from workers.engine.exl2_mapping import (
     CACHE_CLASSES,
     SeqState,
@@ -253,7 +253,7 @@ def gen_settings(p: Any, n_vocab: int, padded_vocab: int, breakers: frozenset[in
     return ExLlamaV2Sampler.Settings(**kw)
 
 
-class ExLlamaV2Engine:
+class ExLlamaV2Engine(ExLlamaTokens):
     def __init__(
         self,
         model_id: str,
@@ -360,28 +360,6 @@ class ExLlamaV2Engine:
         self._stop_ids = stop_token_ids(self._tok.eos_token_id, generation_eos)
         self._add_bos = bool((self._tok.tokenizer_config_dict or {}).get("add_bos_token", False))
         self._ll = load_ll_tokenizer(path, self.n_vocab, self._stop_ids)
-
-    # -- tokenizer --------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_bos=self._add_bos, encode_special_tokens=True)
-        return ids[0].tolist()
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token adds to generated text; special tokens add none (as in llama.cpp's)."""
-        piece = self._bytes.get(token_id)
-        if piece is None:
-            piece = b"" if self._ll.is_special_token(token_id) else self._ll.decode_bytes([token_id])
-            self._bytes[token_id] = piece
-        return piece
-
-    def token_text(self, token_id: int) -> str:
-        """A token as text for logprobs and /tokenize: special tokens by their name."""
-        if self._ll.is_special_token(token_id):
-            return self._ll.decode_str([token_id])
-        return self.token_bytes(token_id).decode(errors="replace")
-
-    def ll_tokenizer(self) -> Any:
-        return self._ll
 
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:

@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, check_spec
+from workers.engine.base import ExLlamaTokens, PromptEvent, SeqSpec, TokenEvent, check_spec
 from workers.engine.exl2_mapping import SeqState, dry_breaker_ids, events_from_result, stop_token_ids
 from workers.engine.exl3_mapping import Unsupported, job_args, output_window, sampler_args
 from workers.engine.gpu_plan import (
@@ -178,7 +178,7 @@ def make_job(
     return job
 
 
-class ExLlamaV3Engine:
+class ExLlamaV3Engine(ExLlamaTokens):
     def __init__(
         self,
         model_id: str,
@@ -243,26 +243,6 @@ class ExLlamaV3Engine:
             plan.cache_tokens,
             self._chunk,
         )
-
-    # -- tokenizer --------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_bos=self._add_bos, encode_special_tokens=True)
-        return ids[0].tolist()
-
-    def token_bytes(self, token_id: int) -> bytes:
-        piece = self._bytes.get(token_id)
-        if piece is None:
-            piece = b"" if self._ll.is_special_token(token_id) else self._ll.decode_bytes([token_id])
-            self._bytes[token_id] = piece
-        return piece
-
-    def token_text(self, token_id: int) -> str:
-        if self._ll.is_special_token(token_id):
-            return self._ll.decode_str([token_id])
-        return self.token_bytes(token_id).decode(errors="replace")
-
-    def ll_tokenizer(self) -> Any:
-        return self._ll
 
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
