@@ -70,7 +70,7 @@ def build_engine(model_id: str) -> Engine:
             cache_size=s.exl2_cache_tokens,
             chunk=s.exl2_chunk_size,
         )
-    raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2`, `null` or `paced`")
+    raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2`, `exllamav3`, `null` or `paced`")
 
 
 @lru_cache
