@@ -42,6 +42,7 @@ class Dispatcher:
         self.lifecycle = Lifecycle(sessions, rds, settings)
         self._next_sweep = 0.0
         self._next_upkeep = 0.0
+        self.batches_pending = False  # the last batch pass stopped at a full slice
 
     def tick(self) -> dict[str, int]:
         """One pass. Returns counts for logs and tests."""
@@ -88,8 +89,10 @@ class Dispatcher:
         expiring or finalizing a huge batch must not hold up dispatch, reaping and re-sends."""
         s = self.settings
         counts: dict[str, int] = {}
+        done = batches.advance(self.sessions, self.lifecycle)
+        counts["batches_ended"] = done.ended
+        self.batches_pending = done.more
         with self.sessions() as session:
-            counts["batches_ended"] = batches.advance(session, self.lifecycle)
             self._gauges(session)
         # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
         with self.sessions() as session:
@@ -112,6 +115,9 @@ class Dispatcher:
                 self.keep_batches()
             except Exception:
                 log.exception("batch bookkeeping failed; retrying")
+            if self.batches_pending:  # a batch stopped at a full slice: go on with it now
+                time.sleep(0.01)
+                continue
             time.sleep(max(0.05, self.settings.dispatcher_interval_s - (time.monotonic() - started)))
 
     def _admit_lines(self, session: Session, picks: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Integer, func, select
 from sqlalchemy.orm import Session
 
-from core.batches.progress import state_counts, summarize
+from core.batches.progress import counts as batch_counts
 from core.batches.status import FINAL
 from core.infra.orm import Batch, Job, JobState, Tenant
 from core.jobs import workers
@@ -94,8 +94,8 @@ def snapshot(session: Session, rds: Any, model_ids: list[str], now: datetime | N
         .order_by(Batch.created_at.desc())
         .limit(20)
     ).all():
-        counts, _ = summarize(session.execute(state_counts(session, b.id)).all())
-        total = counts["total"] or int((b.request_counts or {}).get("total", 0))
+        counts = batch_counts(b)
+        total = counts["total"]
         done = counts["completed"] + counts["failed"]
         eta = None
         if b.in_progress_at is not None and 0 < done < total:

@@ -1,7 +1,9 @@
-"""Batches after validation: live counts, expiry, cancellation and the output/error files.
+"""Batches after validation: expiry, cancellation, finalization and the output/error files.
 
-Driven by the dispatcher's tick. Every status change is a compare-and-set on the batch row, and
-lines are jobs, so killing any process during a batch loses no line and runs none twice.
+Driven by the dispatcher's batch keeper, one transaction per batch per pass, each pass bounded to a
+slice of lines. Counts are not recounted here: a trigger on jobs keeps them as lines end. Every
+status change is a compare-and-set on the batch row, and lines are jobs, so killing any process
+during a batch loses no line and runs none twice.
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import exists, select
+from sqlalchemy.orm import Session, sessionmaker
 
-from core.batches.status import LIVE, BatchStatus, end, ending
+from core.batches.status import FINAL, LIVE, BatchStatus, end, ending, finalizing
 from core.files import storage as files
 from core.infra.orm import Batch, File, Job, JobState
 from core.jobs.lifecycle import BATCH_CANCELLED, BATCH_EXPIRED, Lifecycle
@@ -45,7 +47,14 @@ def _ts(d: datetime | None) -> int | None:
     return int(d.timestamp()) if d else None
 
 
-def batch_json(b: Batch, counts: dict[str, int] | None = None) -> dict[str, Any]:
+def counts(b: Batch) -> dict[str, int]:
+    """OpenAI's request_counts: the total from validation, the rest as kept by the trigger on jobs."""
+    total = int((b.request_counts or {}).get("total", 0))
+    return {"total": total, "completed": b.lines_completed or 0, "failed": b.lines_failed or 0}
+
+
+def batch_json(b: Batch) -> dict[str, Any]:
+    final = b.status in FINAL  # result files being written are not shown until they are whole
     return {
         "id": b.id,
         "object": "batch",
@@ -54,8 +63,8 @@ def batch_json(b: Batch, counts: dict[str, int] | None = None) -> dict[str, Any]
         "input_file_id": b.input_file_id,
         "completion_window": b.completion_window,
         "status": b.status,
-        "output_file_id": b.output_file_id,
-        "error_file_id": b.error_file_id,
+        "output_file_id": b.output_file_id if final else None,
+        "error_file_id": b.error_file_id if final else None,
         "created_at": _ts(b.created_at),
         "in_progress_at": _ts(b.in_progress_at),
         "expires_at": _ts(b.expires_at),
@@ -65,27 +74,14 @@ def batch_json(b: Batch, counts: dict[str, int] | None = None) -> dict[str, Any]
         "expired_at": _ts(b.expired_at),
         "cancelling_at": _ts(b.cancelling_at),
         "cancelled_at": _ts(b.cancelled_at),
-        "request_counts": counts or b.request_counts,
+        "request_counts": counts(b),
         "metadata": b.meta,
     }
 
 
-def state_counts(session: Any, batch_id: str):
-    return select(Job.state, func.count()).where(Job.batch_id == batch_id).group_by(Job.state)
-
-
-def summarize(rows: Iterable[Any]) -> tuple[dict[str, int], int]:
-    """OpenAI's request_counts, and how many lines are still live."""
-    by = dict(rows)
-    total = sum(by.values())
-    return (
-        {
-            "total": total,
-            "completed": by.get("succeeded", 0),
-            "failed": by.get("failed", 0) + by.get("cancelled", 0) + by.get("expired", 0),
-        },
-        sum(by.get(s, 0) for s in ACTIVE),
-    )
+def has_live_lines(batch_id: str):
+    """One probe of ix_jobs_batch_state per live state: cheap however many lines the batch has."""
+    return select(exists().where(Job.batch_id == batch_id, Job.state.in_(ACTIVE)))
 
 
 def _line(job: Job) -> tuple[bool, dict[str, Any]]:
@@ -117,82 +113,133 @@ def _line(job: Job) -> tuple[bool, dict[str, Any]]:
     }
 
 
-def write_results(session: Session, b: Batch) -> None:
-    """Stream the batch's lines, in input order, into an output and an error file."""
-    out, err = (
-        File(
-            id=files.new_file_id(),
-            tenant_id=b.tenant_id,
-            purpose="batch_output",
-            filename=f"{b.id}_{kind}.jsonl",
-            bytes=0,
-            lines=0,
-            status="processed",
-        )
-        for kind in ("output", "error")
+def _result_file(b: Batch, kind: str) -> File:
+    """An output or error file being written: hidden (like an upload in progress) until the batch ends."""
+    return File(
+        id=files.new_file_id(),
+        tenant_id=b.tenant_id,
+        purpose="batch_output",
+        filename=f"{b.id}_{kind}.jsonl",
+        bytes=0,
+        lines=0,
+        status="processing",
+        deleted=True,
     )
-    session.add_all([out, err])
-    session.flush()
-    writers = {True: files.ChunkWriter(session, out), False: files.ChunkWriter(session, err)}
-    stmt = select(Job).where(Job.batch_id == b.id).order_by(Job.line_no).execution_options(yield_per=1000)
+
+
+def write_results(session: Session, b: Batch, slice_rows: int) -> bool:
+    """Up to `slice_rows` more of the batch's lines, in input order, into its output and error files,
+    from where the last pass stopped (`results_line`). True once every line is written."""
+    if b.results_line is None:
+        out, err = _result_file(b, "output"), _result_file(b, "error")
+        session.add_all([out, err])
+        session.flush()
+        b.output_file_id, b.error_file_id, b.results_line = out.id, err.id, 0
+    else:
+        out, err = (session.get_one(File, fid) for fid in (b.output_file_id, b.error_file_id))
+    writers = {
+        ok: files.ChunkWriter(session, f, files.next_seq(session, f.id)) for ok, f in ((True, out), (False, err))
+    }
+    stmt = (
+        select(Job)
+        .where(Job.batch_id == b.id, Job.line_no > b.results_line)
+        .order_by(Job.line_no)
+        .limit(slice_rows)
+        .execution_options(yield_per=1000)
+    )
+    n = 0
     for job in session.scalars(stmt):
         ok, line = _line(job)
         writers[ok].write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         (out if ok else err).lines += 1
+        b.results_line = job.line_no
+        n += 1
         session.expunge(job)
     for w in writers.values():
         w.close()
+    if n >= slice_rows:
+        return False
+    for f in (out, err):
+        if f.lines:
+            f.status, f.deleted = "processed", False
+        else:
+            session.delete(f)
     b.output_file_id = out.id if out.lines else None
     b.error_file_id = err.id if err.lines else None
+    return True
 
 
-# Lines one pass expires or cancels per batch, each pass its own transaction: a 2M-line batch whose
-# window ends is worked through over several passes instead of one statement holding every row.
+# Lines one pass expires, cancels or writes out per batch, each pass its own transaction: a 2M-line
+# batch whose window ends is worked through over several passes instead of one statement holding
+# every row, and the keeper comes back at once while a batch has more to do.
 SLICE = 5000
 
 
-def advance(session: Session, lifecycle: Lifecycle, limit: int = 20, slice_rows: int = SLICE) -> int:
-    """Move live batches along: counts, expiry, cancellation, finalization. Returns how many ended.
+@dataclass
+class Pass:
+    ended: int = 0  # batches that reached their final status
+    more: bool = False  # some batch stopped at a full slice: call again without waiting
+
+
+def advance(sessions: sessionmaker[Session], lifecycle: Lifecycle, limit: int = 20, slice_rows: int = SLICE) -> Pass:
+    """Move live batches along: expiry, cancellation, finalization; one transaction per batch.
 
     A batch's queued lines end (expired or cancelled) through the job lifecycle like every job: the
-    state change and one usage count per line in this pass's transaction, then, once it committed,
-    each line's reservation settled and its terminal event published."""
-    ended = 0
-    lines: list[tuple[list[Any], JobState]] = []
-    rows = session.scalars(
-        select(Batch)
-        .where(Batch.status.in_([s.value for s in LIVE]))
-        .order_by(Batch.created_at)
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    ).all()
-    now = datetime.now(UTC)
-    for b in rows:
-        if b.status == BatchStatus.in_progress and b.expires_at <= now and b.expired_at is None:
-            b.expired_at = now  # lines not started are done for; running ones may finish
-        to = None
-        if b.status == BatchStatus.in_progress and b.expired_at is not None:
-            to = JobState.expired
-        if b.status == BatchStatus.cancelling:
-            to = JobState.cancelled
-        if to is not None:
-            rows = lifecycle.end_queued_lines(session, b.id, to, slice_rows)
-            lines.append((rows, to))
-            if len(rows) >= slice_rows:  # the rest in the next passes; counting and finalizing wait until then
+    state change and one usage count per line in the batch's transaction, then, once it committed,
+    each line's reservation settled and its terminal event published. Counts need no work here:
+    a trigger on jobs keeps them as lines end."""
+    done = Pass()
+    with sessions() as session:
+        ids = session.scalars(
+            select(Batch.id).where(Batch.status.in_([s.value for s in LIVE])).order_by(Batch.created_at).limit(limit)
+        ).all()
+    for batch_id in ids:
+        with sessions() as session:
+            b = session.scalars(
+                select(Batch)
+                .where(Batch.id == batch_id, Batch.status.in_([s.value for s in LIVE]))
+                .with_for_update(skip_locked=True)
+            ).first()
+            if b is None:  # ended meanwhile, or another keeper holds it
                 continue
-        counts, live = summarize(session.execute(state_counts(session, b.id)).all())
-        b.request_counts = counts
-        if live:
-            continue
-        final = ending(b)
-        write_results(session, b)
-        end(b, final, now)
-        ended += 1
-        log.info("batch %s %s: %s", b.id, final, counts)
-    session.commit()
-    for rows, to in lines:
-        lifecycle.announce_lines(rows, to)
-    return ended
+            ended, more, lines = _step(session, lifecycle, b, slice_rows)
+            session.commit()
+        if lines is not None:
+            lifecycle.announce_lines(*lines)
+        done.ended += ended
+        done.more |= more
+    return done
+
+
+def _step(
+    session: Session, lifecycle: Lifecycle, b: Batch, slice_rows: int
+) -> tuple[int, bool, tuple[list[Any], JobState] | None]:
+    """One batch's share of a pass: (ended, more to do, lines ended to announce after the commit)."""
+    now = datetime.now(UTC)
+    lines = None
+    if b.status == BatchStatus.in_progress and b.expires_at <= now and b.expired_at is None:
+        b.expired_at = now  # lines not started are done for; running ones may finish
+    to = None
+    if b.status == BatchStatus.in_progress and b.expired_at is not None:
+        to = JobState.expired
+    if b.status == BatchStatus.cancelling:
+        to = JobState.cancelled
+    if to is not None:
+        rows = lifecycle.end_queued_lines(session, b.id, to, slice_rows)
+        lines = (rows, to)
+        if len(rows) >= slice_rows:  # the rest in the next passes; finalizing waits until then
+            return 0, True, lines
+    if b.status != BatchStatus.finalizing:
+        if session.scalar(has_live_lines(b.id)):
+            return 0, False, lines
+        finalizing(b, now)
+    if not write_results(session, b, slice_rows):
+        return 0, True, lines
+    session.flush()
+    session.refresh(b, ["lines_completed", "lines_failed"])  # the trigger's counts, this transaction's included
+    end(b, ending(b), now)
+    log.info("batch %s %s: %s", b.id, b.status, counts(b))
+    return 1, False, lines
 
 
 def expires_at(created: datetime, window: str) -> datetime:

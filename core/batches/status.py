@@ -1,7 +1,7 @@
 """A batch's status (OpenAI's words) and its transitions, each one compare-and-set UPDATE.
 
 validating -> in_progress -> finalizing -> completed | expired | cancelled; validating -> failed;
-validating | in_progress -> cancelling -> cancelled. The only writer of `batches.status`.
+validating | in_progress -> cancelling -> (finalizing ->) cancelled. The only writer of `batches.status`.
 """
 
 from __future__ import annotations
@@ -73,15 +73,22 @@ def cancelled(batch_id: str, now: datetime) -> Update:
 
 
 def ending(b: Batch) -> BatchStatus:
-    """What a live batch with no live lines becomes."""
-    if b.status == BatchStatus.cancelling:
+    """What a live batch with no live lines becomes (cancelled ones keep `cancelling_at` while finalizing)."""
+    if b.status == BatchStatus.cancelling or b.cancelling_at is not None:
         return BatchStatus.cancelled
     return BatchStatus.expired if b.expired_at else BatchStatus.completed
 
 
-def end(b: Batch, final: BatchStatus, now: datetime) -> None:
-    """A live batch locked FOR UPDATE by the caller -> its final status, stamped."""
-    assert final in FINAL and b.status in LIVE
+def finalizing(b: Batch, now: datetime) -> None:
+    """A live batch locked FOR UPDATE by the caller, with no live line left -> finalizing: its result
+    files are written, a slice per pass."""
+    assert b.status in (BatchStatus.in_progress, BatchStatus.cancelling)
     b.finalizing_at = b.finalizing_at or now
+    b.status = BatchStatus.finalizing.value
+
+
+def end(b: Batch, final: BatchStatus, now: datetime) -> None:
+    """A finalizing batch locked FOR UPDATE by the caller -> its final status, stamped."""
+    assert final in FINAL and b.status == BatchStatus.finalizing
     b.status = final.value
     setattr(b, f"{final.value}_at", now)

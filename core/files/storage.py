@@ -7,7 +7,7 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -97,10 +97,10 @@ def iter_lines(session: Session, file_id: str, max_line: int = 1 << 62) -> Itera
 class ChunkWriter:
     """Accumulates bytes and writes a chunk row every CHUNK bytes (sync session)."""
 
-    def __init__(self, session: Session, file: File) -> None:
+    def __init__(self, session: Session, file: File, seq: int = 0) -> None:
         self.session, self.file = session, file
         self.buf = bytearray()
-        self.seq = 0
+        self.seq = seq  # where a file written over several transactions goes on (next_seq)
 
     def write(self, data: bytes) -> None:
         self.buf += data
@@ -117,6 +117,12 @@ class ChunkWriter:
     def _flush(self, data: bytes) -> None:
         self.session.execute(insert_chunk(self.file.id, self.seq, data))
         self.seq += 1
+
+
+def next_seq(session: Session, file_id: str) -> int:
+    """The seq of the chunk that would come after a file's last one."""
+    last = session.scalar(select(func.max(FileChunk.seq)).where(FileChunk.file_id == file_id))
+    return 0 if last is None else last + 1
 
 
 def insert_chunk(file_id: str, seq: int, data: bytes):

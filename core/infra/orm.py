@@ -198,6 +198,12 @@ class Batch(Base):
     request_counts: Mapped[dict[str, Any]] = mapped_column(
         JSONB, server_default='{"total": 0, "completed": 0, "failed": 0}'
     )
+    # Kept by a trigger on jobs as lines end (migration 0010), never recounted: completed is lines
+    # that succeeded, failed every other ending. request_counts keeps the total.
+    lines_completed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    lines_failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # While finalizing: the last line_no already written to the result files (NULL: not started).
+    results_line: Mapped[int | None] = mapped_column(BigInteger)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
     webhook_url: Mapped[str | None] = mapped_column(String(2048))
     webhook_state: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

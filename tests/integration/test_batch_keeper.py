@@ -1,20 +1,24 @@
-"""Batch bookkeeping off the dispatcher's tick, in slices (issue 25)."""
+"""Batch bookkeeping off the dispatcher's tick, in slices, with counts kept as lines end (issue 25).
+
+Real Postgres and Redis, in-process: the batch keeper's own pass (`progress.advance`)."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from core.batches import progress
-from core.batches.status import BatchStatus
+from core.batches.status import FINAL, BatchStatus
 from core.dispatcher import Dispatcher
-from core.infra.orm import Batch, Job
+from core.generation.events import ChoiceResult, ErrorInfo, JobResult, Usage
+from core.infra.orm import Batch, File, FileChunk, Job, JobState
 from core.jobs.lifecycle import Lifecycle
 from tests import factories
 
 
-def _expired_batch(session, lines: int) -> str:
+def _expired_batch(session, lines: int, expired: bool = True) -> str:
     t = factories.tenant(session)
     now = datetime.now(UTC)
     b = Batch(
@@ -26,7 +30,8 @@ def _expired_batch(session, lines: int) -> str:
         status=BatchStatus.in_progress.value,
         created_at=now - timedelta(seconds=5),
         in_progress_at=now - timedelta(seconds=5),
-        expires_at=now - timedelta(seconds=4),
+        expires_at=now - timedelta(seconds=4) if expired else now + timedelta(hours=1),
+        request_counts={"total": lines, "completed": 0, "failed": 0},
     )
     session.add(b)
     session.commit()
@@ -35,6 +40,15 @@ def _expired_batch(session, lines: int) -> str:
         j.batch_id, j.line_no, j.custom_id = b.id, i + 1, f"r{i}"
     session.commit()
     return b.id
+
+
+def _drain(session, sessions, lifecycle, batch_id: str, slice_rows: int, passes: int = 20) -> int:
+    """Keeper passes until the batch is final; returns how many it took."""
+    for n in range(1, passes + 1):
+        progress.advance(sessions, lifecycle, slice_rows=slice_rows)
+        if session.get(Batch, batch_id, populate_existing=True).status in FINAL:
+            return n
+    raise AssertionError(f"batch {batch_id} not final after {passes} passes")
 
 
 def _states(session, batch_id: str) -> dict[str, int]:
@@ -46,15 +60,16 @@ def _states(session, batch_id: str) -> dict[str, int]:
 def test_an_expired_batch_is_worked_through_in_slices(session, sessions, rds, it_settings):
     lifecycle = Lifecycle(sessions, rds, it_settings)
     batch_id = _expired_batch(session, 12)
-    progress.advance(session, lifecycle, slice_rows=5)
+    progress.advance(sessions, lifecycle, slice_rows=5)
     assert _states(session, batch_id) == {"expired": 5, "queued": 7}
     assert session.get(Batch, batch_id).status == BatchStatus.in_progress  # not finalized meanwhile
-    progress.advance(session, lifecycle, slice_rows=5)
-    progress.advance(session, lifecycle, slice_rows=5)
+    progress.advance(sessions, lifecycle, slice_rows=5)
+    progress.advance(sessions, lifecycle, slice_rows=5)
     assert _states(session, batch_id) == {"expired": 12}
-    b = session.get(Batch, batch_id)
-    assert b.status == BatchStatus.expired and b.request_counts == {"total": 12, "completed": 0, "failed": 12}
-    assert b.error_file_id is not None
+    _drain(session, sessions, lifecycle, batch_id, 5)
+    b = session.get(Batch, batch_id, populate_existing=True)
+    assert b.status == BatchStatus.expired and progress.counts(b) == {"total": 12, "completed": 0, "failed": 12}
+    assert b.error_file_id is not None and b.output_file_id is None
 
 
 def test_the_dispatch_tick_does_no_batch_bookkeeping(session, sessions, rds, it_settings, monkeypatch):
@@ -72,3 +87,110 @@ def test_the_dispatch_tick_does_no_batch_bookkeeping(session, sessions, rds, it_
     monkeypatch.undo()
     d.keep_batches()  # the keeper thread's pass does it
     assert _states(session, batch_id) == {"expired": 3}
+
+
+def _run(session, job_id: str) -> Job:
+    """A queued line -> running, as a worker's claim leaves it (attempt 1, lease held)."""
+    job = session.get(Job, job_id, populate_existing=True)
+    job.state, job.started_at = JobState.running.value, datetime.now(UTC)
+    job.lease_until = datetime.now(UTC) + timedelta(seconds=60)
+    session.commit()
+    return job
+
+
+def _result(text: str) -> JobResult:
+    return JobResult(choices=[ChoiceResult(index=0, text=text, finish_reason="length")])
+
+
+def test_counts_are_kept_as_lines_end_whoever_ends_them(session, sessions, rds, it_settings):
+    """Before: counts were a GROUP BY over the batch's jobs on every read and every keeper pass, and
+    the row held no count until the batch ended. Now each ending (a worker's success or failure, the
+    owner's cancel, the reaper, the keeper's expiry) counts itself once, in its own transaction."""
+    lifecycle = Lifecycle(sessions, rds, it_settings)
+    batch_id = _expired_batch(session, 10, expired=False)
+    ids = [j for (j,) in session.execute(select(Job.id).where(Job.batch_id == batch_id).order_by(Job.line_no))]
+    tenant_id = session.get(Batch, batch_id).tenant_id
+    for j in ids[:4]:
+        job = _run(session, j)
+        assert lifecycle.succeed(job, _result("ok"), Usage(completion_tokens=1), 0.1)
+        assert not lifecycle.succeed(job, _result("ok"), Usage(completion_tokens=1), 0.1)  # a duplicate: no-op
+    assert lifecycle.fail(_run(session, ids[4]), ErrorInfo(message="boom", type="server_error"), Usage())
+    assert lifecycle.cancel(ids[5], tenant_id) is not None
+    assert lifecycle.cancel(ids[5], tenant_id) is not None  # a second cancel counts nothing
+    lapsed = _run(session, ids[6])
+    lapsed.attempt, lapsed.lease_until = it_settings.max_attempts, datetime.now(UTC) - timedelta(seconds=1)
+    session.commit()
+    lifecycle.reap()
+    b = session.get(Batch, batch_id, populate_existing=True)
+    assert progress.counts(b) == {"total": 10, "completed": 4, "failed": 3}
+    truth = _states(session, batch_id)
+    assert truth == {"succeeded": 4, "failed": 2, "cancelled": 1, "queued": 3}
+    # The window ends: the keeper expires the rest, finalizes, and the counts stay exact.
+    b.expires_at = datetime.now(UTC) - timedelta(seconds=1)
+    session.commit()
+    _drain(session, sessions, lifecycle, batch_id, 5)
+    b = session.get(Batch, batch_id, populate_existing=True)
+    assert b.status == BatchStatus.expired
+    assert progress.counts(b) == {"total": 10, "completed": 4, "failed": 6}
+
+
+def test_the_keeper_never_recounts_a_batchs_lines(session, sessions, rds, it_settings):
+    """The keeper's passes over a live batch read its row and probe for a live line; no statement
+    aggregates over its jobs (before: a GROUP BY over every live batch's lines, every second)."""
+    lifecycle = Lifecycle(sessions, rds, it_settings)
+    _expired_batch(session, 6, expired=False)
+    seen: list[str] = []
+    engine = sessions.kw["bind"]
+
+    def record(_conn, _cursor, statement, *_a):
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        progress.advance(sessions, lifecycle, slice_rows=5)
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert any("FROM batches" in q for q in seen), seen  # the pass did look at the batch
+    assert not [q for q in seen if "GROUP BY" in q.upper() or "count(" in q.lower()], seen
+
+
+def test_result_files_are_written_in_slices_and_shown_only_when_whole(session, sessions, rds, it_settings):
+    """Before: a batch's every line was rendered into its files in the one pass that ended it. Now
+    each pass writes a slice and commits; the batch reads `finalizing` meanwhile, its files hidden."""
+    lifecycle = Lifecycle(sessions, rds, it_settings)
+    batch_id = _expired_batch(session, 12, expired=False)
+    ids = [j for (j,) in session.execute(select(Job.id).where(Job.batch_id == batch_id).order_by(Job.line_no))]
+    for i, j in enumerate(ids):
+        if i % 4 == 3:
+            assert lifecycle.fail(_run(session, j), ErrorInfo(message=f"bad {i}", type="server_error"), Usage())
+        else:
+            assert lifecycle.succeed(_run(session, j), _result(f"line {i}"), Usage(completion_tokens=1), 0.1)
+    tenant_id = session.get(Batch, batch_id).tenant_id
+
+    progress.advance(sessions, lifecycle, slice_rows=5)
+    b = session.get(Batch, batch_id, populate_existing=True)
+    assert b.status == BatchStatus.finalizing and b.results_line == 5
+    shown = progress.batch_json(b)
+    assert shown["status"] == "finalizing" and shown["output_file_id"] is None and shown["error_file_id"] is None
+    visible = session.scalars(select(File.id).where(File.tenant_id == tenant_id, File.deleted.is_(False))).all()
+    assert visible == []  # a half-written file is not listed or downloadable
+
+    assert _drain(session, sessions, lifecycle, batch_id, 5) == 2  # lines 6-10, then 11-12 and the end
+    b = session.get(Batch, batch_id, populate_existing=True)
+    assert b.status == BatchStatus.completed and progress.counts(b) == {"total": 12, "completed": 9, "failed": 3}
+
+    def lines(file_id: str) -> list[dict]:
+        f = session.get(File, file_id, populate_existing=True)
+        assert f.status == "processed" and not f.deleted
+        raw = b"".join(
+            session.scalars(select(FileChunk.data).where(FileChunk.file_id == file_id).order_by(FileChunk.seq))
+        )
+        out = [json.loads(x) for x in raw.splitlines()]
+        assert f.lines == len(out) and f.bytes == len(raw)
+        return out
+
+    ok, bad = lines(b.output_file_id), lines(b.error_file_id)
+    assert [x["custom_id"] for x in ok] == [f"r{i}" for i in range(12) if i % 4 != 3]  # input order, none twice
+    assert [x["response"]["body"]["choices"][0]["text"] for x in ok] == [f"line {i}" for i in range(12) if i % 4 != 3]
+    assert [x["custom_id"] for x in bad] == ["r3", "r7", "r11"]
+    assert [x["response"]["body"]["error"]["message"] for x in bad] == ["bad 3", "bad 7", "bad 11"]

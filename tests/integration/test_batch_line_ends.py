@@ -77,8 +77,8 @@ def test_ended_lines_each_count_once_settle_and_announce(
     assert int(rds.get(tpd_key)) == 80 and rds.zcard(active_key) == 2
     lifecycle = Lifecycle(sessions, rds, it_settings)
 
-    for _ in range(4):  # 12 lines in slices of 5: three passes end them, the fourth finalizes
-        progress.advance(session, lifecycle, slice_rows=5)
+    for _ in range(6):  # 12 lines in slices of 5: three passes end them, three more write the error file
+        progress.advance(sessions, lifecycle, slice_rows=5)
     assert session.get(Batch, batch_id, populate_existing=True).status == final
 
     # One usage count per line, in one row (same day, tenant, key and model), every one not a success.
@@ -94,7 +94,7 @@ def test_ended_lines_each_count_once_settle_and_announce(
         assert not rds.exists(ratelimit.reservation_key(job_id))
     assert int(rds.get(tpd_key)) == 0 and rds.zcard(active_key) == 0  # nothing ran: nothing spent
     # Exactly once: more passes end nothing again.
-    progress.advance(session, lifecycle, slice_rows=5)
+    progress.advance(sessions, lifecycle, slice_rows=5)
     assert _usage(session, tenant_id) == (LINES, LINES, 1)
     assert all(len(streams.entries(rds, j)) == 1 for j in ids)
     states = session.execute(select(Job.state, func.count()).where(Job.batch_id == batch_id).group_by(Job.state))
