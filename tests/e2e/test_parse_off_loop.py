@@ -2,14 +2,15 @@
 
 FastAPI used to parse and validate bodies on the loop: one 200k-message chat body (7 MB) or a
 prompt of a million token ids held every other request of the process for ~0.4-0.7 s. Here one
-client sends such bodies while another asks GET /health back to back, and the test counts the
+client sends such bodies while another asks GET /health back to back, and the test looks at the
 /health answers that arrive after a body's last byte was sent and before its answer came: the time
 the server spent decoding and validating it (it is answered with a 404 for its model only after
-validation). A loop busy parsing answers nothing in that window; a loop that hands the work to a
-thread keeps answering. No speed is asserted: `python -m ops.hostile` measures the stalls."""
+validation). A loop busy parsing answers nothing for most of that window; a loop that hands the work
+to a thread keeps answering. No speed is asserted: `python -m ops.hostile` measures the stalls."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -17,10 +18,14 @@ from collections.abc import Iterator
 
 from tests.conftest import Stack
 
-# Measured on 0ed3e16 (parsed on the loop): 10-18 /health answers in that window, all while the
-# body's tail was still being read; here 77-143 (a /health answer takes a few ms). The 4 MiB string decodes in tens
-# of ms either way: it is sent for its errors, not counted.
-MIN_ANSWERS_WHILE_PARSING = 40
+# A loop that parses a body itself answers nothing until the parse ends: on 0ed3e16 (parsed on the
+# loop) the /health answers of a window all came while the body's tail was still being read, then
+# none for the rest of it. A loop that hands the parse to a thread keeps answering all through. The
+# longest silence is taken as a share of its window, so a loaded machine (slower parses and slower
+# answers alike) moves both sides of the ratio: CI saw 31-62 answers per window on a busy run where
+# a quiet one sees 77-143, and a count threshold failed there although nothing stalled. Measured
+# with this test side by side on a busy machine: 0ed3e16 0.82-0.93 of each window silent, today 0.06-0.19.
+MAX_SILENT_SHARE = 0.5
 
 
 def _bodies() -> list[tuple[str, bytes]]:
@@ -70,11 +75,19 @@ def test_big_bodies_do_not_stall_other_requests(stack: Stack):
         finally:
             stop.set()
             probe.join()
-    counts = [sum(1 for t in answered if start < t < end) for _, start, end in windows]
-    print(f"/health answers while each body was parsed: {counts}")
-    counts = [n for n, (_, raw) in zip(counts, bodies * 2, strict=True) if b'"a a a' not in raw[:64]]
-    assert all(n >= MIN_ANSWERS_WHILE_PARSING for n in counts), (
-        f"the event loop answered {counts} other requests while big bodies were parsed"
+    counts, silent = [], []
+    for _, start, end in windows:
+        inside = [t for t in answered if start < t < end]
+        edges = [start, *inside, end]
+        counts.append(len(inside))
+        silent.append(max(b - a for a, b in itertools.pairwise(edges)) / (end - start))
+    print(f"/health answers while each body was parsed: {counts}; longest silence, share of window: {silent}")
+    # The 4 MiB string decodes in tens of ms either way: it is sent for its errors, not measured.
+    measured = [
+        (n, share) for n, share, (_, raw) in zip(counts, silent, bodies * 2, strict=True) if b'"a a a' not in raw[:64]
+    ]
+    assert all(n > 0 and share < MAX_SILENT_SHARE for n, share in measured), (
+        f"the event loop stalled while big bodies were parsed: (answers, longest silence share) {measured}"
     )
 
 
