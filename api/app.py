@@ -31,11 +31,14 @@ from api.ratelimit import RequestRateGate
 from api.routes import admin, batches, completions, files, jobs, models, tokens, ui, usage, webhooks
 from core.config import get_settings
 from core.errors import DomainError
+from core.idempotency import Idempotency
 from core.infra import kv, logs, streams
-from core.infra.db import async_engine, sync_sessions
+from core.infra.broker import send_run_job
+from core.infra.db import async_engine, async_sessions, sync_sessions
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.service import Completions
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,16 @@ async def lifespan(app: FastAPI):
     )
     # Every event stream this process follows, read by one blocking XREAD (core/infra/streams.Hub).
     app.state.hub = streams.Hub(app.state.redis)
+    # The services, wired once here: routes get them (and the sync sessions) through api/deps.py.
+    app.state.sync_sessions = sync_sessions()
+    sync_redis = kv.client(settings.redis_url)
     # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
-    app.state.lifecycle = Lifecycle(sync_sessions(), kv.client(settings.redis_url), settings)
+    app.state.lifecycle = Lifecycle(app.state.sync_sessions, sync_redis, settings)
+    app.state.sync_redis = sync_redis
+    app.state.idempotency = Idempotency(async_sessions(), settings.idempotency_lock_s)
+    app.state.completions = Completions(
+        async_sessions(), app.state.redis, settings, app.state.idempotency, send_run_job, tokenizer_for
+    )
     _drain_on_sigterm(app)
     if settings.api_metrics_port:
         _serve_metrics_port(settings.api_metrics_port)

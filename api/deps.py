@@ -5,17 +5,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
+import redis
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import APIError
 from api.guard import authenticate
 from core.config import Settings, get_settings
+from core.idempotency import Idempotency
 from core.infra import streams
 from core.infra.db import async_sessions
 from core.infra.orm import Tenant
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.service import Completions
 from core.tenancy.keys import Principal
 
 
@@ -34,6 +38,24 @@ def stream_hub(request: Request) -> streams.Hub:
 
 def lifecycle(request: Request) -> Lifecycle:
     return request.app.state.lifecycle
+
+
+# The services and sessions api/app.py builds at startup, injected into the routes that call them.
+def completions(request: Request) -> Completions:
+    return request.app.state.completions
+
+
+def idempotency(request: Request) -> Idempotency:
+    return request.app.state.idempotency
+
+
+def sync_sessions(request: Request) -> sessionmaker[Session]:
+    """For sync services run in a thread (uploads, tenancy)."""
+    return request.app.state.sync_sessions
+
+
+def sync_redis(request: Request) -> redis.Redis:
+    return request.app.state.sync_redis
 
 
 async def current_principal(request: Request) -> Principal:
@@ -61,6 +83,10 @@ SessionDep = Annotated[AsyncSession, Depends(db_session)]
 RedisDep = Annotated[aioredis.Redis, Depends(redis_client)]
 HubDep = Annotated[streams.Hub, Depends(stream_hub)]
 LifecycleDep = Annotated[Lifecycle, Depends(lifecycle)]
+CompletionsDep = Annotated[Completions, Depends(completions)]
+IdempotencyDep = Annotated[Idempotency, Depends(idempotency)]
+SyncSessionsDep = Annotated[sessionmaker[Session], Depends(sync_sessions)]
+SyncRedisDep = Annotated[redis.Redis, Depends(sync_redis)]
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
 AdminDep = Annotated[Principal, Depends(admin_principal)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import anyio
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import ClientDisconnect, Request
 
 from api.errors import APIError
@@ -109,7 +110,9 @@ class _Form:
             raise _bad(f"Form field '{self.part.name}' is not UTF-8.", "invalid_form", self.part.name) from None
 
 
-async def receive(request: Request, tenant_id: int, settings: Settings, check_fields=None) -> Received:
+async def receive(
+    request: Request, sessions: sessionmaker[Session], tenant_id: int, settings: Settings, check_fields=None
+) -> Received:
     """Stream the request's form into a new upload (begun, not finished: the caller finishes or
     aborts it). `check_fields(fields)` runs as soon as the text fields before the file are known,
     so a bad `purpose` is refused before the file is read."""
@@ -130,7 +133,7 @@ async def receive(request: Request, tenant_id: int, settings: Settings, check_fi
         )
     }
     parser = MultipartParser(params[b"boundary"], callbacks, max_header_count=MAX_PART_HEADERS)  # type: ignore[arg-type]
-    upload = Upload(tenant_id, settings)
+    upload = Upload(sessions, tenant_id, settings)
     begun = checked = False
     try:
         async for piece in request.stream():

@@ -25,11 +25,12 @@ from core.generation.events import ErrorInfo, Failed
 from core.infra import redis_keys
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
-from core.infra.orm import Job, JobState, Tenant
+from core.infra.orm import Job, Tenant
 from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
+from core.jobs.states import JobKind, JobState
 from core.tenancy import admission
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class Dispatcher:
         rows = session.execute(
             select(Job.id, Job.attempt, Job.tenant_id, Job.key_id, Job.reserved_tokens, Tenant.tpd, Tenant.max_queued)
             .join(Tenant, Tenant.id == Job.tenant_id)
-            .where(Job.id.in_(picks), Job.kind == "batch")
+            .where(Job.id.in_(picks), Job.kind == JobKind.batch.value)
         ).all()
         if not rows:
             return picks
@@ -148,7 +149,7 @@ class Dispatcher:
         """Queue depth, oldest queued job and live workers per model: a scan of the backlog, so once
         per interval, not per tick."""
         seen: dict[tuple[str, str], tuple[int, Any]] = {
-            (m, k): (0, None) for m in self.settings.model_ids for k in ("interactive", "batch")
+            (m, k): (0, None) for m in self.settings.model_ids for k in (JobKind.interactive.value, JobKind.batch.value)
         }
         rows = session.execute(
             select(Job.model, Job.kind, func.count(), func.min(Job.created_at))
@@ -173,17 +174,17 @@ class Dispatcher:
         messages: list[tuple[str, str, list[tuple[str, int]]]] = []
         batch: dict[str, list[tuple[str, int]]] = {}
         for job_id, attempt, model, kind in rows:
-            if kind == "batch":
+            if kind == JobKind.batch:
                 batch.setdefault(model, []).append((job_id, attempt))
             else:
                 messages.append((model, kind, [(job_id, attempt)]))
         n = self.settings.batch_group
         for model, pairs in batch.items():
-            messages += [(model, "batch", pairs[i : i + n]) for i in range(0, len(pairs), n)]
+            messages += [(model, JobKind.batch, pairs[i : i + n]) for i in range(0, len(pairs), n)]
         sent = 0
         for model, kind, pairs in messages:
             try:
-                if kind == "batch":
+                if kind == JobKind.batch:
                     send_run_jobs(pairs, model)
                 else:
                     send_run_job(pairs[0][0], pairs[0][1], model, kind)

@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import idempotency
 from core.batches.status import FINAL
 from core.config import Settings
-from core.infra.orm import Batch, File, FileChunk, Job, JobState
+from core.infra.orm import Batch, File, FileChunk, Job
+from core.jobs.states import JobState
 
 log = logging.getLogger(__name__)
 TERMINAL = [JobState.succeeded.value, JobState.failed.value, JobState.cancelled.value, JobState.expired.value]

@@ -28,8 +28,10 @@ import httpx
 from sqlalchemy import Engine, create_engine, func, insert, select
 
 from core.generation.params import GenerationParams
-from core.infra.orm import Job, JobState, Tenant
+from core.generation.prompt import Prompt
+from core.infra.orm import Job, Tenant
 from core.jobs import transitions as jobs
+from core.jobs.states import JobKind, JobState
 
 MODEL = "smollm2-135m-instruct"
 PROMPT_IDS = [19556, 30]  # two tokens: the work is scheduling, not generation
@@ -53,9 +55,9 @@ def insert_backlog(
             tenant_id=tenant_id,
             model=MODEL,
             params=params,
-            prompts=[{"ids": prompts[i % len(prompts)] if prompts else PROMPT_IDS, "text": None}],
+            prompts=[Prompt(prompts[i % len(prompts)] if prompts else PROMPT_IDS).to_json()],
             stream=False,
-            kind="batch",
+            kind=JobKind.batch,
         )
         rows.append({c.key: getattr(job, c.key) for c in Job.__table__.columns if getattr(job, c.key) is not None})
     with db.begin() as conn:

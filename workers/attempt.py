@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from core.generation.events import Delta, JobResult, decode, encode
 from core.generation.params import GenerationParams, choice_index
+from core.generation.prompt import Prompt
 from core.infra import streams
 from core.infra.metrics import ITL, QUEUE_WAIT, TTFT
 from core.infra.orm import Job
+from core.jobs.states import JobKind
 from workers import choices, resume
 from workers.choices import Choice
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
@@ -40,7 +42,8 @@ class Attempt:
         self.settings = runner.settings
         self.job = job
         self.p = GenerationParams.from_json(job.params)
-        self.prompts: list[list[int]] = [list(x["ids"]) for x in job.prompts]
+        self.given = [Prompt.from_json(x) for x in job.prompts]  # as stored: ids and the text to echo
+        self.prompts: list[list[int]] = [p.ids for p in self.given]
         self.buffered = self.p.best_of > self.p.n  # best_of: publish only the winners, at the end
         self.choices: dict[int, Choice] = {}
         self.engine_s = 0.0
@@ -97,14 +100,14 @@ class Attempt:
                         if wants_scores and not before.prefix_sent
                         else None,
                         prompt_logprobs_len=len(ids),
-                        interactive=job.kind != "batch",
+                        interactive=job.kind != JobKind.batch,
                         cache_scope=job.tenant_id,  # one tenant's cached prefix is never another's
                     )
                 )
         return specs
 
     def _echo_text(self, pi: int) -> str:
-        given = self.job.prompts[pi].get("text")
+        given = self.given[pi].text
         if given is not None:
             return given
         return b"".join(self.engine.token_bytes(t) for t in self.prompts[pi]).decode(errors="replace")
@@ -133,7 +136,7 @@ class Attempt:
         by_key: dict[Hashable, Choice] = {ch.key: ch for ch in self.choices.values()}
         next_control, next_renew = time.monotonic() + 0.5, time.monotonic() + every.lease_s / 3
         unsent: dict[Choice, None] = {}  # touched since the last publish, in arrival order
-        publish_every, next_publish = (every.batch_publish_s if job.kind == "batch" else 0.0), 0.0
+        publish_every, next_publish = (every.batch_publish_s if job.kind == JobKind.batch else 0.0), 0.0
         try:
             while live:
                 try:

@@ -21,6 +21,7 @@ from core.infra import logs, streams
 from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobKind
 from workers.attempt import Attempt
 from workers.engine.loop import EngineLoop
 from workers.outcome import EngineError, JobError, Outcome
@@ -93,7 +94,7 @@ class JobRunner:
         finally:
             # A batch line's end frees a slot the dispatcher fills at once. Interactive jobs do not
             # wake it: that made it run a full tick per request (a third of a core at 60 requests/s).
-            if job.kind == "batch" and self.batch_slot_wake is not None:
+            if job.kind == JobKind.batch and self.batch_slot_wake is not None:
                 self.batch_slot_wake()
 
     def _attempt(self, job: Job) -> Outcome:

@@ -7,8 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import PrincipalDep, RedisDep, SessionDep, SettingsDep, TenantDep
-from core import idempotency
+from api.deps import IdempotencyDep, PrincipalDep, RedisDep, SessionDep, SettingsDep, TenantDep
 from core.batches import service
 from core.protocol import render
 from core.protocol.schemas import BatchList, BatchObject
@@ -33,9 +32,10 @@ async def create_batch(
     session: SessionDep,
     redis: RedisDep,
     settings: SettingsDep,
+    keys: IdempotencyDep,
 ) -> dict:
     key = request.headers.get("idempotency-key")
-    async with idempotency.held(principal.tenant.id, key, "/v1/batches", body.model_dump(mode="json")) as claim:
+    async with keys.held(principal.tenant.id, key, "/v1/batches", body.model_dump(mode="json")) as claim:
         if claim is not None and claim.replay is not None:
             return await service.view(session, await service.get(session, claim.replay, principal.tenant.id))
         rid = getattr(request.state, "request_id", None)

@@ -15,12 +15,12 @@ from fastapi.sse import EventSourceResponse
 from starlette.requests import ClientDisconnect
 
 from api.bodies import json_body, openapi_answers, openapi_body
-from api.deps import HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
+from api.deps import CompletionsDep, HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
 from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
 from core.config import Settings
-from core.jobs import service
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.service import Completions
 from core.protocol import render
 from core.protocol.schemas import (
     ChatCompletion,
@@ -61,6 +61,7 @@ class _Call(NamedTuple):
     hub: Any
     settings: Settings
     lifecycle: Lifecycle
+    completions: Completions
 
 
 def _call(
@@ -70,8 +71,9 @@ def _call(
     hub: HubDep,
     settings: SettingsDep,
     lifecycle: LifecycleDep,
+    completions: CompletionsDep,
 ) -> _Call:
-    return _Call(request, principal, redis, hub, settings, lifecycle)
+    return _Call(request, principal, redis, hub, settings, lifecycle, completions)
 
 
 _CallDep = Annotated[_Call, Depends(_call)]
@@ -119,13 +121,11 @@ async def _wait_unless_draining(waiting: Coroutine[Any, Any, T], request: Reques
 
 async def _serve(body, endpoint: str, call: _Call):
     """One flow for both endpoints: create the job, then stream it, wait for it, or answer 202."""
-    request, principal, redis, hub, settings, lifecycle = call
+    request, principal, redis, hub, settings, lifecycle, completions = call
     queued = "respond-async" in request.headers.get("prefer", "")
     key = request.headers.get("idempotency-key")
     rid = getattr(request.state, "request_id", None)
-    created = await service.create_completion(
-        redis, principal, body, settings, key, endpoint, queued=queued, request_id=rid
-    )
+    created = await completions.create(principal, body, key, endpoint, queued=queued, request_id=rid)
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
     if queued:
         return _accepted(job, headers)
@@ -133,7 +133,7 @@ async def _serve(body, endpoint: str, call: _Call):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage)
         return _StreamOrCancel(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
-    row = await _wait_unless_draining(service.wait(hub, job.id, tenant_id, settings.wait_timeout_s), request)
+    row = await _wait_unless_draining(completions.wait(hub, job.id, tenant_id, settings.wait_timeout_s), request)
     if row is None:
         return _accepted(job, headers)
     if row.state == "succeeded":

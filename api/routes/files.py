@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import delete, select
 
 from api import uploads
-from api.deps import SessionDep, SettingsDep, TenantDep
+from api.deps import IdempotencyDep, SessionDep, SettingsDep, SyncSessionsDep, TenantDep
 from api.errors import APIError
 from core import idempotency
 from core.files import storage as files
@@ -60,8 +60,15 @@ def _check_purpose(fields: dict[str, str]) -> None:
 
 
 @router.post("", response_model=FileObject, openapi_extra=_UPLOAD_FORM)
-async def upload(request: Request, tenant: TenantDep, session: SessionDep, settings: SettingsDep) -> dict:
-    got = await uploads.receive(request, tenant.id, settings, _check_purpose)
+async def upload(
+    request: Request,
+    tenant: TenantDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    keys: IdempotencyDep,
+    sessions: SyncSessionsDep,
+) -> dict:
+    got = await uploads.receive(request, sessions, tenant.id, settings, _check_purpose)
     up = got.upload
     try:
         purpose = got.fields.get("purpose")
@@ -72,7 +79,7 @@ async def upload(request: Request, tenant: TenantDep, session: SessionDep, setti
         # The whole request: a retried upload (same key, purpose, name and content) returns the file
         # the first one stored; another file under the same key is a 422, whatever its size.
         payload = {"purpose": purpose, "filename": got.filename, "bytes": up.bytes, "sha256": up.sha256}
-        async with idempotency.held(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload) as claim:
+        async with keys.held(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload) as claim:
             if claim is not None and claim.replay is not None:
                 f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
                 if f is not None:

@@ -9,12 +9,12 @@ from fastapi import APIRouter, Request
 from fastapi.sse import EventSourceResponse
 
 from api.cache import SingleFlight
-from api.deps import HubDep, LifecycleDep, RedisDep, TenantDep
+from api.deps import CompletionsDep, HubDep, LifecycleDep, RedisDep, TenantDep
 from api.errors import APIError
 from api.streaming import sse_chunks
 from core.infra import streams
 from core.infra.orm import Job
-from core.jobs import service
+from core.jobs.service import Completions
 from core.protocol import render
 from core.protocol.schemas import JobObject
 
@@ -31,13 +31,13 @@ def _not_found(job_id: str) -> APIError:
     return APIError(404, f"No job with id {job_id[:128]!r}.", param="job_id", code="job_not_found")
 
 
-async def _get(job_id: str, tenant_id: int) -> Job | None:
-    return await service.get(job_id, tenant_id) if _ID.fullmatch(job_id) else None
+async def _get(completions: Completions, job_id: str, tenant_id: int) -> Job | None:
+    return await completions.get(job_id, tenant_id) if _ID.fullmatch(job_id) else None
 
 
 @router.get("/{job_id}", response_model=JobObject)
-async def get_job(job_id: str, tenant: TenantDep) -> dict:
-    row = await _get(job_id, tenant.id)
+async def get_job(job_id: str, tenant: TenantDep, completions: CompletionsDep) -> dict:
+    row = await _get(completions, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
     return render.job(row)
@@ -64,13 +64,14 @@ async def job_events(
     tenant: TenantDep,
     redis: RedisDep,
     hub: HubDep,
+    completions: CompletionsDep,
     last_event_id: str | None = None,
 ) -> EventSourceResponse:
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
     header, or the `last_event_id` query parameter for clients that cannot set headers)."""
     # Many readers of one job share one lookup (what is read here never changes; the stream and the
     # terminal check read the rest).
-    row = await _EVENT_ROWS.get((job_id, tenant.id), lambda: _get(job_id, tenant.id))
+    row = await _EVENT_ROWS.get((job_id, tenant.id), lambda: _get(completions, job_id, tenant.id))
     if row is None:
         raise _not_found(job_id)
     given = request.headers.get("last-event-id") or last_event_id or "0-0"

@@ -1,7 +1,8 @@
 """Turning a batch's input file into jobs: every line through the same validation and
 translation as an interactive request (core/protocol/translate.py), all or nothing.
 
-Runs in a thread of the dispatcher process (`run_validator`), never in the API. The whole file is
+Runs in a thread of the dispatcher process (`run_validator`, given its sessions, Redis and
+settings by `spool dispatcher`), never in the API. The whole file is
 read one chunk at a time, lines are
 validated one by one and inserted in slices of 1,000 in ONE transaction: if any line is bad, the
 batch fails listing every bad line (up to SPOOL_BATCH_MAX_ERRORS) and no job exists; if the
@@ -20,17 +21,18 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches.status import BatchStatus, cancelled, rejected, validated
-from core.config import Settings, get_settings
+from core.config import Settings
 from core.errors import DomainError
 from core.files import storage as files
-from core.infra.db import sync_sessions
 from core.infra.kv import TRANSIENT as REDIS_DOWN
-from core.infra.orm import Batch, JobState
+from core.infra.orm import Batch
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import transitions as jobs
 from core.jobs.service import translate
+from core.jobs.states import JobKind, JobState
 from core.protocol.errors import from_validation
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import reservation
@@ -107,12 +109,12 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         "tenant_id": b.tenant_id,
         "key_id": b.key_id,
         "model": req.model,
-        "kind": "batch",
+        "kind": JobKind.batch.value,
         "state": JobState.queued.value,
         "attempt": 1,
         "priority": req.priority or 0,
         "params": params.to_json(),
-        "prompts": prompts,
+        "prompts": [p.to_json() for p in prompts],
         "chat": chat,
         "stream": False,
         "user": req.user,
@@ -208,7 +210,7 @@ COLUMNS = (
 COLS_SQL = ", ".join(f'"{c}"' for c in COLUMNS)  # "user" is a reserved word
 
 
-def validate(batch_id: str) -> str:
+def validate(sessions: sessionmaker[Session], batch_id: str, settings: Settings) -> str:
     """Validate and enqueue one batch; returns its new status.
 
     Rows are COPYed into a temporary staging table as lines are validated (COPY: ~10x faster than
@@ -216,8 +218,7 @@ def validate(batch_id: str) -> str:
     `jobs` (one INSERT ... SELECT) in the same transaction that marks the batch in_progress."""
     from psycopg.types.json import Jsonb
 
-    settings = get_settings()
-    with sync_sessions()() as session, sync_sessions()() as reader:
+    with sessions() as session, sessions() as reader:
         b = session.get(Batch, batch_id)
         if b is None or b.status != BatchStatus.validating:
             return b.status if b else "missing"
@@ -232,7 +233,7 @@ def validate(batch_id: str) -> str:
             else:
                 extra_errors += 1
 
-        raw_conn = session.connection().connection.driver_connection
+        raw_conn: Any = session.connection().connection.driver_connection  # psycopg's, for COPY
         with raw_conn.cursor() as cur:
             cur.execute("CREATE TEMP TABLE batch_staging (LIKE jobs INCLUDING DEFAULTS) ON COMMIT DROP")
             with cur.copy(f"COPY batch_staging ({COLS_SQL}) FROM STDIN") as copy:
@@ -296,7 +297,7 @@ def validate(batch_id: str) -> str:
                         "message": f"{extra_errors} more lines are invalid.",
                     }
                 )
-            moved = session.execute(rejected(batch_id, now, total, errors))
+            moved: Any = session.execute(rejected(batch_id, now, total, errors))  # an UPDATE's result: rowcount
             session.commit()
             return BatchStatus.failed if moved.rowcount else BatchStatus.cancelled
         moved = session.execute(validated(batch_id, now, total))
@@ -310,13 +311,13 @@ def validate(batch_id: str) -> str:
         return BatchStatus.in_progress
 
 
-def claim_next() -> str | None:
+def claim_next(sessions: sessionmaker[Session], lease_s: float) -> str | None:
     """Take one batch awaiting validation (or whose validator died), for this process."""
     from datetime import timedelta
 
     from sqlalchemy import func, or_
 
-    with sync_sessions()() as session:
+    with sessions() as session:
         picked = (
             select(Batch.id)
             .where(
@@ -330,22 +331,22 @@ def claim_next() -> str | None:
         got = session.scalar(
             update(Batch)
             .where(Batch.id == picked)
-            .values(lease_until=func.now() + timedelta(seconds=get_settings().batch_validation_lease_s))
+            .values(lease_until=func.now() + timedelta(seconds=lease_s))
             .returning(Batch.id)
         )
         session.commit()
         return got
 
 
-def run_validator(rds: Any, poll_s: float = 2.0) -> None:
+def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings, poll_s: float = 2.0) -> None:
     """Validate batches one at a time, forever (a dispatcher thread). Safe with several running: a
     batch is claimed under a lease, and taken over when the lease of a dead validator lapses."""
     while True:
         batch_id = None
         try:
-            batch_id = claim_next()
+            batch_id = claim_next(sessions, settings.batch_validation_lease_s)
             if batch_id:
-                validate(batch_id)
+                validate(sessions, batch_id, settings)
                 continue
             rds.blpop([WAKE_KEY], timeout=poll_s)
         except TRANSIENT:
@@ -356,16 +357,16 @@ def run_validator(rds: Any, poll_s: float = 2.0) -> None:
             # poison batch); fail it, with a message that shows no internals.
             log.exception("batch %s: validation failed; failing the batch", batch_id)
             if batch_id:
-                give_up(batch_id)
+                give_up(sessions, batch_id)
 
 
-def give_up(batch_id: str) -> None:
+def give_up(sessions: sessionmaker[Session], batch_id: str) -> None:
     error = {
         "code": "validation_failed",
         "message": "The input file could not be validated; check that every line is a JSON request.",
         "param": None,
         "line": None,
     }
-    with sync_sessions()() as session:
+    with sessions() as session:
         session.execute(rejected(batch_id, datetime.now(UTC), 0, [error]))
         session.commit()

@@ -125,7 +125,7 @@ def dispatcher() -> None:
     from core.batches.ingest import run_validator
 
     # Batch validation (tokenizing every line) runs here, beside the loop, never in the API.
-    threading.Thread(target=run_validator, args=(kv.client(s.redis_url),), daemon=True).start()
+    threading.Thread(target=run_validator, args=(sync_sessions(), kv.client(s.redis_url), s), daemon=True).start()
     Dispatcher(sync_sessions(), kv.client(s.redis_url), kv.client(s.celery_broker_url), s).run_forever()
 
 
@@ -157,9 +157,10 @@ def up(tenant: str = typer.Option("default", help="Tenant to create a first key 
 
 
 def _ensure_first_key(tenant_name: str) -> str | None:
+    from core.infra.db import sync_sessions
     from core.tenancy import service as tenancy
 
-    return tenancy.run(tenancy.ensure_first_key, tenant_name)
+    return tenancy.run(sync_sessions(), tenancy.ensure_first_key, tenant_name)
 
 
 @app.command(
@@ -218,10 +219,11 @@ def _limits(**kw: str | int | None) -> dict[str, int | None]:
 def _service(fn, *args):
     """Run one tenancy service call; its errors are the same words /admin answers with."""
     from core.errors import DomainError
+    from core.infra.db import sync_sessions
     from core.tenancy import service as tenancy
 
     try:
-        return tenancy.run(fn, *args)
+        return tenancy.run(sync_sessions(), fn, *args)
     except DomainError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(1) from exc
@@ -343,9 +345,10 @@ def key_list(tenant: str = typer.Option(..., "--tenant"), as_json: bool = JsonOp
 @key_app.command("revoke")
 def key_revoke(key_id: int) -> None:
     """Revoke a key by id; the next request with it gets 401."""
+    from core.infra import kv
     from core.tenancy import service as tenancy
 
-    _service(tenancy.revoke_key, key_id)
+    _service(tenancy.revoke_key, kv.client(get_settings().redis_url), key_id)
     typer.echo(f"key {key_id} revoked")
 
 

@@ -15,12 +15,12 @@ import hashlib
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Update, and_, delete, func, or_, select, text, update
+from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid
 from core.files import storage
-from core.infra.db import sync_sessions
 from core.infra.orm import File, Tenant
 
 # What tenants upload counts against their quota; the files Spool writes (batch output) do not.
@@ -42,17 +42,18 @@ def too_large(limit: int) -> DomainError:
 
 class Upload:
     """One upload's life: `begin`, `write` each chunk (at most `storage.CHUNK` bytes; all but the last
-    exactly that), then `finish` or `abort`. Synchronous: run it off the event loop."""
+    exactly that), then `finish` or `abort`. Synchronous: run it off the event loop. Each step is one
+    short transaction on a session of `sessions`."""
 
-    def __init__(self, tenant_id: int, settings: Settings) -> None:
-        self.tenant_id, self.settings = tenant_id, settings
+    def __init__(self, sessions: sessionmaker[Session], tenant_id: int, settings: Settings) -> None:
+        self.sessions, self.tenant_id, self.settings = sessions, tenant_id, settings
         self.file_id = storage.new_file_id()
         self.bytes = self.lines = self.seq = 0
         self.last = b""
         self._sha = hashlib.sha256()  # of the content, for the request's idempotency fingerprint
 
     def begin(self, filename: str | None) -> None:
-        with sync_sessions()() as s:
+        with self.sessions() as s:
             dead = s.scalars(
                 select(File.id).where(
                     File.tenant_id == self.tenant_id, File.status == UPLOADING, File.expires_at < func.now()
@@ -81,7 +82,7 @@ class Upload:
         s_ = self.settings
         if self.bytes + len(data) > s_.max_file_bytes:
             raise too_large(s_.max_file_bytes)
-        with sync_sessions()() as s:
+        with self.sessions() as s:
             s.execute(_LOCK, {"t": self.tenant_id})  # until commit: one reservation of this tenant at a time
             quota = s.scalar(select(Tenant.max_storage_bytes).where(Tenant.id == self.tenant_id))
             quota = quota or s_.tenant_storage_bytes
@@ -137,7 +138,7 @@ class Upload:
         if self.bytes == 0:
             raise invalid("file", "The file is empty.", "empty_file")
         lines = self.lines + (self.last != b"\n")  # a last line without a newline
-        with sync_sessions()() as s:
+        with self.sessions() as s:
             f = s.scalar(
                 update(File)
                 .where(File.id == self.file_id, File.status == UPLOADING)
@@ -159,6 +160,6 @@ class Upload:
         return f
 
     def abort(self) -> None:
-        with sync_sessions()() as s:
+        with self.sessions() as s:
             s.execute(delete(File).where(File.id == self.file_id, File.status == UPLOADING))
             s.commit()

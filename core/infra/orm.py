@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from datetime import date, datetime
 from typing import Any
 
@@ -24,22 +23,13 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# The domain's enums, for the check constraints (and re-exported for modules that import them from here).
+from core.jobs.states import TERMINAL_STATES as TERMINAL_STATES
+from core.jobs.states import JobKind, JobState
+
 
 class Base(DeclarativeBase):
     pass
-
-
-class JobState(enum.StrEnum):
-    queued = "queued"
-    dispatched = "dispatched"
-    running = "running"
-    succeeded = "succeeded"
-    failed = "failed"
-    cancelled = "cancelled"
-    expired = "expired"
-
-
-TERMINAL_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.cancelled, JobState.expired})
 
 
 class Tenant(Base):
@@ -79,6 +69,7 @@ class ApiKey(Base):
 
 
 _STATES_SQL = ", ".join(f"'{s.value}'" for s in JobState)
+_KINDS_SQL = ", ".join(f"'{k.value}'" for k in JobKind)
 
 
 class Job(Base):
@@ -90,7 +81,7 @@ class Job(Base):
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         # The fair dispatcher: each tenant's queued jobs of a model, best first.
         Index("ix_jobs_queue", "model", "state", "tenant_id", "kind", text("priority DESC"), "created_at"),
-        CheckConstraint("kind IN ('interactive', 'batch')", name="ck_jobs_kind"),
+        CheckConstraint(f"kind IN ({_KINDS_SQL})", name="ck_jobs_kind"),
         # A batch's lines: in input order, and each custom_id once.
         Index("ix_jobs_batch_line", "batch_id", "line_no", unique=True, postgresql_where=text("batch_id IS NOT NULL")),
         Index(
@@ -103,7 +94,7 @@ class Job(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     key_id: Mapped[int | None] = mapped_column(BigInteger)  # the API key that created it (for usage)
     model: Mapped[str] = mapped_column(String(128))
-    kind: Mapped[str] = mapped_column(String(16), server_default="interactive")  # interactive | batch
+    kind: Mapped[str] = mapped_column(String(16), server_default=JobKind.interactive.value)
     reserved_tokens: Mapped[int] = mapped_column(Integer, server_default="0")  # TPM/TPD reservation
     batch_id: Mapped[str | None] = mapped_column(String(40))  # a batch line: its batch,
     line_no: Mapped[int | None] = mapped_column(Integer)  # its line (1-based),

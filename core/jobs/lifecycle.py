@@ -26,12 +26,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import idempotency
 from core.config import Settings
 from core.generation.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode, encode
+from core.generation.prompt import Prompt
 from core.idempotency import Claim
 from core.infra import kv, streams
-from core.infra.broker import send_run_job
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
-from core.infra.orm import Job, JobState
+from core.infra.orm import Job
 from core.jobs import transitions
+from core.jobs.states import JobKind, JobState
 from core.tenancy import ratelimit, usage
 
 log = logging.getLogger(__name__)
@@ -56,19 +57,25 @@ def worker_lost(max_attempts: int) -> ErrorInfo:
     )
 
 
-async def submit(session: AsyncSession, job: Job, cap: int | None = None, claim: Claim | None = None) -> None:
+# Hands one job to Celery (core/infra/broker.send_run_job): (job id, attempt, model, kind); blocking.
+Send = Callable[[str, int, str, str], None]
+
+
+async def submit(
+    session: AsyncSession, job: Job, send: Send, cap: int | None = None, claim: Claim | None = None
+) -> None:
     """Persist, then enqueue: commit the job (and the Idempotency-Key that names it), already
-    `dispatched` if its tenant has room, in one transaction; then hand it to Celery. The row exists
-    before any message can name it; if the send fails the dispatcher sends it later."""
+    `dispatched` if its tenant has room, in one transaction; then hand it to Celery with `send`. The
+    row exists before any message can name it; if the send fails the dispatcher sends it later."""
     # Interactive jobs only: batch lines always go through the fair dispatcher.
-    row = (await session.execute(*transitions.insert_new(job, cap, dispatch=job.kind == "interactive"))).one()
+    row = (await session.execute(*transitions.insert_new(job, cap, dispatch=job.kind == JobKind.interactive))).one()
     job.state, job.created_at, job.dispatched_at = row.state, row.created_at, row.dispatched_at
     await idempotency.record(claim, job.id, session)
     await session.commit()
     if job.state != JobState.dispatched.value:  # a batch line, or over the cap: the dispatcher sends it
         return
     try:
-        await anyio.to_thread.run_sync(send_run_job, job.id, job.attempt, job.model, job.kind)
+        await anyio.to_thread.run_sync(send, job.id, job.attempt, job.model, job.kind)
     except Exception:
         log.warning("could not send job %s; leaving it to the dispatcher", job.id, exc_info=True)
         try:
@@ -209,7 +216,7 @@ class Lifecycle:
         """What a job that ends early has already cost: its prompt once processing started, and every
         token its stream carried. A client that read tokens and then cancelled pays for them."""
         generated = sum(len(e.token_ids) + bool(e.eos) for e in self._deltas(job.id))
-        prompt = sum(len(p.get("ids", [])) for p in (job.prompts or [])) if job.started_at is not None else 0
+        prompt = sum(len(Prompt.from_json(p).ids) for p in (job.prompts or [])) if job.started_at is not None else 0
         return Usage(prompt_tokens=prompt, completion_tokens=generated)
 
     def delivered(self, job: Any) -> Usage:
@@ -221,7 +228,7 @@ class Lifecycle:
         if not deltas:
             return Usage()
         generated = sum(len(e.token_ids) + bool(e.eos) for e in deltas)
-        prompt = sum(len(p.get("ids", [])) for p in (job.prompts or []))
+        prompt = sum(len(Prompt.from_json(p).ids) for p in (job.prompts or []))
         return Usage(prompt_tokens=prompt, completion_tokens=generated)
 
     def _deltas(self, job_id: str, strict: bool = False) -> list[Delta]:

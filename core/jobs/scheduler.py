@@ -14,7 +14,8 @@ from collections import defaultdict
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from core.infra.orm import Job, JobState, Tenant
+from core.infra.orm import Job, Tenant
+from core.jobs.states import JobKind, JobState
 
 # The distinct tenants with queued jobs for a model, as a loose index scan (one index probe per
 # tenant) rather than a DISTINCT over every queued row: a million-line batch stays cheap to schedule.
@@ -64,16 +65,16 @@ class FairScheduler:
             take = room if cap is None else min(room, cap - busy.get(t.id, 0))
             if take <= 0:
                 continue
-            for kind in ("interactive", "batch"):  # each an index range scan (ix_jobs_queue), no sort
+            for kind in (JobKind.interactive, JobKind.batch):  # each an index range scan (ix_jobs_queue), no sort
                 if take <= 0:
                     break
                 ids = session.scalars(
                     select(Job.id)
-                    .where(queued, Job.model == model, Job.tenant_id == t.id, Job.kind == kind)
+                    .where(queued, Job.model == model, Job.tenant_id == t.id, Job.kind == kind.value)
                     .order_by(Job.priority.desc(), Job.created_at)
                     .limit(take)
                 ).all()
-                heads[t.id] += [(i, kind == "interactive") for i in ids]
+                heads[t.id] += [(i, kind == JobKind.interactive) for i in ids]
                 take -= len(ids)
         weight = {t.id: max(1, t.weight) for t in tenants}
         floor = min((self.passes[t] for t in heads if t in self.passes), default=0.0)

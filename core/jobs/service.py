@@ -1,32 +1,35 @@
 """Creating and awaiting completion jobs: the use case behind POST /v1/completions.
 
-One function takes a validated wire request to a stored, admitted, dispatched job; another waits
-for a job's end. The route only chooses how to answer (stream, wait, or 202).
+`Completions.create` takes a validated wire request to a stored, admitted, dispatched job; `wait`
+waits for a job's end. The route only chooses how to answer (stream, wait, or 202). Everything it
+talks to (sessions, Redis, settings, Idempotency-Keys, the broker, tokenizers) is given at
+construction (api/app.py), so a test can hand it fakes.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.generation.events import is_terminal
 from core.generation.params import GenerationParams
+from core.generation.prompt import Prompt
 from core.generation.tokenizer import Tokenizer
-from core.idempotency import Claim
+from core.idempotency import Claim, Idempotency
 from core.infra import streams, threads
-from core.infra.db import async_sessions
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import transitions, workers
-from core.jobs.lifecycle import submit
+from core.jobs.lifecycle import Send, submit
 from core.jobs.stream import HEARTBEAT, follow
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import chat_to_generation, reservation, to_generation
@@ -55,124 +58,137 @@ def check_model(model: str, settings: Settings) -> str:
     return served
 
 
-async def create_completion(
-    rds: aioredis.Redis,
-    principal: Principal,
-    body: CompletionRequest | ChatCompletionRequest,
-    settings: Settings,
-    idempotency_key: str | None = None,
-    endpoint: str = "/v1/completions",
-    queued: bool = False,
-    request_id: str | None = None,
-) -> Created:
-    """`queued`: the client asked for a 202 and will poll, so it is accepted even while no worker
-    serves the model; a request that waits or streams gets a 503 with Retry-After instead."""
-    payload = None  # only a key's request hash needs it; a big body's dump is not for the event loop
-    if idempotency_key is not None:
-        payload = await threads.run("prepare", lambda: body.model_dump(mode="json", exclude_unset=True, by_alias=False))
-    async with idempotency.held(principal.tenant.id, idempotency_key, endpoint, payload) as claim:
-        if claim is not None and claim.replay is not None:
-            job = await get(claim.replay, principal.tenant.id)
-            if job is not None:
-                return Created(job, {"idempotent-replayed": "true"}, replayed=True)
-        return await _create(rds, principal, body, settings, claim, queued, request_id)
+class Completions:
+    """The completion use case. `send` hands a job to Celery (core/infra/broker.send_run_job);
+    `tokenizers` finds a model's tokenizer (core/infra/tokenizers.tokenizer_for, loaded once)."""
 
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        rds: aioredis.Redis,
+        settings: Settings,
+        keys: Idempotency,
+        send: Send,
+        tokenizers: Callable[[str], Tokenizer] = tokenizer_for,
+    ) -> None:
+        self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
+        self.send, self.tokenizers = send, tokenizers
 
-async def _create(
-    rds: aioredis.Redis,
-    principal: Principal,
-    body: CompletionRequest | ChatCompletionRequest,
-    settings: Settings,
-    claim: Claim | None,
-    queued: bool,
-    request_id: str | None = None,
-) -> Created:
-    headers: dict[str, str] = {}
-    unknown = body.unknown_fields()
-    if unknown:
-        if settings.unknown_params != "ignore":
-            raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
-        headers["x-spool-ignored-params"] = ",".join(unknown)
-    body.model = check_model(body.model, settings)
-    if not queued and not await workers.live_async(rds, body.model):
-        raise DomainError(
-            ErrorKind.unavailable,
-            f"No worker is serving '{body.model}' right now; retry shortly, or send the request with "
-            "'Prefer: respond-async' to queue it.",
-            param="model",
-            code="model_not_loaded",
-            headers={"retry-after": "5"},
+    async def create(
+        self,
+        principal: Principal,
+        body: CompletionRequest | ChatCompletionRequest,
+        idempotency_key: str | None = None,
+        endpoint: str = "/v1/completions",
+        queued: bool = False,
+        request_id: str | None = None,
+    ) -> Created:
+        """`queued`: the client asked for a 202 and will poll, so it is accepted even while no worker
+        serves the model; a request that waits or streams gets a 503 with Retry-After instead."""
+        payload = None  # only a key's request hash needs it; a big body's dump is not for the event loop
+        if idempotency_key is not None:
+            payload = await threads.run(
+                "prepare", lambda: body.model_dump(mode="json", exclude_unset=True, by_alias=False)
+            )
+        async with self.keys.held(principal.tenant.id, idempotency_key, endpoint, payload) as claim:
+            if claim is not None and claim.replay is not None:
+                job = await self.get(claim.replay, principal.tenant.id)
+                if job is not None:
+                    return Created(job, {"idempotent-replayed": "true"}, replayed=True)
+            return await self._create(principal, body, claim, queued, request_id)
+
+    async def _create(
+        self,
+        principal: Principal,
+        body: CompletionRequest | ChatCompletionRequest,
+        claim: Claim | None,
+        queued: bool,
+        request_id: str | None = None,
+    ) -> Created:
+        settings, rds = self.settings, self.redis
+        headers: dict[str, str] = {}
+        unknown = body.unknown_fields()
+        if unknown:
+            if settings.unknown_params != "ignore":
+                raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
+            headers["x-spool-ignored-params"] = ",".join(unknown)
+        body.model = check_model(body.model, settings)
+        if not queued and not await workers.live_async(rds, body.model):
+            raise DomainError(
+                ErrorKind.unavailable,
+                f"No worker is serving '{body.model}' right now; retry shortly, or send the request with "
+                "'Prefer: respond-async' to queue it.",
+                param="model",
+                code="model_not_loaded",
+                headers={"retry-after": "5"},
+            )
+        tok, ms, (params, prompts, chat) = await threads.run("prepare", self._prepare, body)
+        tenant = principal.tenant
+        job = transitions.new_job(
+            tenant_id=tenant.id,
+            key_id=principal.key.id,
+            model=body.model,
+            params=params.to_json(),
+            prompts=[p.to_json() for p in prompts],
+            stream=bool(body.stream),
+            user=body.user,
+            priority=body.priority or 0,
+            reserved_tokens=reservation(params, prompts, context_length(tok, ms)),
+            chat=chat,
+            request_id=request_id,
         )
-    tok, ms, (params, prompts, chat) = await threads.run("prepare", _prepare, body, settings)
-    tenant = principal.tenant
-    job = transitions.new_job(
-        tenant_id=tenant.id,
-        key_id=principal.key.id,
-        model=body.model,
-        params=params.to_json(),
-        prompts=prompts,
-        stream=bool(body.stream),
-        user=body.user,
-        priority=body.priority or 0,
-        reserved_tokens=reservation(params, prompts, context_length(tok, ms)),
-        chat=chat,
-        request_id=request_id,
-    )
-    headers |= await admit(rds, principal, job.id, job.reserved_tokens)
-    try:
-        async with async_sessions()() as session:  # closed before any streaming starts
-            await submit(session, job, cap=tenant.max_concurrent, claim=claim)
-    except BaseException:
-        await ratelimit.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
-        raise
-    ADMITTED.labels(str(tenant.id), body.model).inc()
-    return Created(job, headers)
+        headers |= await admit(rds, principal, job.id, job.reserved_tokens)
+        try:
+            async with self.sessions() as session:  # closed before any streaming starts
+                await submit(session, job, self.send, cap=tenant.max_concurrent, claim=claim)
+        except BaseException:
+            await ratelimit.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
+            raise
+        ADMITTED.labels(str(tenant.id), body.model).inc()
+        return Created(job, headers)
 
+    def _prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[Tokenizer, Settings, Any]:
+        """Off the event loop in one hop: the tokenizer (loaded once), this model's settings (engine,
+        context, batch) and the translated request."""
+        tok = self.tokenizers(body.model)
+        ms = settings_for(body.model, self.settings)
+        return tok, ms, translate(body, ms, tok)
 
-def _prepare(body: CompletionRequest | ChatCompletionRequest, settings: Settings) -> tuple[Tokenizer, Settings, Any]:
-    """Off the event loop in one hop: the tokenizer (loaded once), this model's settings (engine,
-    context, batch) and the translated request."""
-    tok = tokenizer_for(body.model)
-    ms = settings_for(body.model, settings)
-    return tok, ms, translate(body, ms, tok)
+    async def get(self, job_id: str, tenant_id: int) -> Job | None:
+        async with self.sessions() as session:
+            return (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
+
+    async def wait(self, reader: streams.Reader, job_id: str, tenant_id: int, timeout_s: float) -> Job | None:
+        """The job's row once it has ended; None if it is still running after `timeout_s`."""
+
+        async def ended() -> Any:
+            try:
+                row = await self.get(job_id, tenant_id)
+            except (OperationalError, InterfaceError):
+                return None  # Postgres is restarting: keep following the stream, ask again later
+            return row if row is not None and transitions.is_terminal(row.state) else None
+
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for item in follow(reader, job_id, ended):
+                    if item is not HEARTBEAT and is_terminal(item[1]):  # type: ignore[index]
+                        break
+                # The job is stored: an outage now must cost a wait (or a 202 to poll), never a 5xx.
+                while True:
+                    try:
+                        return await self.get(job_id, tenant_id)
+                    except (OperationalError, InterfaceError):
+                        await asyncio.sleep(1.0)
+        except TimeoutError:
+            return None
 
 
 def translate(
     body: CompletionRequest | ChatCompletionRequest, settings: Settings, tok: Tokenizer
-) -> tuple[GenerationParams, list[dict], dict[str, Any] | None]:
+) -> tuple[GenerationParams, list[Prompt], dict[str, Any] | None]:
     """Either endpoint's request -> (params, prompts, how a chat job renders; None for completions).
     The API and the batch validator both call this."""
     if isinstance(body, ChatCompletionRequest):
         return chat_to_generation(body, settings, tok, chat_template_for(body.model, settings, tok))
     params, prompts = to_generation(body, settings, tok)
     return params, prompts, None
-
-
-async def get(job_id: str, tenant_id: int) -> Job | None:
-    async with async_sessions()() as session:
-        return (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
-
-
-async def wait(reader: streams.Reader, job_id: str, tenant_id: int, timeout_s: float) -> Job | None:
-    """The job's row once it has ended; None if it is still running after `timeout_s`."""
-
-    async def ended() -> Any:
-        try:
-            row = await get(job_id, tenant_id)
-        except (OperationalError, InterfaceError):
-            return None  # Postgres is restarting: keep following the stream, ask again later
-        return row if row is not None and transitions.is_terminal(row.state) else None
-
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for item in follow(reader, job_id, ended):
-                if item is not HEARTBEAT and is_terminal(item[1]):  # type: ignore[index]
-                    break
-            # The job is stored: an outage now must cost a wait (or a 202 to poll), never a 5xx.
-            while True:
-                try:
-                    return await get(job_id, tenant_id)
-                except (OperationalError, InterfaceError):
-                    await asyncio.sleep(1.0)
-    except TimeoutError:
-        return None

@@ -32,7 +32,8 @@ from sqlalchemy import (
     update,
 )
 
-from core.infra.orm import TERMINAL_STATES, Job, JobState
+from core.infra.orm import Job
+from core.jobs.states import TERMINAL_STATES, JobKind, JobState
 
 ACTIVE_STATES = (JobState.queued, JobState.dispatched, JobState.running)
 _JOBS = cast(Table, Job.__table__)  # statements built once use the table, not the ORM class
@@ -47,12 +48,12 @@ def new_job(
     tenant_id: int,
     model: str,
     params: dict[str, Any],
-    prompts: list[Any],
+    prompts: list[dict[str, Any]],  # each a core.generation.prompt.Prompt's to_json()
     stream: bool,
     user: str | None = None,
     priority: int = 0,
     key_id: int | None = None,
-    kind: str = "interactive",
+    kind: JobKind = JobKind.interactive,
     reserved_tokens: int = 0,
     job_id: str | None = None,
     chat: dict[str, Any] | None = None,
@@ -65,7 +66,7 @@ def new_job(
         tenant_id=tenant_id,
         key_id=key_id,
         model=model,
-        kind=kind,
+        kind=JobKind(kind).value,  # the column holds the plain value
         params=params,
         prompts=prompts,
         stream=stream,
@@ -285,7 +286,7 @@ def batch_in_flight(model: str):
         .select_from(Job)
         .where(
             Job.model == model,
-            Job.kind == "batch",
+            Job.kind == JobKind.batch.value,
             Job.state.in_([JobState.dispatched.value, JobState.running.value]),
         )
     )

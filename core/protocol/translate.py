@@ -17,6 +17,7 @@ from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid
 from core.generation import capabilities, chat_template, constraints
 from core.generation.params import DEFAULT_DRY_BREAKERS, GenerationParams
+from core.generation.prompt import Prompt
 from core.generation.tokenizer import Tokenizer, context_length
 from core.protocol.errors import from_validation
 from core.protocol.schemas import LLAMACPP_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GrammarSpec
@@ -28,8 +29,8 @@ def bad(param: str, message: str, code: str = "invalid_value") -> DomainError:
     return invalid(param, message, code)
 
 
-def prompts_of(req: CompletionRequest, tok: Tokenizer) -> list[dict[str, Any]]:
-    """Each prompt as {"ids": [...], "text": the text to echo, or None to detokenize}."""
+def prompts_of(req: CompletionRequest, tok: Tokenizer) -> list[Prompt]:
+    """Each prompt's ids, and the text to echo (None: detokenize)."""
     p = req.prompt
     if isinstance(p, str):
         groups: list[Any] = [p]
@@ -37,10 +38,10 @@ def prompts_of(req: CompletionRequest, tok: Tokenizer) -> list[dict[str, Any]]:
         groups = [p]  # llama.cpp: a flat array with ids (and maybe strings) is one prompt
     else:
         groups = list(p)  # strings and arrays: one prompt each
-    out: list[dict[str, Any]] = []
+    out: list[Prompt] = []
     for g in groups:
         if isinstance(g, str):
-            out.append({"ids": tok.encode(g) or _empty_prompt(tok), "text": g})
+            out.append(Prompt(tok.encode(g) or _empty_prompt(tok), g))
             continue
         ids: list[int] = []
         for i, piece in enumerate(g):
@@ -48,7 +49,7 @@ def prompts_of(req: CompletionRequest, tok: Tokenizer) -> list[dict[str, Any]]:
         bad_ids = [t for t in ids if t >= tok.n_vocab]
         if bad_ids:
             raise bad("prompt", f"Token id {bad_ids[0]} is out of range: the vocabulary has {tok.n_vocab} tokens.")
-        out.append({"ids": ids, "text": None})  # echoed as the detokenized ids
+        out.append(Prompt(ids))  # echoed as the detokenized ids
     return out
 
 
@@ -57,7 +58,7 @@ def _empty_prompt(tok: Tokenizer) -> list[int]:
     return [getattr(tok, "eos", 0)]
 
 
-def _fim(req: CompletionRequest, tok: Tokenizer, prompts: list[dict[str, Any]]) -> None:
+def _fim(req: CompletionRequest, tok: Tokenizer, prompts: list[Prompt]) -> None:
     fim = tok.fim_tokens()
     if fim is None:
         raise bad("suffix", f"The model '{req.model}' has no fill-in-the-middle tokens, so 'suffix' is not supported.")
@@ -66,18 +67,18 @@ def _fim(req: CompletionRequest, tok: Tokenizer, prompts: list[dict[str, Any]]) 
     pre, suf, mid = fim
     tail = tok.encode(req.suffix or "", add_special=False)
     for p in prompts:
-        p["ids"] = [pre, *p["ids"], suf, *tail, mid]
-        p["text"] = None
+        p.ids = [pre, *p.ids, suf, *tail, mid]
+        p.text = None
 
 
 def _fit_context(
-    req: CompletionRequest, settings: Settings, tok: Tokenizer, prompts: list[dict], want: int | None
+    req: CompletionRequest, settings: Settings, tok: Tokenizer, prompts: list[Prompt], want: int | None
 ) -> None:
     ctx = context_length(tok, settings)
     truncate_prompt = bool(req.truncate_sequence)
     behavior = req.context_length_exceeded_behavior or settings.context_overflow
     for i, p in enumerate(prompts):
-        n = len(p["ids"])
+        n = len(p.ids)
         need = n + (want if want is not None else 0)
         if n < ctx and (want is None or need <= ctx):
             continue
@@ -85,8 +86,8 @@ def _fit_context(
             continue  # the worker lowers max_tokens to what fits (Fireworks' default behaviour)
         if truncate_prompt:
             keep = ctx - max(1, min(want if want else 1, ctx - 1))
-            p["ids"] = p["ids"][-keep:]  # from the left: the end of the prompt is what the completion follows
-            p["text"] = None
+            p.ids = p.ids[-keep:]  # from the left: the end of the prompt is what the completion follows
+            p.text = None
             continue
         what = f"{n} in your prompt" + (f", {want} for the completion" if want else "")
         raise DomainError(
@@ -102,7 +103,7 @@ def _fit_context(
 def _bound_logprobs(
     req: CompletionRequest,
     settings: Settings,
-    prompts: list[dict],
+    prompts: list[Prompt],
     want: int | None,
     best_of: int,
     logprobs: int | None,
@@ -111,7 +112,7 @@ def _bound_logprobs(
     """Log-probabilities grow as sequences x tokens x alternatives: bound what one response carries."""
     entries = 0
     for p in prompts:
-        n = len(p["ids"])
+        n = len(p.ids)
         gen = max(ctx - n, 0) if want is None else want
         if logprobs is not None:
             entries += best_of * gen * (logprobs + 1)
@@ -128,7 +129,7 @@ def _bound_logprobs(
         )
 
 
-def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) -> tuple[GenerationParams, list[dict]]:
+def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) -> tuple[GenerationParams, list[Prompt]]:
     native = sorted(LLAMACPP_UNSUPPORTED & set(req.model_extra or {}))
     if native:
         raise bad(native[0], f"llama.cpp's '{native[0]}' is not supported by Spool.", "unsupported_parameter")
@@ -244,12 +245,12 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
     return params, prompts
 
 
-def reservation(params: GenerationParams, prompts: list[dict], ctx: int) -> int:
+def reservation(params: GenerationParams, prompts: list[Prompt], ctx: int) -> int:
     """Tokens to reserve against the tenant's limits: every prompt plus the most every candidate
     may generate. Settled to the real usage when the job ends."""
     total = 0
     for p in prompts:
-        n = len(p["ids"])
+        n = len(p.ids)
         room = max(ctx - n, 0)
         gen = room if params.max_tokens is None else min(params.max_tokens, room)
         total += n + params.candidates * gen
@@ -366,7 +367,7 @@ def _chat_param(exc: DomainError, req: ChatCompletionRequest) -> DomainError:
 
 def chat_to_generation(
     req: ChatCompletionRequest, settings: Settings, tok: Tokenizer, template: str | None
-) -> tuple[GenerationParams, list[dict], dict[str, Any]]:
+) -> tuple[GenerationParams, list[Prompt], dict[str, Any]]:
     """A chat request -> (params, prompts, how to render it). The conversation becomes one token-id
     prompt; every other field goes through the completions translation, so bounds and errors agree."""
     forced, parse_tools, forced_names = _tool_constraint(req)

@@ -1,5 +1,6 @@
 """Tenants, their limits and their keys: the one implementation behind `spool tenant|key` and
-/admin. Functions take a sync Session and commit; the API runs them in a thread.
+/admin. Functions take a sync Session (and Redis where they need it) and commit; the API runs them
+in a thread.
 
 A limit is a positive integer or None (unlimited): `null` in /admin, `none` on the command line.
 """
@@ -11,15 +12,14 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Any, TypeVar
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import RowMapping, Select, func, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from core.config import get_settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.infra import kv, redis_keys
-from core.infra.db import sync_sessions
 from core.infra.orm import ApiKey, Tenant, UsageDaily
 from core.protocol.errors import from_validation
 from core.tenancy.keys import SCOPES, hash_key, new_key
@@ -63,9 +63,9 @@ def parse(model: type[BaseModel], values: dict[str, Any]) -> Any:
         raise from_validation(exc.errors()) from exc
 
 
-def run(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+def run(sessions: sessionmaker[Session], fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     """Run one service function in its own session (the CLI; the API from a thread)."""
-    with sync_sessions()() as session:
+    with sessions() as session:
         return fn(session, *args, **kw)
 
 
@@ -142,13 +142,13 @@ def create_key(session: Session, tenant_name: str, body: KeyCreate) -> tuple[str
     return add_key(session, tenant(session, tenant_name), body)
 
 
-def revoke_key(session: Session, key_id: int) -> ApiKey:
+def revoke_key(session: Session, rds: redis.Redis, key_id: int) -> ApiKey:
     k = session.scalar(update(ApiKey).where(ApiKey.id == key_id).values(revoked=True).returning(ApiKey))
     if k is None:
         raise not_found(f"No key with id {key_id}.", param="key_id", code="key_not_found")
     session.commit()
     try:  # API processes cache key lookups for seconds: tell them now
-        kv.client(get_settings().redis_url).set(redis_keys.revoked(k.key_hash), 1, ex=3600)
+        rds.set(redis_keys.revoked(k.key_hash), 1, ex=3600)
     except kv.TRANSIENT:
         log.warning("could not announce the revocation of key %s; caches drop it within seconds", key_id)
     return k

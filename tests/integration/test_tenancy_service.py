@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from core.errors import DomainError, ErrorKind
+from core.infra import redis_keys
 from core.infra.orm import Tenant
 from core.tenancy import service as tenancy
 from core.tenancy.keys import lookup_stmt
@@ -40,15 +41,16 @@ def test_duplicate_tenant_is_a_conflict(session):
     assert err.value.kind == ErrorKind.conflict
 
 
-def test_key_lifecycle_create_lookup_revoke(session):
+def test_key_lifecycle_create_lookup_revoke(session, rds):
     _create(session, "svc-keys")
     plain, k = tenancy.create_key(session, "svc-keys", tenancy.KeyCreate(scope="admin"))
     assert session.execute(lookup_stmt(plain)).first() is not None
     assert [x.id for x in tenancy.list_keys(session, "svc-keys")] == [k.id]
-    tenancy.revoke_key(session, k.id)
+    tenancy.revoke_key(session, rds, k.id)
     assert session.execute(lookup_stmt(plain)).first() is None
+    assert rds.exists(redis_keys.revoked(k.key_hash))  # announced to the API processes' key caches
     with pytest.raises(DomainError) as err:
-        tenancy.revoke_key(session, 10**12)
+        tenancy.revoke_key(session, rds, 10**12)
     assert err.value.kind == ErrorKind.not_found
 
 

@@ -95,7 +95,7 @@ def test_chat_shares_the_completions_translation(tok):
         tok.chat_template(),
     )
     assert (params.max_tokens, params.temperature, params.logprobs) == (7, 0.5, 2)
-    assert prompts[0]["ids"] == tok.encode(
+    assert prompts[0].ids == tok.encode(
         chat_template.render(tok.chat_template(), [{"role": "user", "content": "hi"}]), add_special=False
     )
     assert meta == {"tools": False, "top_logprobs": 2}

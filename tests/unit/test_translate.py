@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from core.config import Settings
 from core.errors import DomainError
+from core.generation.prompt import Prompt
 from core.infra.tokenizers import tokenizer_for
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import chat_to_generation, reservation, to_generation
@@ -29,7 +30,8 @@ def test_defaults_follow_openai(tok):
     p, prompts = translate(tok)
     assert (p.max_tokens, p.temperature, p.top_p, p.n, p.best_of, p.stop) == (16, 1.0, 1.0, 1, 1, ())
     assert isinstance(p.seed, int)  # chosen at the edge, so a resumed attempt replays
-    assert prompts == [{"ids": tok.encode("p"), "text": "p"}]
+    assert prompts == [Prompt(tok.encode("p"), "p")]
+    assert prompts[0].to_json() == {"ids": tok.encode("p"), "text": "p"}  # the stored shape, unchanged
 
 
 def test_null_and_minus_one_max_tokens_mean_rest_of_context(tok):
@@ -55,7 +57,7 @@ def test_prompt_forms(tok, prompt, count):
 
 def test_mixed_prompt_concatenates_pieces(tok):
     _, prompts = translate(tok, prompt=[504, " capital", 282])
-    assert prompts[0]["ids"] == [504, *tok.encode(" capital", add_special=True), 282]
+    assert prompts[0].ids == [504, *tok.encode(" capital", add_special=True), 282]
 
 
 @pytest.mark.parametrize(
@@ -90,8 +92,8 @@ def test_context_overflow_choices(tok):
     long = "word " * 1100
     assert translate(tok, max_tokens=2000, context_length_exceeded_behavior="truncate")[0].max_tokens == 2000
     _, prompts = translate(tok, prompt=long, max_tokens=10, truncate_sequence=True)
-    assert len(prompts[0]["ids"]) == 1024 - 10
-    assert prompts[0]["ids"] == tok.encode(long)[-(1024 - 10) :]  # cut from the left
+    assert len(prompts[0].ids) == 1024 - 10
+    assert prompts[0].ids == tok.encode(long)[-(1024 - 10) :]  # cut from the left
 
 
 @pytest.mark.parametrize(
@@ -137,7 +139,7 @@ class FimTokenizer:
 def test_suffix_builds_a_fill_in_the_middle_prompt():
     req = CompletionRequest.model_validate({"model": MODEL, "prompt": "ab", "suffix": "c", "max_tokens": 4})
     _, prompts = to_generation(req, SETTINGS, FimTokenizer())
-    assert prompts == [{"ids": [1, 10 + ord("a") % 50, 10 + ord("b") % 50, 2, 10 + ord("c") % 50, 3], "text": None}]
+    assert prompts == [Prompt([1, 10 + ord("a") % 50, 10 + ord("b") % 50, 2, 10 + ord("c") % 50, 3])]
 
 
 def test_a_parameter_the_engine_cannot_honour_is_refused_by_name(tok):
@@ -225,7 +227,7 @@ def chat(tok, **kw):
 def test_chat_without_max_tokens_runs_to_the_context_end_and_reserves_it(tok):
     params, prompts, _ = chat(tok)
     assert params.max_tokens is None  # not completions' 16: OpenAI and vLLM stop at the model's end
-    n = len(prompts[0]["ids"])
+    n = len(prompts[0].ids)
     # Rate limits reserve what it may really cost: the whole room left in the context, per candidate.
     assert reservation(params, prompts, 1024) == 1024
     assert reservation(chat(tok, n=3)[0], prompts, 1024) == n + 3 * (1024 - n)

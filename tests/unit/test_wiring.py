@@ -1,0 +1,91 @@
+"""One way to wire a service (CONTRIBUTING.md): the domain gets its dependencies at construction
+or as arguments, from an entry point (api/app.py, api/deps.py, workers/, core/cli, the dispatcher).
+
+Read from the source, not run: no module of the domain packages, the pure ones or
+core/idempotency.py may read the settings itself (`get_settings`), open the global engines and
+session factories of core/infra/db.py, or build a Redis client from a URL (`kv.client`). Those are
+what made `create_completion` testable only through the whole stack.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ["core/jobs", "core/batches", "core/tenancy", "core/files", "core/protocol", "core/generation"]
+MODULES = ["core/idempotency.py"]
+GLOBALS = {"get_settings", "sync_sessions", "async_sessions", "sync_engine", "async_engine"}
+REDIS_FACTORIES = {"client", "async_client"}  # core/infra/kv: a new Redis client from a URL
+
+# Known exceptions, each with its reason; remove an entry when the module is fixed.
+KNOWN: dict[str, str] = {
+    "core/protocol/render.py": (
+        "issue 27: `fingerprint` reads the deployment's settings; taking it as an argument changes "
+        "render.response/chunks_for, called from core/batches/progress.py and api/streaming.py"
+    ),
+}
+
+
+def _modules() -> list[Path]:
+    out = [ROOT / m for m in MODULES]
+    for pkg in PACKAGES:
+        out += sorted((ROOT / pkg).rglob("*.py"))
+    return out
+
+
+def _offences(tree: ast.Module) -> list[str]:
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "core.infra.db":
+            found.append(f"line {node.lineno}: imports core.infra.db")
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module == "core.infra" and any(a.name == "db" for a in node.names)
+        ):
+            found.append(f"line {node.lineno}: imports core.infra.db")
+        elif isinstance(node, ast.Import) and any(a.name == "core.infra.db" for a in node.names):
+            found.append(f"line {node.lineno}: imports core.infra.db")
+        elif isinstance(node, ast.Name) and node.id in GLOBALS:
+            found.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in GLOBALS:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and any(a.name in GLOBALS for a in node.names):
+            found.append(f"line {node.lineno}: imports {[a.name for a in node.names if a.name in GLOBALS]}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in REDIS_FACTORIES
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "kv"
+        ):
+            found.append(f"line {node.lineno}: kv.{node.func.attr}(...)")
+    return found
+
+
+def test_the_domain_is_given_its_settings_sessions_and_redis():
+    bad: dict[str, list[str]] = {}
+    for path in _modules():
+        rel = path.relative_to(ROOT).as_posix()
+        found = _offences(ast.parse(path.read_text(), rel))
+        if found and rel not in KNOWN:
+            bad[rel] = found
+    assert not bad, f"inject these (as core/jobs/lifecycle.Lifecycle is given them) instead: {bad}"
+
+
+def test_known_exceptions_still_need_their_entry():
+    stale = [m for m in KNOWN if not _offences(ast.parse((ROOT / m).read_text()))]
+    assert not stale, f"fixed: remove from KNOWN {stale}"
+
+
+def test_the_check_sees_each_way_in():
+    ways = [
+        "from core.config import get_settings",
+        "from core.infra.db import sync_sessions",
+        "from core.infra import db",
+        "settings.get_settings().x",
+        "async_sessions()()",
+        "kv.client('redis://')",
+    ]
+    for src in ways:
+        assert len(_offences(ast.parse(src))) == 1, src
+    assert _offences(ast.parse("def f(sessions, settings):\n    sessions()\n    settings.redis_url")) == []
