@@ -1,6 +1,15 @@
 """The GPU-front table in one command: Spool in front of the paced engine vs the paced engine alone.
 
+    python -m ops.bench.paced --stack                     # starts its own stack (below), then measures
+    python -m ops.bench.paced --stack --roots base=/tmp/spool-base,new=. --rounds 2   # side by side
     python -m ops.bench.paced --url URL --api-key KEY --pids api=P,worker=P,dispatcher=P,postgres=P,redis=P
+
+`--stack` starts API, dispatcher and worker the way the tests do (tests/conftest.running_stack) with
+the paced engine's settings (PACED_ENV; concurrency + 8 worker threads), on a database of its own
+(`spool_bench`, dropped and made fresh) and a private redis-server on a free port (no persistence),
+so Redis's CPU is Spool's alone; Postgres's is the backends of that database plus the server's own
+background processes. `--roots` names checkouts (a `git worktree` of an older commit, say): each
+round starts a stack from each in turn, so before and after are measured in one sitting.
 
 For each concurrency (streamed, `ignore_eos`), interleaved: the paced engine alone (in-process,
 `ops.bench.engine`, same settings as the worker: run this with the stack's SPOOL_PACED_* and
@@ -14,14 +23,36 @@ The machine should be otherwise idle: other processes' CPU is not separated from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ops.bench.client import BenchConfig, Summary, bench_engine, bench_http
 
 ROOT = Path(__file__).resolve().parents[2]
 TICK = os.sysconf("SC_CLK_TCK")
+
+# The modelled GPU (issue 26): an 8B model at 4 bits on an H100-class card, batch up to 64.
+PACED_ENV = {
+    "SPOOL_ENGINE": "paced",
+    "SPOOL_MAX_BATCH": "64",
+    "SPOOL_PACED_STEP_MS": "8",
+    "SPOOL_PACED_SEQ_MS": "0.25",
+    "SPOOL_PACED_PREFILL_TPS": "10000",
+}
+# running_stack's short test timings (3 s leases, 0.5 s dispatcher ticks) put back to the defaults a
+# deployment runs: a lease renewed every second per job is load a real stack does not have.
+DEPLOYED_ENV = {"SPOOL_LEASE_S": "30", "SPOOL_DISPATCHER_INTERVAL_S": "1", "SPOOL_DISPATCH_TIMEOUT_S": "60"}
+
+Meter = Callable[[], float]  # CPU seconds so far
 
 
 def _stats() -> dict[int, tuple[int, float]]:
@@ -56,6 +87,33 @@ def tree_cpu(roots: dict[str, int]) -> dict[str, float]:
     return res
 
 
+def tree_meter(pid: int) -> Meter:
+    return lambda: tree_cpu({"x": pid})["x"]
+
+
+def postgres_meter(database: str) -> Meter:
+    """Postgres's CPU for one database on a shared server: the backends connected to it and the
+    server's background processes (WAL writer, checkpointer...), not other databases' backends."""
+
+    def read() -> float:
+        total = 0.0
+        st = _stats()
+        for pid in st:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if not cmd.startswith("postgres: "):
+                continue
+            words = cmd.split()
+            backend = len(words) >= 4 and "(" in cmd  # "postgres: 15/main: USER DB HOST(PORT) STATE"
+            if not backend or database in words:
+                total += st[pid][1]
+        return total
+
+    return read
+
+
 def client_cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -65,34 +123,76 @@ def engine_alone(cfg: BenchConfig) -> Summary:
     return bench_engine(cfg)[0]
 
 
-def measured(cfg: BenchConfig, pids: dict[str, int]) -> tuple[Summary, dict[str, float]]:
-    before, c0 = tree_cpu(pids), client_cpu()
-    s = bench_http(cfg)[0]
-    after, c1 = tree_cpu(pids), client_cpu()
-    cpu = {k: after[k] - before[k] for k in pids}
+@contextlib.contextmanager
+def profiled(pids: dict[str, int], out: Path | None, tag: str) -> Iterator[None]:
+    """py-spy (the bench extra) sampling each named process and its children while the block runs,
+    only the thread holding the GIL (where a Python process's CPU goes): collapsed stacks in
+    OUT/TAG-NAME.txt (`py-spy record --format raw`; sum the counts per frame)."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    spy = str(Path(sys.executable).with_name("py-spy"))
+    procs = [
+        subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "--subprocesses",
+                "--nonblocking",
+                "--gil",
+                "-p",
+                str(pid),
+                "-o",
+                str(out / f"{tag}-{name}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, pid in pids.items()
+    ]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait(60)
+
+
+def measured(
+    cfg: BenchConfig, meters: dict[str, Meter], spy: tuple[dict[str, int], Path | None, str] = ({}, None, "")
+) -> tuple[Summary, dict[str, float]]:
+    before, c0 = {k: m() for k, m in meters.items()}, client_cpu()
+    with profiled(*spy):
+        s = bench_http(cfg)[0]
+    after, c1 = {k: m() for k, m in meters.items()}, client_cpu()
+    cpu = {k: after[k] - before[k] for k in meters}
     cpu["client"] = c1 - c0
     return s, cpu
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--api-key", default=os.environ.get("SPOOL_API_KEY"))
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--pids", required=True, help="name=pid,... (api, worker, dispatcher, postgres, redis)")
-    ap.add_argument("--concurrency", default="1,16,64,256")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--requests-per-stream", type=int, default=2, help="requests per level = this x concurrency")
-    ap.add_argument("--short-jobs", type=int, default=800, help="max_tokens 1 JSON jobs at the last concurrency")
-    ap.add_argument("--json", dest="json_out")
-    a = ap.parse_args(argv)
-    pids = {k: int(v) for k, v in (x.split("=") for x in a.pids.split(","))}
+def run_levels(
+    url: str,
+    api_key: str | None,
+    model: str,
+    levels: list[int],
+    a: argparse.Namespace,
+    meters: dict[str, Meter],
+    pids: dict[str, int] | None = None,
+    label: str = "spool",
+) -> list[dict]:
     rows: list[dict] = []
-    for conc in [int(c) for c in a.concurrency.split(",")]:
+    prof = Path(a.profile) if a.profile else None
+    for conc in levels:
         base = BenchConfig(
-            url=a.url,
-            api_key=a.api_key,
-            model=a.model,
+            url=url,
+            api_key=api_key,
+            model=model,
             concurrency=[conc],
             requests=conc * a.requests_per_stream,
             max_tokens=a.max_tokens,
@@ -100,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             stream=True,
         )
         eng = engine_alone(base)
-        spool, cpu = measured(base, pids)
+        spool, cpu = measured(base, meters, (pids or {}, prof, f"{label}-c{conc}"))
         toks = max(spool.output_tokens, 1)
         rows.append(
             {
@@ -117,32 +217,38 @@ def main(argv: list[str] | None = None) -> None:
                 "spool_cpu_ms_per_token": 1000 * sum(v for k, v in cpu.items() if k != "client") / toks,
             }
         )
-    short = BenchConfig(
-        url=a.url,
-        api_key=a.api_key,
-        model=a.model,
-        concurrency=[conc],
-        requests=a.short_jobs,
-        max_tokens=1,
-        stream=False,
-    )
-    s, cpu = measured(short, pids)
-    jobs = max(s.requests - s.failed, 1)
-    rows.append(
-        {
-            "kind": "short_json",
-            "concurrency": conc,
-            "jobs_s": s.requests_s,
-            "failed": s.failed,
-            "cpu_ms_per_job": {k: 1000 * v / jobs for k, v in cpu.items()},
-            "spool_cpu_ms_per_job": 1000 * sum(v for k, v in cpu.items() if k != "client") / jobs,
-        }
-    )
+    if a.short_jobs:
+        short = BenchConfig(
+            url=url,
+            api_key=api_key,
+            model=model,
+            concurrency=[levels[-1]],
+            requests=a.short_jobs,
+            max_tokens=1,
+            stream=False,
+        )
+        s, cpu = measured(short, meters, (pids or {}, prof, f"{label}-short"))
+        jobs = max(s.requests - s.failed, 1)
+        rows.append(
+            {
+                "kind": "short_json",
+                "concurrency": levels[-1],
+                "jobs_s": s.requests_s,
+                "failed": s.failed,
+                "cpu_ms_per_job": {k: 1000 * v / jobs for k, v in cpu.items()},
+                "spool_cpu_ms_per_job": 1000 * sum(v for k, v in cpu.items() if k != "client") / jobs,
+            }
+        )
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
     for r in rows:
+        tag = f"[{r['label']}] " if r.get("label") else ""
         if r["kind"] == "stream":
             t, i = r["ttft_ms"], r["itl_ms"]
             print(
-                f"c={r['concurrency']:>4} spool {r['spool_tok_s']:8.0f} tok/s  engine {r['engine_tok_s']:8.0f}"
+                f"{tag}c={r['concurrency']:>4} spool {r['spool_tok_s']:8.0f} tok/s  engine {r['engine_tok_s']:8.0f}"
                 f" ({r['engine']})  ratio {r['ratio'] or 0:.3f}  failed {r['failed']}\n"
                 f"       TTFT p50/p99 spool {t['spool'].get('p50', 0):.1f}/{t['spool'].get('p99', 0):.1f}"
                 f" engine {t['engine'].get('p50', 0):.1f}/{t['engine'].get('p99', 0):.1f} ms;"
@@ -150,15 +256,153 @@ def main(argv: list[str] | None = None) -> None:
                 f" engine {i['engine'].get('p50', 0):.2f}/{i['engine'].get('p99', 0):.2f} ms\n"
                 f"       CPU ms/token: "
                 + "  ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items())
-                + f"  | Spool total {r['spool_cpu_ms_per_token']:.3f}"
+                + f"  | Spool total {r['spool_cpu_ms_per_token']:.3f}",
+                flush=True,
             )
         else:
             print(
-                f"short JSON jobs c={r['concurrency']}: {r['jobs_s']:.0f} jobs/s, failed {r['failed']}\n"
+                f"{tag}short JSON jobs c={r['concurrency']}: {r['jobs_s']:.0f} jobs/s, failed {r['failed']}\n"
                 "       CPU ms/job: "
                 + "  ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_job"].items())
-                + f"  | Spool total {r['spool_cpu_ms_per_job']:.2f}"
+                + f"  | Spool total {r['spool_cpu_ms_per_job']:.2f}",
+                flush=True,
             )
+
+
+def print_medians(rows: list[dict]) -> None:
+    """Per checkout and level, the median over rounds of the figures the issue's targets name."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    print("\nmedians over rounds:")
+    keys = sorted({(r["kind"], r["concurrency"]) for r in rows}, key=lambda k: (k[0] != "stream", k[1]))
+    for kind, conc in keys:
+        for label in labels:
+            rs = [r for r in rows if r["label"] == label and r["kind"] == kind and r["concurrency"] == conc]
+            if not rs:
+                continue
+            med = statistics.median
+            if kind == "stream":
+                print(
+                    f"  c={conc:>4} {label:>8}: ratio {med(r['ratio'] or 0 for r in rs):.3f}"
+                    f"  TTFT p50 {med(r['ttft_ms']['spool'].get('p50', 0) for r in rs):.0f}"
+                    f" (engine {med(r['ttft_ms']['engine'].get('p50', 0) for r in rs):.0f}) ms"
+                    f"  CPU ms/token {med(r['spool_cpu_ms_per_token'] for r in rs):.3f} ("
+                    + ", ".join(
+                        f"{k} {med(r['cpu_ms_per_token'][k] for r in rs):.3f}" for k in rs[0]["cpu_ms_per_token"]
+                    )
+                    + ")"
+                )
+            else:
+                print(
+                    f"  short c={conc:>4} {label:>8}: {med(r['jobs_s'] for r in rs):.0f} jobs/s"
+                    f"  CPU ms/job {med(r['spool_cpu_ms_per_job'] for r in rs):.2f} ("
+                    + ", ".join(f"{k} {med(r['cpu_ms_per_job'][k] for r in rs):.2f}" for k in rs[0]["cpu_ms_per_job"])
+                    + ")"
+                )
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[tuple[str, int]]:
+    """A redis-server of the bench's own (no persistence): its CPU is Spool's alone."""
+    from tests.conftest import free_port, wait_for
+
+    port = free_port()
+    work = tempfile.mkdtemp(prefix="spool-bench-redis-")
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", work],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        import redis as redis_lib
+
+        wait_for(lambda: _pings(redis_lib, port), 20, "private redis-server")
+        yield f"redis://127.0.0.1:{port}/10", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _pings(redis_lib, port: int) -> bool:
+    try:
+        return bool(redis_lib.Redis(port=port).ping())
+    except redis_lib.RedisError:
+        return False
+
+
+@contextlib.contextmanager
+def paced_stack(
+    root: Path, levels: list[int], database: str
+) -> Iterator[tuple[str, str, dict[str, Meter], dict[str, int]]]:
+    """API, dispatcher and a paced worker started from checkout `root` as the tests start them; yields
+    (url, api key, CPU meters of every Spool process, pids of the Python ones)."""
+    from tests import conftest
+
+    conftest.ROOT = root  # the processes run from that checkout (its code first on their path)
+    db_url = conftest.TEST_DB.rsplit("/", 1)[0] + "/" + database
+    env = {
+        **PACED_ENV,
+        **DEPLOYED_ENV,
+        "SPOOL_WORKER_CONCURRENCY": str(max(levels) + 8),
+        "SPOOL_LOG_FORMAT": "text",
+        "PYTHONPATH": str(root),
+    }
+    logdir = Path(tempfile.mkdtemp(prefix="spool-bench-logs-"))
+    with private_redis() as (redis_url, redis_pid), conftest.running_stack(logdir, db_url, redis_url, (), **env) as st:
+        meters = {
+            "api": tree_meter(st.procs["api"].pid),
+            "worker": tree_meter(st.procs["worker"].pid),
+            "dispatcher": tree_meter(st.procs["dispatcher"].pid),
+            "postgres": postgres_meter(database),
+            "redis": tree_meter(redis_pid),
+        }
+        pids = {k: st.procs[k].pid for k in ("api", "worker", "dispatcher")}
+        yield st.base_url, st.keys["alpha"], meters, pids
+    print(f"stack logs ({root}): {logdir}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stack", action="store_true", help="start a paced stack (or one per --roots) and measure it")
+    ap.add_argument("--roots", default=None, help="with --stack: label=checkout,... (default: this checkout)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --stack: rounds over the roots, interleaved")
+    ap.add_argument("--database", default="spool_bench", help="with --stack: the database it drops and makes")
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=os.environ.get("SPOOL_API_KEY"))
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--pids", help="without --stack: name=pid,... (api, worker, dispatcher, postgres, redis)")
+    ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--requests-per-stream", type=int, default=2, help="requests per level = this x concurrency")
+    ap.add_argument("--short-jobs", type=int, default=800, help="max_tokens 1 JSON jobs at the last concurrency")
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--profile", help="py-spy collapsed stacks of api, worker, dispatcher per run, in this folder")
+    a = ap.parse_args(argv)
+    levels = [int(c) for c in a.concurrency.split(",")]
+    rows: list[dict] = []
+    if a.stack:
+        os.environ.update(PACED_ENV)  # the engine-alone runs (a subprocess) model the same GPU
+        roots = {"spool": ROOT}
+        if a.roots:
+            roots = {k: Path(v).resolve() for k, v in (x.split("=", 1) for x in a.roots.split(","))}
+        for rnd in range(a.rounds):
+            for label, root in roots.items():
+                print(f"-- round {rnd + 1}, {label} ({root})", flush=True)
+                with paced_stack(root, levels, a.database) as (url, key, meters, pids):
+                    got = run_levels(url, key, a.model, levels, a, meters, pids, f"{label}-r{rnd + 1}")
+                for r in got:
+                    r |= {"label": label, "round": rnd + 1, "root": str(root)}
+                print_rows(got)
+                rows += got
+        print_medians(rows)
+    else:
+        if not a.pids:
+            ap.error("--pids is required without --stack")
+        pids = {k: int(v) for k, v in (x.split("=") for x in a.pids.split(","))}
+        meters = {k: tree_meter(v) for k, v in pids.items()}
+        py = {k: v for k, v in pids.items() if k in ("api", "worker", "dispatcher")}
+        rows = run_levels(a.url, a.api_key, a.model, levels, a, meters, py)
+        print_rows(rows)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=2))
 
