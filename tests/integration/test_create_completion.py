@@ -1,0 +1,183 @@
+"""`Completions.create`, the use case behind POST /v1/completions, in-process.
+
+Built as api/app.py builds it, but handed a recorder for the broker and a stand-in tokenizer
+(one id per character): what is stored is read back from Postgres, what is sent from the
+recorder, the reservation from Redis. Postgres and Redis are the integration tests' own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+import redis.asyncio as aioredis
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+from core.errors import DomainError, ErrorKind
+from core.idempotency import Idempotency
+from core.infra import redis_keys
+from core.infra.orm import IdempotencyKey, Job
+from core.jobs import workers
+from core.jobs.service import Completions
+from core.jobs.states import JobKind, JobState
+from core.protocol.schemas import CompletionRequest
+from core.tenancy.keys import Principal
+from tests import factories
+from tests.integration.conftest import IT_DB, IT_REDIS
+
+MODEL = "smollm2-135m-instruct"
+T = TypeVar("T")
+
+
+class CharTokenizer:
+    """One token per character; no fill-in-the-middle, no chat template."""
+
+    n_vocab = 100
+    train_context = 256
+    eos = 0
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        return [10 + ord(c) % 50 for c in text]
+
+    def fim_tokens(self) -> None:
+        return None
+
+
+class Broker:
+    """Records every job handed to it, as (job id, attempt, model, kind); `down` makes it fail."""
+
+    def __init__(self, down: bool = False) -> None:
+        self.sent: list[tuple[str, int, str, str]] = []
+        self.down = down
+
+    def __call__(self, job_id: str, attempt: int, model: str, kind: str) -> None:
+        if self.down:
+            raise ConnectionError("broker unavailable")
+        self.sent.append((job_id, attempt, model, kind))
+
+
+def _run(it_settings, broker: Broker, use: Callable[[Completions], Awaitable[T]]) -> T:
+    async def main() -> T:
+        engine = create_async_engine(IT_DB)
+        rds = aioredis.Redis.from_url(IT_REDIS, decode_responses=True)
+        sessions = async_sessionmaker(engine, expire_on_commit=False)
+        keys = Idempotency(sessions, lock_s=30.0)
+        service = Completions(sessions, rds, it_settings, keys, broker, lambda _model: CharTokenizer())
+        try:
+            return await use(service)
+        finally:
+            await rds.aclose()
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def caller(session, rds) -> Principal:
+    """A tenant with a token limit (so admission reserves and answers headers), its key, and a live
+    worker for the model."""
+    t = factories.tenant(session, tpm=100_000)
+    _, k = factories.api_key(session, t)
+    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    return Principal(tenant=t, key=k)
+
+
+def _request(**kw: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": MODEL, "prompt": "Hi there", "max_tokens": 4, **kw})
+
+
+def _jobs_of(session, tenant_id: int) -> list[Job]:
+    session.expire_all()
+    return list(session.scalars(select(Job).where(Job.tenant_id == tenant_id)))
+
+
+def test_a_request_is_stored_then_sent_once(it_settings, session, rds, caller):
+    broker = Broker()
+    created = _run(it_settings, broker, lambda s: s.create(caller, _request(user="u1"), request_id="req-1"))
+
+    [row] = _jobs_of(session, caller.tenant.id)
+    ids = CharTokenizer().encode("Hi there")
+    assert row.id == created.job.id and not created.replayed
+    assert (row.state, row.kind, row.model, row.attempt) == (JobState.dispatched, JobKind.interactive, MODEL, 1)
+    assert row.prompts == [{"ids": ids, "text": "Hi there"}]  # the stored shape
+    assert row.params["max_tokens"] == 4 and row.stream is False
+    assert (row.key_id, row.user, row.request_id) == (caller.key.id, "u1", "req-1")
+    assert row.reserved_tokens == len(ids) + 4  # the prompt plus the most it may generate
+    assert broker.sent == [(row.id, 1, MODEL, "interactive")]  # after the commit, once
+    assert rds.exists(redis_keys.reservation(row.id))  # its tokens are held until it ends
+    assert created.headers["x-ratelimit-limit-tokens"] == "100000"
+
+
+def test_an_idempotent_retry_gets_the_first_job_and_sends_nothing(it_settings, session, caller):
+    broker = Broker()
+
+    async def twice(s: Completions):
+        first = await s.create(caller, _request(), idempotency_key="retry-1")
+        again = await s.create(caller, _request(), idempotency_key="retry-1")
+        return first, again
+
+    first, again = _run(it_settings, broker, twice)
+    assert again.replayed and again.job.id == first.job.id
+    assert again.headers == {"idempotent-replayed": "true"}
+    assert [j.id for j in _jobs_of(session, caller.tenant.id)] == [first.job.id]
+    assert broker.sent == [(first.job.id, 1, MODEL, "interactive")]
+    key = session.scalar(select(IdempotencyKey).where(IdempotencyKey.tenant_id == caller.tenant.id))
+    assert key is not None and key.object_id == first.job.id
+
+
+def test_a_tenant_at_its_cap_is_stored_queued_and_not_sent(it_settings, session, rds):
+    t = factories.tenant(session, max_concurrent=1)
+    _, k = factories.api_key(session, t)
+    factories.job(session, t, state=JobState.running)  # its one concurrent job
+    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    broker = Broker()
+    created = _run(it_settings, broker, lambda s: s.create(Principal(tenant=t, key=k), _request()))
+
+    assert created.job.state == JobState.queued
+    stored = {j.id: j.state for j in _jobs_of(session, t.id)}
+    assert stored[created.job.id] == JobState.queued  # the dispatcher sends it when there is room
+    assert broker.sent == []
+
+
+def test_a_failed_send_leaves_the_job_queued_for_the_dispatcher(it_settings, session, caller):
+    created = _run(it_settings, Broker(down=True), lambda s: s.create(caller, _request()))
+
+    [row] = _jobs_of(session, caller.tenant.id)
+    assert row.id == created.job.id
+    assert (row.state, row.dispatched_at) == (JobState.queued, None)  # stored: never a 5xx
+
+
+def test_a_refused_request_stores_nothing_and_frees_its_key(it_settings, session, rds):
+    t = factories.tenant(session, tpm=5)  # less than the prompt alone
+    _, k = factories.api_key(session, t)
+    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    broker = Broker()
+
+    with pytest.raises(DomainError) as err:
+        _run(it_settings, broker, lambda s: s.create(Principal(tenant=t, key=k), _request(), idempotency_key="k-429"))
+    assert err.value.kind == ErrorKind.rate_limited
+    assert _jobs_of(session, t.id) == [] and broker.sent == []
+    held = session.scalar(select(func.count()).select_from(IdempotencyKey).where(IdempotencyKey.tenant_id == t.id))
+    assert held == 0  # the same retry is refused the same way; a corrected one may reuse the key
+
+
+def test_a_model_nobody_serves_is_a_503_unless_queued(it_settings, session, rds):
+    settings = it_settings.model_copy(update={"models": f"{MODEL},unserved-model"})
+    t = factories.tenant(session)
+    _, k = factories.api_key(session, t)
+    who = Principal(tenant=t, key=k)
+    rds.delete(redis_keys.live_workers("unserved-model"))
+    broker = Broker()
+
+    with pytest.raises(DomainError) as err:
+        _run(settings, broker, lambda s: s.create(who, _request(model="unserved-model")))
+    assert err.value.kind == ErrorKind.unavailable and err.value.headers == {"retry-after": "5"}
+    assert _jobs_of(session, t.id) == []
+
+    created = _run(settings, broker, lambda s: s.create(who, _request(model="unserved-model"), queued=True))
+    [row] = _jobs_of(session, t.id)
+    assert row.id == created.job.id and row.model == "unserved-model"
+    assert broker.sent == [(row.id, 1, "unserved-model", "interactive")]  # waits in its queue for a worker
