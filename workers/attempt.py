@@ -9,7 +9,7 @@ it between the engine, Redis and Postgres.
 from __future__ import annotations
 
 import logging
-import queue
+import threading
 import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,15 @@ class Attempt:
         self._stream_checked = 0.0
         self._next_wait_renew = 0.0
         self._first_token_at: float | None = None
+        # Following the engine (the stream pump's side; the attempt's thread reads them once ended).
+        self.live: set[Hashable] = set()
+        self._by_key: dict[Hashable, Choice] = {}
+        self._unsent: dict[Choice, None] = {}  # touched since the last publish, in arrival order
+        self._publish_every = self._next_publish = 0.0
+        self.stopped = False
+        self._error: BaseException | None = None
+        self._ended = threading.Event()
+        self._itl = ITL.labels(job.model)  # per token: a labelled child looked up once, not per call
 
     # -- setup ------------------------------------------------------------------------------
     def _build(self) -> list[SeqSpec]:
@@ -130,40 +139,23 @@ class Attempt:
         specs = self._build()
         if not self.buffered:
             self._publish([ch for ch in self.choices.values() if ch.prefix_ready])
-        inbox: queue.SimpleQueue[TokenEvent | PromptEvent] = queue.SimpleQueue()
-        self.loop.submit(specs, inbox.put)
-        live = {s.key for s in specs}
-        by_key: dict[Hashable, Choice] = {ch.key: ch for ch in self.choices.values()}
-        next_control, next_renew = time.monotonic() + 0.5, time.monotonic() + every.lease_s / 3
-        unsent: dict[Choice, None] = {}  # touched since the last publish, in arrival order
-        publish_every, next_publish = (every.batch_publish_s if job.kind == JobKind.batch else 0.0), 0.0
+        # The stream pump (workers/pump.py) takes this attempt's engine events, publishes its deltas
+        # and says when it has ended; this thread meanwhile polls for a cancel and renews the lease.
+        self.live = {s.key for s in specs}
+        self._by_key = {ch.key: ch for ch in self.choices.values()}
+        self._publish_every = every.batch_publish_s if job.kind == JobKind.batch else 0.0
+        if self.live:
+            self.loop.submit(specs, self.runner.pump.sink(self))
+        else:
+            self.stop(None)
+        next_renew = time.monotonic() + every.lease_s / 3
         try:
-            while live:
-                try:
-                    batch = [inbox.get(timeout=0.25)]
-                except queue.Empty:
-                    batch = []
-                while True:  # coalesce: one Redis round trip for everything that is ready
-                    try:
-                        batch.append(inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                for ev in batch:
-                    unsent[self._accept(by_key[ev.key], ev, live)] = None
-                now = time.monotonic()
-                # A stream reader wants every token at once; a batch line's progress is only read to
-                # resume it, and publishing it per token took CPU from the decode on small hosts.
-                if unsent and not self.buffered and (now >= next_publish or any(ch.done for ch in unsent)):
-                    self._publish(list(unsent))
-                    unsent.clear()
-                    next_publish = now + publish_every
-                if now >= next_control:
-                    next_control = now + 0.5
-                    if self._cancelled():
-                        log.info("job %s cancelled; dropping its sequences", job.id)
-                        return Outcome.cancelled
-                if now >= next_renew:
-                    next_renew = now + every.lease_s / 3
+            while not self._ended.wait(0.5):
+                if self._cancelled():
+                    log.info("job %s cancelled; dropping its sequences", job.id)
+                    return Outcome.cancelled
+                if time.monotonic() >= next_renew:
+                    next_renew = time.monotonic() + every.lease_s / 3
                     if self.loop.stalled_for() > every.engine_stall_s:
                         # A wedged engine must not keep its jobs: stop renewing, the lease lapses and the
                         # job resumes elsewhere from its streamed tokens.
@@ -171,9 +163,12 @@ class Attempt:
                     if not retrying(every, f"renew {job.id}", self.runner.renew, job):
                         log.info("job %s attempt %s lost its lease (cancelled or reassigned)", job.id, job.attempt)
                         return Outcome.lost
+            if self._error is not None:
+                raise self._error
         finally:
-            if live:
-                self.loop.cancel(list(live))
+            self.stopped = True  # the pump drops whatever else arrives for it
+            if self.live:
+                self.loop.cancel(list(self.live))
         final = choices.best_of(self.choices, len(self.prompts), self.p.n, self.p.candidates)
         if self.buffered:
             self._publish(list(final.values()), index_of={ch: i for i, ch in final.items()})
@@ -182,6 +177,37 @@ class Attempt:
         if not retrying(every, f"finish {job.id}", self.runner.lifecycle.succeed, job, result, u, self.engine_s):
             return Outcome.lost
         return Outcome.succeeded
+
+    # -- called by the stream pump's thread while the attempt follows ---------------------------
+    def accept(self, ev: TokenEvent | PromptEvent) -> None:
+        """Apply one engine event; its choice is published with the next due deltas."""
+        self._unsent[self._accept(self._by_key[ev.key], ev, self.live)] = None
+
+    def due_deltas(self, now: float) -> list[Delta]:
+        """What the touched choices have new to say, when it is due: at once for a stream reader; a
+        batch line's progress is only read to resume it, so every `batch_publish_s` (publishing it per
+        token took CPU from the decode on small hosts) and when a choice ends."""
+        if not self._unsent or self.buffered:
+            return []
+        if now < self._next_publish and not any(ch.done for ch in self._unsent):
+            return []
+        out = choices.deltas(list(self._unsent), self.job.attempt, self.p.echo)
+        self._unsent.clear()
+        self._next_publish = now + self._publish_every
+        return out
+
+    def payloads(self, out: list[Delta]) -> list[str]:
+        return [encode(e) for e in out]
+
+    def logged(self, ids: list[str], payloads: list[str]) -> None:
+        """Entries written: this attempt's log holds every entry of the stream (earlier attempts' too)."""
+        self.log += zip(ids, payloads, strict=True)
+
+    def stop(self, error: BaseException | None) -> None:
+        """The attempt's following is over: it ended (None) or `error` is raised in its thread."""
+        if not self.stopped:
+            self.stopped, self._error = True, error
+            self._ended.set()
 
     def _accept(self, ch: Choice, ev: TokenEvent | PromptEvent, live: set) -> Choice:
         """Apply one engine event to its choice."""
@@ -208,7 +234,7 @@ class Attempt:
             if self.job.created_at is not None:
                 TTFT.labels(self.job.model, self.job.kind).observe(time.time() - self.job.created_at.timestamp())
         elif ch.last_token_at is not None:
-            ITL.labels(self.job.model).observe(now - ch.last_token_at)
+            self._itl.observe(now - ch.last_token_at)
         ch.last_token_at = now
 
     # -- publishing -------------------------------------------------------------------------
@@ -220,17 +246,19 @@ class Attempt:
             retrying(self.settings, f"publish {self.job.id}", self._emit, out, on_wait=self._renew_while_waiting)
 
     def _emit(self, out: list[Delta]) -> None:
-        rds = self.runner.redis
-        # Look for a lost stream at most once a second, not per publish (a hot path): a rebuild
-        # rewrites every logged entry, so entries written into a fresh stream meanwhile are kept.
+        self.check_stream()
+        # Positional: this attempt's log holds every entry of the stream (earlier attempts' too).
+        ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
+        self.logged(ids, self.payloads(out))
+
+    def check_stream(self) -> None:
+        """Look for a lost stream at most once a second, not per publish (a hot path): a rebuild
+        rewrites every logged entry, so entries written into a fresh stream meanwhile are kept."""
         now = time.monotonic()
         if self.log and now >= self._stream_checked + 1.0:
             self._stream_checked = now
-            if not rds.exists(streams.stream_key(self.job.id)):
+            if not self.runner.redis.exists(streams.stream_key(self.job.id)):
                 self._rebuild_lost_stream()
-        # Positional: this attempt's log holds every entry of the stream (earlier attempts' too).
-        ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
-        self.log += zip(ids, (encode(e) for e in out), strict=True)
 
     def _rebuild_lost_stream(self) -> None:
         """The stream is gone (Redis restarted empty), and its fence with it: only the attempt that

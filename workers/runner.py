@@ -25,6 +25,7 @@ from core.jobs.states import JobKind
 from workers.attempt import Attempt
 from workers.engine.loop import EngineLoop
 from workers.outcome import EngineError, JobError, Outcome
+from workers.pump import StreamPump
 from workers.retry import LETTING_GO, Abandoned, retrying
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class JobRunner:
         self.lifecycle = Lifecycle(sessions, redis_client, settings)
         # One Redis round trip per decode step for all this worker's sequences, not one per sequence.
         self.lifecycle.appender = streams.GroupAppender(redis_client)
+        # Every attempt's engine events become stream entries on one thread (workers/pump.py).
+        self.pump = StreamPump(redis_client, settings)
         self.batch_slot_wake: Any = None  # set by the worker process: called when an attempt ends
 
     # -- entrypoint -------------------------------------------------------------------------

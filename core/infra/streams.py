@@ -114,10 +114,19 @@ def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
     return int(redis.eval(_RAISE_FENCE, 1, fence_key(job_id), attempt, ttl_s))
 
 
+def fenced_append_args(job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[Any]:
+    """`EVAL` arguments of one fenced append (for a pipeline that carries several jobs' appends)."""
+    return [_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, start, *payloads]
+
+
+def text(v: Any) -> str:
+    return _text(v)
+
+
 def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
     """Append `payloads` as the job's entries number `start`, `start + 1`, ... (1-based): those
     already there (a retried append) are not written again."""
-    ids = redis.eval(_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, start, *payloads)
+    ids = redis.eval(*fenced_append_args(job_id, attempt, payloads, ttl_s, start))
     if ids is None:
         raise Fenced(f"job {job_id}: attempt {attempt} was superseded")
     return [_text(i) for i in ids]
@@ -147,7 +156,7 @@ class GroupAppender:
         self.flushes = 0  # round trips made (tests and the bench read it)
 
     def append(self, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
-        item = _Pending([_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, start, *payloads])
+        item = _Pending(fenced_append_args(job_id, attempt, payloads, ttl_s, start))
         with self._lock:  # started on first use: processes that never stream hold no thread
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stream-appender", daemon=True)
