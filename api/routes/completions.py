@@ -166,7 +166,9 @@ class _StreamOrCancel(EventSourceResponse):
     async def _track(self, stream):
         async for chunk in stream:
             # A client that closes right after the final `[DONE]` has read everything: nothing to cancel.
-            self.ended = chunk.startswith(_DONE)
+            # It ends its write, which may carry the last tokens and the usage chunk before it (a
+            # reader that fell behind gets everything in one write).
+            self.ended = chunk.endswith(_DONE)
             yield chunk
 
     async def __call__(self, scope, receive, send) -> None:

@@ -72,3 +72,25 @@ def test_coalesce_keeps_echo_finish_and_scores_boundaries():
     # A delta that carries an echoed prompt starts a run of its own.
     out = coalesce([("0-1", more), ("0-2", echo)])
     assert [i for i, _ in out] == ["0-1", "0-2"]
+
+
+def test_a_stream_whose_last_write_carries_done_after_other_chunks_was_read_to_its_end():
+    """A reader that fell behind gets the last tokens, the usage chunk and `[DONE]` in one write: a
+    client closing after it read everything, so its job must not be cancelled after the grace period
+    (it was, for every such stream: a cancel query per job)."""
+    import asyncio
+
+    from api.routes.completions import _DONE, _StreamOrCancel
+
+    async def writes():
+        yield sse({"a": 1}, "0-1")
+        yield sse({"b": 2}, "0-2") + sse({"usage": {}}) + _DONE
+
+    resp = _StreamOrCancel(writes(), "job", 1, None, None, None)  # type: ignore[arg-type]
+
+    async def drain() -> None:
+        async for _ in resp.body_iterator:
+            pass
+
+    asyncio.run(drain())
+    assert resp.ended
