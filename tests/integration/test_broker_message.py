@@ -1,0 +1,51 @@
+"""The run_job message Spool pushes itself (core/infra/broker.task_message) is the one Celery's own
+`send_task` writes, field for field except the fresh ids: the worker consumes it through Celery."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import redis as redis_lib
+
+from core.infra import broker
+
+
+def _pushed(rds, queue: str) -> dict:
+    raw = rds.rpop(queue)
+    assert raw is not None
+    return json.loads(raw)
+
+
+def test_the_message_is_the_one_send_task_writes(it_settings, monkeypatch):
+    monkeypatch.setenv("SPOOL_REDIS_URL", it_settings.redis_url)
+    from core.config import get_settings
+
+    get_settings.cache_clear()
+    broker.celery_app.cache_clear()
+    broker._broker.cache_clear()
+    try:
+        rds = redis_lib.Redis.from_url(get_settings().celery_broker_url)
+        queue = broker.queue_for("broker-message-test")
+        rds.delete(queue)
+        broker.celery_app().send_task(broker.RUN_JOB, args=["job-1", 2], queue=queue, ignore_result=True)
+        theirs = _pushed(rds, queue)
+        broker.send_run_job("job-1", 2, "broker-message-test")
+        ours = _pushed(rds, queue)
+        assert rds.llen(queue) == 0
+        fresh = {"id", "root_id", "correlation_id", "delivery_tag", "origin", "reply_to"}
+
+        def same(d: dict) -> dict:
+            return {k: (same(v) if isinstance(v, dict) else v) for k, v in d.items() if k not in fresh}
+
+        assert same(ours) == same(theirs) | {"body": ours["body"]}
+        assert json.loads(base64.b64decode(ours["body"])) == json.loads(base64.b64decode(theirs["body"]))
+        assert ours["headers"]["id"] == ours["headers"]["root_id"] == ours["properties"]["correlation_id"]
+        assert broker.queued_jobs(rds, "broker-message-test") == set()
+        broker.send_run_jobs([("a", 1), ("b", 3)], "broker-message-test")
+        assert broker.queued_jobs(rds, "broker-message-test") == {("a", 1), ("b", 3)}
+        rds.delete(broker.queue_for("broker-message-test", "batch"))
+    finally:
+        get_settings.cache_clear()
+        broker.celery_app.cache_clear()
+        broker._broker.cache_clear()
