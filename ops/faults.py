@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,9 @@ from typing import Any
 import httpx
 import httpx2  # the openai SDK's HTTP client (its fork of httpx)
 import openai
+
+from ops.harness import events, free_port
+from ops.harness import wait_for as _wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SPOOL = [sys.executable, "-m", "core.cli"]
@@ -54,28 +57,14 @@ LONG_OUTAGE_S = 30.0  # past the API's 5 s key cache and redis-py's retry window
 SDK_KINDS = ("sdk-completion", "sdk-completion-stream", "sdk-chat", "sdk-chat-stream")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """ops/harness.py's wait; here a service being killed or restarted may raise anything meanwhile."""
+    return _wait_for(predicate, timeout, what, interval, tolerate=(Exception,))
 
 
 def _can_connect(port: int) -> bool:
     socket.create_connection(("127.0.0.1", port), 1).close()
     return True
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except Exception:
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 # -- the services it may kill -------------------------------------------------------------------------
@@ -311,7 +300,8 @@ class Client:
                             out.retried_posts += 1
                         time.sleep(1.0)
                         continue
-                    for ev_id, data in _sse(resp):
+                    for ev in events(resp):
+                        ev_id, data = ev.id, ev.data
                         if data == "[DONE]":
                             out.text = text
                             return self._finish(out)
@@ -475,22 +465,6 @@ class SdkClient:
                 return out
         out.retried_posts = max(0, self.posts - 1)
         return self.jobs._finish(out) if out.text is not None else out
-
-
-def _sse(resp: httpx.Response) -> Iterator[tuple[str | None, str]]:
-    ev_id: str | None = None
-    data: list[str] = []
-    for line in resp.iter_lines():
-        if line == "":
-            if data:
-                yield ev_id, "\n".join(data)
-            ev_id, data = None, []
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-        elif line.startswith("id:"):
-            ev_id = line[3:].strip()
-    if data:
-        yield ev_id, "\n".join(data)
 
 
 # -- the run -----------------------------------------------------------------------------------------
