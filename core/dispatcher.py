@@ -35,6 +35,8 @@ from core.tenancy import admission
 
 log = logging.getLogger(__name__)
 
+WAKE_COALESCE_S = 0.05
+
 
 class Dispatcher:
     def __init__(self, sessions: sessionmaker, rds: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
@@ -212,9 +214,15 @@ class Dispatcher:
             if pause > 0.05:
                 # A worker that frees a batch slot wakes us (workers.slot_freed): refill at once.
                 try:
-                    self.rds.blpop([redis_keys.DISPATCHER_WAKE], timeout=pause)
+                    woke = self.rds.blpop([redis_keys.DISPATCHER_WAKE], timeout=pause)
                     self.rds.delete(redis_keys.DISPATCHER_WAKE)
                 except Exception:
+                    woke = None
                     time.sleep(pause)
+                if woke is not None:
+                    # Lines of one batch end together (a step ends many): let the rest of them free
+                    # their slots too, and refill them in one tick rather than one tick per line. A
+                    # worker's prefetched lines keep its engine busy meanwhile (`batch_prefetch`).
+                    time.sleep(WAKE_COALESCE_S)
             else:
                 time.sleep(max(0.0, pause))
