@@ -303,7 +303,7 @@ def print_medians(rows: list[dict]) -> None:
 @contextlib.contextmanager
 def private_redis() -> Iterator[tuple[str, int]]:
     """A redis-server of the bench's own (no persistence): its CPU is Spool's alone."""
-    from tests.conftest import free_port, wait_for
+    from ops.harness import free_port, wait_for
 
     port = free_port()
     work = tempfile.mkdtemp(prefix="spool-bench-redis-")
