@@ -39,6 +39,7 @@ from core.infra.tokenizers import tokenizer_for
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.service import Completions
+from core.protocol import render
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ async def lifespan(app: FastAPI):
     # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
     app.state.lifecycle = Lifecycle(app.state.sync_sessions, sync_redis, settings)
     app.state.sync_redis = sync_redis
+    # What a rendered completion names as its `system_fingerprint`, per model (rendering reads no settings).
+    app.state.fingerprints = render.Fingerprints(settings)
     app.state.idempotency = Idempotency(async_sessions(), settings.idempotency_lock_s)
     app.state.completions = Completions(
         async_sessions(), app.state.redis, settings, app.state.idempotency, send_run_job, tokenizer_for

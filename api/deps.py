@@ -20,6 +20,7 @@ from core.infra.db import async_sessions
 from core.infra.orm import Tenant
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.service import Completions
+from core.protocol.render import Fingerprints
 from core.tenancy.keys import Principal
 
 
@@ -47,6 +48,10 @@ def completions(request: Request) -> Completions:
 
 def idempotency(request: Request) -> Idempotency:
     return request.app.state.idempotency
+
+
+def fingerprints(request: Request) -> Fingerprints:
+    return request.app.state.fingerprints
 
 
 def sync_sessions(request: Request) -> sessionmaker[Session]:
@@ -85,6 +90,7 @@ HubDep = Annotated[streams.Hub, Depends(stream_hub)]
 LifecycleDep = Annotated[Lifecycle, Depends(lifecycle)]
 CompletionsDep = Annotated[Completions, Depends(completions)]
 IdempotencyDep = Annotated[Idempotency, Depends(idempotency)]
+FingerprintsDep = Annotated[Fingerprints, Depends(fingerprints)]
 SyncSessionsDep = Annotated[sessionmaker[Session], Depends(sync_sessions)]
 SyncRedisDep = Annotated[redis.Redis, Depends(sync_redis)]
 PrincipalDep = Annotated[Principal, Depends(current_principal)]

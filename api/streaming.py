@@ -68,11 +68,12 @@ async def sse_chunks(
     reader: streams.Reader,
     *,
     include_usage: bool,
+    fingerprint: str,
     last_id: str = "0-0",
 ) -> AsyncIterator[bytes]:
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
     stream is silent; ends after the terminal event."""
-    chunks = chunks_for(job, include_usage)
+    chunks = chunks_for(job, include_usage, fingerprint)
     # This reader is counted while it follows the job (a disconnected stream's job is cancelled only
     # when nobody follows it). The count goes up and back down in tasks of their own: a stream
     # cancelled at any moment, even while its increment is in flight, still takes back exactly what

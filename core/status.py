@@ -13,8 +13,9 @@ from sqlalchemy.orm import Session
 
 from core.batches.progress import counts as batch_counts
 from core.batches.status import FINAL
-from core.infra.orm import Batch, Job, JobState, Tenant
+from core.infra.orm import Batch, Job, Tenant
 from core.jobs import workers
+from core.jobs.states import JobState
 
 
 @dataclass

@@ -169,7 +169,11 @@ def running_stack(
         for i, worker_env in enumerate(extra_workers):  # more workers, e.g. for other models
             name = f"worker-extra{i + 1}"
             st.start(name, "worker", env=worker_env)
-            wait_for(lambda n=name: "ready." in st.log(n), 120, f"{name} ready")
+
+            def ready(n: str = name) -> bool:  # a lambda with a default argument: mypy cannot type it
+                return "ready." in st.log(n)
+
+            wait_for(ready, 120, f"{name} ready")
 
         def healthy() -> bool:
             try:

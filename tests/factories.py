@@ -12,8 +12,9 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from core.generation.params import GenerationParams
-from core.infra.orm import ApiKey, Job, JobState, Tenant
+from core.infra.orm import ApiKey, Job, Tenant
 from core.jobs import transitions
+from core.jobs.states import JobState
 from core.tenancy.keys import hash_key, new_key
 
 _n = itertools.count(1)

@@ -15,7 +15,7 @@ from fastapi.sse import EventSourceResponse
 from starlette.requests import ClientDisconnect
 
 from api.bodies import json_body, openapi_answers, openapi_body
-from api.deps import CompletionsDep, HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
+from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
 from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
 from core.config import Settings
@@ -62,6 +62,7 @@ class _Call(NamedTuple):
     settings: Settings
     lifecycle: Lifecycle
     completions: Completions
+    fingerprints: render.Fingerprints
 
 
 def _call(
@@ -72,8 +73,9 @@ def _call(
     settings: SettingsDep,
     lifecycle: LifecycleDep,
     completions: CompletionsDep,
+    fingerprints: FingerprintsDep,
 ) -> _Call:
-    return _Call(request, principal, redis, hub, settings, lifecycle, completions)
+    return _Call(request, principal, redis, hub, settings, lifecycle, completions, fingerprints)
 
 
 _CallDep = Annotated[_Call, Depends(_call)]
@@ -121,31 +123,34 @@ async def _wait_unless_draining(waiting: Coroutine[Any, Any, T], request: Reques
 
 async def _serve(body, endpoint: str, call: _Call):
     """One flow for both endpoints: create the job, then stream it, wait for it, or answer 202."""
-    request, principal, redis, hub, settings, lifecycle, completions = call
+    request, principal, redis, hub, settings, lifecycle, completions, fingerprints = call
     queued = "respond-async" in request.headers.get("prefer", "")
     key = request.headers.get("idempotency-key")
     rid = getattr(request.state, "request_id", None)
     created = await completions.create(principal, body, key, endpoint, queued=queued, request_id=rid)
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
+    fingerprint = fingerprints(job.model)
     if queued:
-        return _accepted(job, headers)
+        return _accepted(job, headers, fingerprint)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage)
+        stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage, fingerprint=fingerprint)
         return _StreamOrCancel(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
     row = await _wait_unless_draining(completions.wait(hub, job.id, tenant_id, settings.wait_timeout_s), request)
     if row is None:
-        return _accepted(job, headers)
+        return _accepted(job, headers, fingerprint)
     if row.state == "succeeded":
-        return JSONResponse(render.response(row), headers=headers)
+        return JSONResponse(render.response(row, fingerprint), headers=headers)
     err = render.failure(row)
     return JSONResponse(
         {"error": err}, status_code=_ERROR_STATUS.get(err["type"], 422), headers={"x-spool-job-id": row.id}
     )
 
 
-def _accepted(job, headers: dict[str, str]) -> JSONResponse:
-    return JSONResponse(render.job(job), status_code=202, headers={"Location": f"/v1/jobs/{job.id}", **headers})
+def _accepted(job, headers: dict[str, str], fingerprint: str) -> JSONResponse:
+    return JSONResponse(
+        render.job(job, fingerprint), status_code=202, headers={"Location": f"/v1/jobs/{job.id}", **headers}
+    )
 
 
 class _StreamOrCancel(EventSourceResponse):

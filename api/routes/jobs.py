@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.sse import EventSourceResponse
 
 from api.cache import SingleFlight
-from api.deps import CompletionsDep, HubDep, LifecycleDep, RedisDep, TenantDep
+from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, RedisDep, TenantDep
 from api.errors import APIError
 from api.streaming import sse_chunks
 from core.infra import streams
@@ -36,21 +36,21 @@ async def _get(completions: Completions, job_id: str, tenant_id: int) -> Job | N
 
 
 @router.get("/{job_id}", response_model=JobObject)
-async def get_job(job_id: str, tenant: TenantDep, completions: CompletionsDep) -> dict:
+async def get_job(job_id: str, tenant: TenantDep, completions: CompletionsDep, fingerprints: FingerprintsDep) -> dict:
     row = await _get(completions, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    return render.job(row)
+    return render.job(row, fingerprints(row.model))
 
 
 @router.post("/{job_id}/cancel", response_model=JobObject)
-async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep) -> dict:
+async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, fingerprints: FingerprintsDep) -> dict:
     if not _ID.fullmatch(job_id):
         raise _not_found(job_id)
     row = await anyio.to_thread.run_sync(lifecycle.cancel, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    return render.job(row)
+    return render.job(row, fingerprints(row.model))
 
 
 @router.get(
@@ -65,6 +65,7 @@ async def job_events(
     redis: RedisDep,
     hub: HubDep,
     completions: CompletionsDep,
+    fingerprints: FingerprintsDep,
     last_event_id: str | None = None,
 ) -> EventSourceResponse:
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
@@ -83,4 +84,7 @@ async def job_events(
             param="Last-Event-ID",
             code="invalid_value",
         )
-    return EventSourceResponse(sse_chunks(row, tenant.id, redis, hub, include_usage=True, last_id=start))
+    stream = sse_chunks(
+        row, tenant.id, redis, hub, include_usage=True, fingerprint=fingerprints(row.model), last_id=start
+    )
+    return EventSourceResponse(stream)

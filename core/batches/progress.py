@@ -21,8 +21,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches.status import FINAL, LIVE, BatchStatus, end, ending, finalizing
 from core.files import storage as files
-from core.infra.orm import Batch, File, Job, JobState
+from core.infra.orm import Batch, File, Job
 from core.jobs.lifecycle import BATCH_CANCELLED, BATCH_EXPIRED, Lifecycle
+from core.jobs.states import JobState
 from core.protocol import render
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,11 @@ def has_live_lines(batch_id: str):
     return select(exists().where(Job.batch_id == batch_id, Job.state.in_(ACTIVE)))
 
 
-def _line(job: Job) -> tuple[bool, dict[str, Any]]:
+def _line(job: Job, fingerprints: render.Fingerprints) -> tuple[bool, dict[str, Any]]:
     """One output or error line in OpenAI's batch format; True when it belongs to the output file."""
     rid = "batch_req_" + job.id.removeprefix("cmpl-")
     if job.state == JobState.succeeded.value:
-        body = render.response(job)
+        body = render.response(job, fingerprints(job.model))
         return True, {
             "id": rid,
             "custom_id": job.custom_id,
@@ -127,7 +128,7 @@ def _result_file(b: Batch, kind: str) -> File:
     )
 
 
-def write_results(session: Session, b: Batch, slice_rows: int) -> bool:
+def write_results(session: Session, b: Batch, slice_rows: int, fingerprints: render.Fingerprints) -> bool:
     """Up to `slice_rows` more of the batch's lines, in input order, into its output and error files,
     from where the last pass stopped (`results_line`). True once every line is written."""
     if b.results_line is None:
@@ -149,7 +150,7 @@ def write_results(session: Session, b: Batch, slice_rows: int) -> bool:
     )
     n = 0
     for job in session.scalars(stmt):
-        ok, line = _line(job)
+        ok, line = _line(job, fingerprints)
         writers[ok].write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         (out if ok else err).lines += 1
         b.results_line = job.line_no
@@ -189,6 +190,7 @@ def advance(sessions: sessionmaker[Session], lifecycle: Lifecycle, limit: int = 
     each line's reservation settled and its terminal event published. Counts need no work here:
     a trigger on jobs keeps them as lines end."""
     done = Pass()
+    fingerprints = render.Fingerprints(lifecycle.settings)  # of the lines written out this pass
     with sessions() as session:
         ids = session.scalars(
             select(Batch.id).where(Batch.status.in_([s.value for s in LIVE])).order_by(Batch.created_at).limit(limit)
@@ -202,7 +204,7 @@ def advance(sessions: sessionmaker[Session], lifecycle: Lifecycle, limit: int = 
             ).first()
             if b is None:  # ended meanwhile, or another keeper holds it
                 continue
-            ended, more, lines = _step(session, lifecycle, b, slice_rows)
+            ended, more, lines = _step(session, lifecycle, b, slice_rows, fingerprints)
             session.commit()
         if lines is not None:
             lifecycle.announce_lines(*lines)
@@ -212,7 +214,7 @@ def advance(sessions: sessionmaker[Session], lifecycle: Lifecycle, limit: int = 
 
 
 def _step(
-    session: Session, lifecycle: Lifecycle, b: Batch, slice_rows: int
+    session: Session, lifecycle: Lifecycle, b: Batch, slice_rows: int, fingerprints: render.Fingerprints
 ) -> tuple[int, bool, tuple[list[Any], JobState] | None]:
     """One batch's share of a pass: (ended, more to do, lines ended to announce after the commit)."""
     now = datetime.now(UTC)
@@ -233,7 +235,7 @@ def _step(
         if session.scalar(has_live_lines(b.id)):
             return 0, False, lines
         finalizing(b, now)
-    if not write_results(session, b, slice_rows):
+    if not write_results(session, b, slice_rows, fingerprints):
         return 0, True, lines
     session.flush()
     session.refresh(b, ["lines_completed", "lines_failed"])  # the trigger's counts, this transaction's included

@@ -23,8 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# The domain's enums, for the check constraints (and re-exported for modules that import them from here).
-from core.jobs.states import TERMINAL_STATES as TERMINAL_STATES
+# The domain's enums, for the check constraints (import them from core.jobs.states, not from here).
 from core.jobs.states import JobKind, JobState
 
 

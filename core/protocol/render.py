@@ -9,11 +9,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from datetime import datetime
-from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Protocol
 
-from core.config import get_settings
+from core.config import Settings
 from core.generation import chat_template
 from core.generation.events import (
     Cancelled,
@@ -55,17 +54,32 @@ class JobRecord(Protocol):
     finished_at: datetime | None
 
 
-@lru_cache
-def fingerprint(model: str) -> str:
+def system_fingerprint(model: str, settings: Settings) -> str:
     """OpenAI's `system_fingerprint`: changes when what serves the model (engine, its settings,
     Spool's version) changes, so a client can tell two answers apart that came from different setups."""
-    s = get_settings()
+    s = settings
     try:
         s = settings_for(model, s)
     except RegistryError:  # a job of a model no longer served
         pass
     raw = f"{model}|{s.engine}|{s.n_ctx}|{s.max_batch}|{s.model_path}|{_VERSION}"
     return "fp_" + hashlib.sha256(raw.encode()).hexdigest()[:10]
+
+
+class Fingerprints:
+    """Each model's `system_fingerprint` under one deployment's settings, worked out once per model.
+    Built by whoever holds the settings (the API at startup, the batch keeper per pass) and read by
+    the caller of `response`, `job` and `chunks_for`: rendering itself reads no settings."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._known: dict[str, str] = {}
+
+    def __call__(self, model: str) -> str:
+        fp = self._known.get(model)
+        if fp is None:
+            fp = self._known[model] = system_fingerprint(model, self.settings)
+        return fp
 
 
 def _ts(d: datetime | None) -> int | None:
@@ -142,8 +156,9 @@ def params_of(job: JobRecord) -> GenerationParams:
     return GenerationParams.from_json(job.params)
 
 
-def completion(job: JobRecord) -> dict[str, Any]:
-    """A finished job as OpenAI's `text_completion` object (API responses and batch output lines)."""
+def completion(job: JobRecord, fingerprint: str) -> dict[str, Any]:
+    """A finished job as OpenAI's `text_completion` object (API responses and batch output lines);
+    `fingerprint`: its model's `system_fingerprint` (`Fingerprints`)."""
     p = params_of(job)
     choices = []
     for c in result_of(job).choices:
@@ -151,24 +166,25 @@ def completion(job: JobRecord) -> dict[str, Any]:
         if p.prompt_logprobs is not None and "prompt_logprobs" not in ch:
             ch["prompt_logprobs"] = None
         choices.append(ch)
-    return _finished(job, "text_completion", choices)
+    return _finished(job, fingerprint, "text_completion", choices)
 
 
-def _finished(job: JobRecord, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+def _finished(job: JobRecord, fingerprint: str, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     """A finished completion or chat completion around its choices."""
     return {
         "id": job.id,
         "object": kind,
         "created": _ts(job.created_at),
         "model": job.model,
-        "system_fingerprint": fingerprint(job.model),
+        "system_fingerprint": fingerprint,
         "choices": choices,
         "usage": usage(usage_of(job)) if job.usage is not None else None,
     }
 
 
-def job(j: JobRecord) -> dict[str, Any]:
-    """Spool's job object, for `Prefer: respond-async` and `GET /v1/jobs/{id}`."""
+def job(j: JobRecord, fingerprint: str) -> dict[str, Any]:
+    """Spool's job object, for `Prefer: respond-async` and `GET /v1/jobs/{id}` (`fingerprint`: for its
+    result)."""
     return {
         "id": j.id,
         "object": "job",
@@ -180,7 +196,7 @@ def job(j: JobRecord) -> dict[str, Any]:
         "finished_at": _ts(j.finished_at),
         "usage": usage(usage_of(j)) if j.usage is not None else None,
         "error": error(error_of(j)) if j.error is not None else None,
-        "result": response(j) if j.state == "succeeded" else None,
+        "result": response(j, fingerprint) if j.state == "succeeded" else None,
         "events_url": f"/v1/jobs/{j.id}/events",
     }
 
@@ -305,13 +321,13 @@ DONE = "[DONE]"
 class CompletionChunks:
     """A job's events as OpenAI `text_completion` chunks: dicts, or DONE (the caller frames SSE)."""
 
-    def __init__(self, j: JobRecord, include_usage: bool) -> None:
+    def __init__(self, j: JobRecord, include_usage: bool, fingerprint: str) -> None:
         self.base = {
             "id": j.id,
             "object": "text_completion",
             "created": _ts(j.created_at),
             "model": j.model,
-            "system_fingerprint": fingerprint(j.model),
+            "system_fingerprint": fingerprint,
         }
         self.params = params_of(j)
         self.include_usage = include_usage
@@ -386,7 +402,7 @@ def _message(job: JobRecord, index: int, text: str, finish: str | None) -> tuple
     return message, finish
 
 
-def chat_completion(job: JobRecord) -> dict[str, Any]:
+def chat_completion(job: JobRecord, fingerprint: str) -> dict[str, Any]:
     """A finished chat job as OpenAI's `chat.completion` object."""
     k = (job.chat or {}).get("top_logprobs")
     choices = []
@@ -394,12 +410,12 @@ def chat_completion(job: JobRecord) -> dict[str, Any]:
         message, finish = _message(job, c.index, c.text, c.finish_reason)
         lp = chat_logprobs(list(c.scores or []), k) if k is not None and c.scores is not None else None
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
-    return _finished(job, "chat.completion", choices)
+    return _finished(job, fingerprint, "chat.completion", choices)
 
 
-def response(job: JobRecord) -> dict[str, Any]:
+def response(job: JobRecord, fingerprint: str) -> dict[str, Any]:
     """A finished job in the shape of the endpoint that created it."""
-    return chat_completion(job) if job.chat is not None else completion(job)
+    return chat_completion(job, fingerprint) if job.chat is not None else completion(job, fingerprint)
 
 
 class ChatChunks(CompletionChunks):
@@ -407,8 +423,8 @@ class ChatChunks(CompletionChunks):
     finish_reason. With tools offered, text that may be a tool call is held back until it is known:
     calls go out as `tool_calls` deltas, anything else as content."""
 
-    def __init__(self, j: JobRecord, include_usage: bool) -> None:
-        super().__init__(j, include_usage)
+    def __init__(self, j: JobRecord, include_usage: bool, fingerprint: str) -> None:
+        super().__init__(j, include_usage, fingerprint)
         self.base["object"] = "chat.completion.chunk"
         self.job = j
         self.k = (j.chat or {}).get("top_logprobs")
@@ -460,5 +476,6 @@ def _maybe_tool_call(text: str) -> bool:
     return t.startswith(opener) or opener.startswith(t) or t.startswith("{") or (t == "" and text != "")
 
 
-def chunks_for(job: JobRecord, include_usage: bool) -> CompletionChunks:
-    return ChatChunks(job, include_usage) if job.chat is not None else CompletionChunks(job, include_usage)
+def chunks_for(job: JobRecord, include_usage: bool, fingerprint: str) -> CompletionChunks:
+    kind = ChatChunks if job.chat is not None else CompletionChunks
+    return kind(job, include_usage, fingerprint)

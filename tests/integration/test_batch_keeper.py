@@ -13,8 +13,9 @@ from core.batches import progress
 from core.batches.status import FINAL, BatchStatus
 from core.dispatcher import Dispatcher
 from core.generation.events import ChoiceResult, ErrorInfo, JobResult, Usage
-from core.infra.orm import Batch, File, FileChunk, Job, JobState
+from core.infra.orm import Batch, File, FileChunk, Job
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
 from tests import factories
 
 

@@ -8,8 +8,9 @@ from sqlalchemy import select
 
 from core.generation.events import Delta, ErrorInfo, Failed, decode
 from core.infra import streams
-from core.infra.orm import JobState, UsageDaily
+from core.infra.orm import UsageDaily
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
 from core.tenancy import ratelimit
 from tests import factories
 

@@ -10,8 +10,9 @@ import pytest
 
 from core.generation.events import Delta, decode, encode
 from core.infra import streams
-from core.infra.orm import Job, JobState
+from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
 from tests import factories
 from workers.engine.base import PromptEvent, TokenEvent
 from workers.engine.loop import EngineLoop

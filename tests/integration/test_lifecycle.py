@@ -6,9 +6,10 @@ from sqlalchemy import select
 
 from core.generation.events import Cancelled, ChoiceResult, Done, ErrorInfo, Failed, JobResult, Usage, decode
 from core.infra import streams
-from core.infra.orm import Job, JobState, UsageDaily
+from core.infra.orm import Job, UsageDaily
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
 from core.tenancy import ratelimit
 from tests import factories
 

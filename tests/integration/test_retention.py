@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from core.infra.orm import File, FileChunk, IdempotencyKey, Job, JobState
+from core.infra.orm import File, FileChunk, IdempotencyKey, Job
+from core.jobs.states import JobState
 from core.retention import sweep
 from tests import factories
 

@@ -11,9 +11,10 @@ import pytest
 
 from core.generation.events import Delta, encode
 from core.infra import streams
-from core.infra.orm import Job, JobState
+from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
 from tests import factories
 from tests.conftest import wait_for
 from workers.engine.loop import EngineLoop

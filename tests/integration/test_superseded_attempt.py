@@ -10,9 +10,9 @@ import pytest
 
 from core.generation.events import Delta, decode
 from core.infra import streams
-from core.infra.orm import JobState
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
 from tests import factories
 from workers.attempt import Attempt
 from workers.engine.loop import EngineLoop

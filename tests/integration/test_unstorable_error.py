@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from core.generation.events import ErrorInfo, Failed, decode
 from core.infra import streams
-from core.infra.orm import Job, JobState
+from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
 from tests import factories
 
 

@@ -8,11 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from core.config import Settings
 from core.generation import chat_template
 from core.generation.events import ChoiceResult, Delta, Done, Failed, JobResult, TokenScore, TopToken, Usage
 from core.generation.params import GenerationParams
 from core.protocol import render
 from tests import openapi
+
+FP = "fp_0123456789"  # a model's system_fingerprint, as the caller passes it (render.Fingerprints)
 
 
 def _job(**params):
@@ -33,30 +36,42 @@ def _job(**params):
 
 
 def test_delta_chunk_matches_schema():
-    out = render.CompletionChunks(_job(), include_usage=True).render(Delta(choice=0, text="Hi"))
+    out = render.CompletionChunks(_job(), include_usage=True, fingerprint=FP).render(Delta(choice=0, text="Hi"))
     body = out[0]
     assert body["choices"][0] == {"text": "Hi", "index": 0, "logprobs": None, "finish_reason": None}
     assert body["usage"] is None  # include_usage: null on every chunk but the last, as OpenAI does
-    assert body["system_fingerprint"].startswith("fp_")
-    assert "usage" not in render.CompletionChunks(_job(), include_usage=False).render(Delta(choice=0, text="Hi"))[0]
+    assert body["system_fingerprint"] == FP
+    without = render.CompletionChunks(_job(), include_usage=False, fingerprint=FP)
+    assert "usage" not in without.render(Delta(choice=0, text="Hi"))[0]
     openapi.validate(body, "CreateCompletionResponse", chunk=True)
 
 
+def test_a_fingerprint_names_what_serves_the_model():
+    """Worked out from the settings the caller holds (rendering reads none), once per model."""
+    m = "smollm2-135m-instruct"
+    fp = render.system_fingerprint(m, Settings())
+    assert fp.startswith("fp_") and len(fp) == 13 and fp == render.system_fingerprint(m, Settings())
+    assert render.system_fingerprint(m, Settings(n_ctx=1024)) != fp  # another setup, another fingerprint
+    assert render.system_fingerprint("gone", Settings()).startswith("fp_")  # a model no longer served
+    fps = render.Fingerprints(Settings())
+    assert fps(m) == fp and fps(m) is fps(m)
+
+
 def test_empty_delta_without_finish_is_not_sent():
-    assert render.CompletionChunks(_job(), False).render(Delta(choice=0, text="")) == []
+    assert render.CompletionChunks(_job(), False, FP).render(Delta(choice=0, text="")) == []
 
 
 def test_done_sends_usage_then_done_marker():
     u = Usage(prompt_tokens=1, completion_tokens=2)
-    out = render.CompletionChunks(_job(), include_usage=True).render(Done(usage=u))
+    out = render.CompletionChunks(_job(), include_usage=True, fingerprint=FP).render(Done(usage=u))
     assert out[0]["choices"] == [] and out[0]["usage"]["total_tokens"] == 3
     openapi.validate(out[0], "CreateCompletionResponse", chunk=True)
     assert out[1] == render.DONE
-    assert render.CompletionChunks(_job(), False).render(Done(usage=u)) == [render.DONE]
+    assert render.CompletionChunks(_job(), False, FP).render(Done(usage=u)) == [render.DONE]
 
 
 def test_failed_event_is_an_error_object_then_done():
-    out = render.CompletionChunks(_job(), False).render(Failed(error={"message": "no", "code": "x"}))
+    out = render.CompletionChunks(_job(), False, FP).render(Failed(error={"message": "no", "code": "x"}))
     assert out == [{"error": {"message": "no", "type": "server_error", "param": None, "code": "x"}}, render.DONE]
 
 
@@ -78,7 +93,7 @@ def test_echo_logprobs_join_prompt_and_generated_tokens_in_openai_shape():
         ]
     ).model_dump()
     job.usage = Usage(prompt_tokens=2, completion_tokens=1).model_dump()
-    body = render.completion(job)
+    body = render.completion(job, FP)
     lp = body["choices"][0]["logprobs"]
     assert lp["tokens"] == ["A", "B", "C"] and lp["token_logprobs"] == [None, -0.5, -1.0]
     assert lp["top_logprobs"] == [None, {"Z": -0.1, "B": -0.5}, {"D": -0.2, "C": -1.0}]
@@ -103,7 +118,7 @@ def test_echo_logprobs_join_prompt_and_generated_tokens_in_openai_shape():
 def test_job_object_renders_a_failed_job_error():
     job = _job()
     job.state, job.error = "failed", {"message": "boom", "type": "server_error", "code": "engine_error"}
-    body = render.job(job)
+    body = render.job(job, FP)
     assert body["result"] is None and body["error"]["code"] == "engine_error"
 
 
@@ -130,7 +145,7 @@ def _chat_job(text: str, finish: str, forced: list[str] | None):
 
 
 def test_a_cut_forced_tool_call_is_a_tool_call_with_finish_length():
-    body = render.chat_completion(_chat_job(CUT, "length", ["get_weather"]))
+    body = render.chat_completion(_chat_job(CUT, "length", ["get_weather"]), FP)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
@@ -138,12 +153,12 @@ def test_a_cut_forced_tool_call_is_a_tool_call_with_finish_length():
     assert call["id"].startswith("call_") and call["type"] == "function"
     openapi.validate(body, "CreateChatCompletionResponse")
     # Offered but not forced (tool_choice auto): words the model chose stay words.
-    auto = render.chat_completion(_chat_job(CUT, "length", None))["choices"][0]
+    auto = render.chat_completion(_chat_job(CUT, "length", None), FP)["choices"][0]
     assert auto["message"]["content"] == CUT and "tool_calls" not in auto["message"]
 
 
 def test_a_cut_forced_tool_call_streams_as_tool_call_deltas():
-    chunks = render.ChatChunks(_chat_job("", "length", ["get_weather"]), include_usage=False)
+    chunks = render.ChatChunks(_chat_job("", "length", ["get_weather"]), include_usage=False, fingerprint=FP)
     pieces = [CUT[:5], CUT[5:20], CUT[20:]]
     out = [
         c

@@ -15,7 +15,7 @@ import pytest
 from api.app import create_app
 from core.generation.events import ChoiceResult, Delta, Done, JobResult, Usage
 from core.protocol import render
-from tests.unit.test_chunks import _chat_job, _job
+from tests.unit.test_chunks import FP, _chat_job, _job
 
 ROUTES = {
     "/v1/completions": ("Completion", "CompletionChunk"),
@@ -60,21 +60,21 @@ def _succeeded():
 
 def test_a_rendered_completion_and_its_chunks_fit_the_published_schemas():
     ok = _answers("/v1/completions")["200"]["content"]
-    _validate(render.response(_succeeded()), ok["application/json"]["schema"])
-    chunks = render.CompletionChunks(_job(), include_usage=True)
+    _validate(render.response(_succeeded(), FP), ok["application/json"]["schema"])
+    chunks = render.CompletionChunks(_job(), include_usage=True, fingerprint=FP)
     out = [*chunks.render(Delta(choice=0, text="Hi")), *chunks.render(Done(usage=Usage(prompt_tokens=1)))]
     bodies = [c for c in out if isinstance(c, dict)]
     assert len(bodies) == 2 and out[-1] == render.DONE
     for body in bodies:
         _validate(body, ok["text/event-stream"]["schema"]["x-sse-data"])
-    _validate(render.job(_succeeded()), _answers("/v1/completions")["202"]["content"]["application/json"]["schema"])
+    _validate(render.job(_succeeded(), FP), _answers("/v1/completions")["202"]["content"]["application/json"]["schema"])
 
 
 def test_a_rendered_chat_completion_and_its_chunks_fit_the_published_schemas():
     ok = _answers("/v1/chat/completions")["200"]["content"]
     job = _chat_job("Hello there", "stop", None)
-    _validate(render.response(job), ok["application/json"]["schema"])
-    chunks = render.ChatChunks(_chat_job("", "stop", None), include_usage=False)
+    _validate(render.response(job, FP), ok["application/json"]["schema"])
+    chunks = render.ChatChunks(_chat_job("", "stop", None), include_usage=False, fingerprint=FP)
     out = [c for c in chunks.render(Delta(choice=0, text="Hello", finish_reason="stop")) if isinstance(c, dict)]
     assert out and out[0]["object"] == "chat.completion.chunk"
     for body in out:
@@ -83,7 +83,7 @@ def test_a_rendered_chat_completion_and_its_chunks_fit_the_published_schemas():
 
 def test_a_wrong_body_does_not_fit():
     """The schemas are not vacuous: a completion without choices is refused."""
-    body = render.response(_succeeded())
+    body = render.response(_succeeded(), FP)
     del body["choices"]
     with pytest.raises(jsonschema.ValidationError):
         _validate(body, _answers("/v1/completions")["200"]["content"]["application/json"]["schema"])

@@ -19,12 +19,7 @@ GLOBALS = {"get_settings", "sync_sessions", "async_sessions", "sync_engine", "as
 REDIS_FACTORIES = {"client", "async_client"}  # core/infra/kv: a new Redis client from a URL
 
 # Known exceptions, each with its reason; remove an entry when the module is fixed.
-KNOWN: dict[str, str] = {
-    "core/protocol/render.py": (
-        "issue 27: `fingerprint` reads the deployment's settings; taking it as an argument changes "
-        "render.response/chunks_for, called from core/batches/progress.py and api/streaming.py"
-    ),
-}
+KNOWN: dict[str, str] = {}
 
 
 def _modules() -> list[Path]:
