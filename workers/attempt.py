@@ -50,7 +50,6 @@ class Attempt:
         # Every entry of the job's stream so far (earlier attempts' too): if Redis loses the stream
         # (a restart), it is rebuilt with the same entry ids, so readers resume exactly where they were.
         self.log: list[tuple[str, str]] = []
-        self._stream_checked = 0.0
         self._next_wait_renew = 0.0
         self._first_token_at: float | None = None
         # Following the engine (the stream pump's side; the attempt's thread reads them once ended).
@@ -246,21 +245,16 @@ class Attempt:
             retrying(self.settings, f"publish {self.job.id}", self._emit, out, on_wait=self._renew_while_waiting)
 
     def _emit(self, out: list[Delta]) -> None:
-        self.check_stream()
         # Positional: this attempt's log holds every entry of the stream (earlier attempts' too).
-        ids = self.runner.lifecycle.publish_deltas(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
+        publish = self.runner.lifecycle.publish_deltas
+        try:
+            ids = publish(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
+        except streams.StreamLost:  # nothing was appended: rebuild (or stop, Fenced), then append
+            self.rebuild_lost_stream()
+            ids = publish(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
         self.logged(ids, self.payloads(out))
 
-    def check_stream(self) -> None:
-        """Look for a lost stream at most once a second, not per publish (a hot path): a rebuild
-        rewrites every logged entry, so entries written into a fresh stream meanwhile are kept."""
-        now = time.monotonic()
-        if self.log and now >= self._stream_checked + 1.0:
-            self._stream_checked = now
-            if not self.runner.redis.exists(streams.stream_key(self.job.id)):
-                self._rebuild_lost_stream()
-
-    def _rebuild_lost_stream(self) -> None:
+    def rebuild_lost_stream(self) -> None:
         """The stream is gone (Redis restarted empty), and its fence with it: only the attempt that
         still owns the job may write it again. Ownership is asked of Postgres first (renewing the
         lease is the compare-and-set on state and attempt, and keeps a newer attempt from claiming

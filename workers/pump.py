@@ -84,13 +84,8 @@ class StreamPump:
                 a.stop(None)
 
     def _publish(self, out: list) -> None:
-        ready = []
-        for a, deltas in out:
-            try:
-                a.check_stream()  # a stream lost with a Redis restart is rebuilt first (or Fenced)
-                ready.append((a, a.payloads(deltas)))
-            except Exception as exc:
-                a.stop(exc if not isinstance(exc, TRANSIENT) else Abandoned(f"publish: {type(exc).__name__}"))
+        ready = [(a, a.payloads(deltas)) for a, deltas in out]
+        rebuilt: set[Attempt] = set()
         deadline, backoff = time.monotonic() + self.settings.infra_retry_s, 0.2
         ttl = self.settings.events_ttl_s
         while ready:
@@ -110,11 +105,26 @@ class StreamPump:
                 backoff = min(backoff * 2, 5.0, self.settings.lease_s / 3)
                 continue
             self.flushes += 1
+            lost = []
             for (a, payloads), r in zip(ready, results, strict=True):
                 if isinstance(r, BaseException):
                     a.stop(r)
                 elif r is None:
                     a.stop(streams.Fenced(f"job {a.job.id}: attempt {a.job.attempt} was superseded"))
+                elif r == streams.LOST:
+                    lost.append((a, payloads))
                 else:
                     a.logged([streams.text(i) for i in r], payloads)
-            return
+            # Streams lost with a Redis restart (nothing was appended to them): each is rebuilt by
+            # its attempt if it still owns the job (or it stops, Fenced), then appended to again.
+            ready = []
+            for a, payloads in lost:
+                if a in rebuilt:
+                    a.stop(Abandoned("publish: the stream was lost again right after its rebuild"))
+                    continue
+                rebuilt.add(a)
+                try:
+                    a.rebuild_lost_stream()
+                    ready.append((a, payloads))
+                except Exception as exc:
+                    a.stop(exc if not isinstance(exc, TRANSIENT) else Abandoned(f"publish: {type(exc).__name__}"))

@@ -78,13 +78,15 @@ _FENCED_APPEND = """
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
 if fence > tonumber(ARGV[1]) then return false end
 local top_seq = 0
+local start = tonumber(ARGV[3])
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #top > 0 then
   local ms, seq = string.match(top[1][1], '^(%d+)-(%d+)$')
   if ms ~= '0' then return false end
   top_seq = tonumber(seq)
+elseif start > 1 then
+  return 0
 end
-local start = tonumber(ARGV[3])
 local ids = {}
 for i = 4, #ARGV do
   local seq = start + i - 4
@@ -108,6 +110,16 @@ class Fenced(Exception):
     """A newer attempt owns the job's stream: this one must stop."""
 
 
+class StreamLost(Exception):
+    """The job's stream is gone although this attempt had written to it (Redis restarted empty):
+    nothing was appended; the attempt rebuilds it (if it still owns the job) and appends again."""
+
+
+# What the fenced append answers for a lost stream: an append past entry 1 into no stream at all.
+# Found by the append itself, so no attempt has to ask Redis whether its stream still exists.
+LOST = 0
+
+
 def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
     """Called by an attempt right after its claim, before it reads what earlier attempts streamed:
     anything a stale attempt appends later is refused, anything before is in what it reads."""
@@ -126,10 +138,15 @@ def text(v: Any) -> str:
 def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
     """Append `payloads` as the job's entries number `start`, `start + 1`, ... (1-based): those
     already there (a retried append) are not written again."""
-    ids = redis.eval(*fenced_append_args(job_id, attempt, payloads, ttl_s, start))
-    if ids is None:
+    return _appended(redis.eval(*fenced_append_args(job_id, attempt, payloads, ttl_s, start)), job_id, attempt)
+
+
+def _appended(result: Any, job_id: str, attempt: int) -> list[str]:
+    if result is None:
         raise Fenced(f"job {job_id}: attempt {attempt} was superseded")
-    return [_text(i) for i in ids]
+    if result == LOST:
+        raise StreamLost(f"job {job_id}: its event stream is gone")
+    return [_text(i) for i in result]
 
 
 class _Pending:
@@ -165,9 +182,7 @@ class GroupAppender:
         item.done.wait()
         if isinstance(item.result, BaseException):
             raise item.result
-        if item.result is None:
-            raise Fenced(f"job {job_id}: attempt {attempt} was superseded")
-        return [_text(i) for i in item.result]
+        return _appended(item.result, job_id, attempt)
 
     def _run(self) -> None:
         while True:
