@@ -25,7 +25,11 @@ class Clock:
 
 def engine(max_batch: int = 64, reserved: int = 4, **kw) -> tuple[PacedEngine, Clock]:
     clock = Clock()
-    return PacedEngine(MODEL, n_ctx=2048, max_batch=max_batch, interactive_slots=reserved, sleep=clock, **kw), clock
+    # A stopped clock: the step's own work takes no modelled time, so the naps are the model's exactly.
+    eng = PacedEngine(
+        MODEL, n_ctx=2048, max_batch=max_batch, interactive_slots=reserved, sleep=clock, clock=lambda: 0.0, **kw
+    )
+    return eng, clock
 
 
 def spec(key, n: int, prompt=(1, 2, 3, 4), interactive: bool = True, prior: int = 0, seed: int = 7) -> SeqSpec:
@@ -65,6 +69,16 @@ def test_one_token_per_sequence_per_step_and_the_modelled_time():
     assert eng.slept_s == pytest.approx(0.04 + 0.09)
     assert analytic_tok_s(4, 8, 0.25) == pytest.approx(4 / 0.009)
     assert step_seconds(64, 8, 0.25) == pytest.approx(0.024)
+
+
+def test_the_steps_own_work_is_taken_out_of_its_nap():
+    """Choosing tokens stands for the GPU's sampling: a step whose Python took 3 ms naps 3 ms less."""
+    clock = Clock()
+    ticks = iter([0.0, 0.003] * 100)
+    eng = PacedEngine(MODEL, n_ctx=2048, max_batch=4, sleep=clock, clock=lambda: next(ticks), prefill_tps=1e12)
+    eng.add(spec(0, 2))
+    run(eng)
+    assert clock.naps[1:] == [pytest.approx(0.00825 - 0.003)] * 2
 
 
 def test_tokens_are_deterministic_and_a_resumed_attempt_continues_them():
