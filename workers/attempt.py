@@ -19,8 +19,8 @@ from core.generation.params import GenerationParams, choice_index
 from core.generation.prompt import Prompt
 from core.infra import streams
 from core.infra.metrics import ITL, QUEUE_WAIT, TTFT
-from core.infra.orm import Job
 from core.jobs.states import JobKind
+from core.jobs.transitions import Claimed
 from workers import choices, resume
 from workers.choices import Choice
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class Attempt:
-    def __init__(self, runner: JobRunner, job: Job) -> None:
+    def __init__(self, runner: JobRunner, job: Claimed) -> None:
         self.runner = runner
         self.loop = runner.loop
         self.engine = runner.loop.engine

@@ -18,10 +18,11 @@ from sqlalchemy.orm import sessionmaker
 from core.config import Settings
 from core.generation.events import ErrorInfo
 from core.infra import logs, streams
-from core.infra.orm import Job
+from core.infra.autocommit import one_statement
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobKind
+from core.jobs.transitions import Claimed
 from workers.attempt import Attempt
 from workers.engine.loop import EngineLoop
 from workers.outcome import EngineError, JobError, Outcome
@@ -75,19 +76,16 @@ class JobRunner:
         with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="group") as pool:
             return list(pool.map(self._run_claimed, jobs))
 
-    def _claim_many(self, pairs: list[tuple[str, int]]) -> list[Job]:
-        with self.sessions() as s:
-            jobs = list(s.execute(*transitions.claim_many(pairs, self.worker_name, self.settings.lease_s)).scalars())
-            s.commit()
-        return jobs
+    def _claim_many(self, pairs: list[tuple[str, int]]) -> list[Claimed]:
+        stmt = transitions.claim_many(pairs, self.worker_name, self.settings.lease_s)
+        return transitions.claimed(one_statement(self.sessions, *stmt))
 
-    def _claim(self, job_id: str, attempt: int) -> Job | None:
-        with self.sessions() as s:
-            job = s.execute(*transitions.claim(job_id, attempt, self.worker_name, self.settings.lease_s)).scalar()
-            s.commit()
-        return job
+    def _claim(self, job_id: str, attempt: int) -> Claimed | None:
+        stmt = transitions.claim(job_id, attempt, self.worker_name, self.settings.lease_s)
+        found = transitions.claimed(one_statement(self.sessions, *stmt))
+        return found[0] if found else None
 
-    def _run_claimed(self, job: Job) -> Outcome:
+    def _run_claimed(self, job: Claimed) -> Outcome:
         try:
             with logs.bound(
                 request_id=job.request_id, job_id=job.id, tenant_id=job.tenant_id, model=job.model, attempt=job.attempt
@@ -100,7 +98,7 @@ class JobRunner:
             if job.kind == JobKind.batch and self.batch_slot_wake is not None:
                 self.batch_slot_wake()
 
-    def _attempt(self, job: Job) -> Outcome:
+    def _attempt(self, job: Claimed) -> Outcome:
         job_id, attempt = job.id, job.attempt
         try:
             return Attempt(self, job).run()
@@ -124,8 +122,6 @@ class JobRunner:
             return Outcome.abandoned
         return Outcome.failed
 
-    def renew(self, job: Job) -> bool:
-        with self.sessions() as s:
-            ok = s.execute(transitions.renew_lease(job.id, job.attempt, self.settings.lease_s)).first() is not None
-            s.commit()
-        return ok
+    def renew(self, job: Claimed) -> bool:
+        stmt = transitions.renew_lease(job.id, job.attempt, self.settings.lease_s)
+        return bool(one_statement(self.sessions, stmt))

@@ -29,10 +29,12 @@ from core.generation.events import Cancelled, Delta, Done, ErrorInfo, Failed, Jo
 from core.generation.prompt import Prompt
 from core.idempotency import Claim
 from core.infra import kv, streams
+from core.infra.autocommit import one_statement
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.states import JobKind, JobState
+from core.jobs.transitions import Claimed
 from core.tenancy import ratelimit, usage
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,9 @@ BATCH_CANCELLED = ErrorInfo(
 )
 # Terminal events of many jobs at once go to Redis in pipelines of this many jobs.
 ANNOUNCE_CHUNK = 1000
+# A worker's endings, each with its usage row, as one statement (built once).
+SUCCEED = usage.billed_with(transitions.SUCCEED)
+FAIL = usage.billed_with(transitions.FAIL)
 
 
 def worker_lost(max_attempts: int) -> ErrorInfo:
@@ -150,8 +155,13 @@ class Lifecycle:
         (the ledger already says how the job ended; readers fall back to it meanwhile)."""
 
         def once() -> None:
-            ratelimit.settle(self.redis, job_id, billable)
-            self.publish(job_id, [ev], cancel_flag=isinstance(ev, Cancelled))
+            # One round trip: the settlement, then the event (a pipeline runs them in this order).
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), int(time.time() * 1000), billable)
+            if isinstance(ev, Cancelled):
+                pipe.set(streams.cancel_key(job_id), 1, ex=3600)
+            streams.queue_append(pipe, job_id, [encode(ev)], self.settings.events_ttl_s)
+            pipe.execute()
 
         self._while_redis_away(once, f"job {job_id}")
 
@@ -242,9 +252,33 @@ class Lifecycle:
             return []
         return [e for e in evs if isinstance(e, Delta)]
 
-    def succeed(self, job: Job, result: JobResult, u: Usage, engine_s: float) -> bool:
-        stmt = transitions.succeed(job.id, job.attempt, result.model_dump(mode="json"), u.model_dump(mode="json"))
-        row = self._end(stmt, "succeeded", Done(attempt=job.attempt, usage=u), u, engine_s)
+    def _end_billed(
+        self, stmt: Any, params: dict[str, Any], outcome: str, ev: Done | Failed, u: Usage, engine_s: float
+    ) -> Any:
+        """`_end` for an ending whose bill is known before it (succeed, fail): the transition and the
+        usage row in one statement (`usage.billed_with`), on an autocommit connection, one round trip.
+        Returns the ended row (None when the transition lost: nothing billed, nothing announced)."""
+        bill = usage.bill(outcome, u.prompt_tokens, u.completion_tokens, engine_s)
+        found = one_statement(self.sessions, stmt, {**params, **bill})
+        if not found:
+            return None
+        row = found[0]
+        # The usage counters, for the job this call ended (the row is in `usage_daily` already).
+        usage.record(
+            tenant_id=row.tenant_id,
+            key_id=row.key_id,
+            model=row.model,
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            gpu_seconds=engine_s,
+            outcome=outcome,
+        )
+        self._announce(row.id, u.total_tokens, ev)
+        return row
+
+    def succeed(self, job: Job | Claimed, result: JobResult, u: Usage, engine_s: float) -> bool:
+        _, params = transitions.succeed(job.id, job.attempt, result.model_dump(mode="json"), u.model_dump(mode="json"))
+        row = self._end_billed(SUCCEED, params, "succeeded", Done(attempt=job.attempt, usage=u), u, engine_s)
         if row is not None:
             PROMPT_TOKENS.labels(row.model).inc(u.prompt_tokens)
             GENERATION_TOKENS.labels(row.model).inc(u.completion_tokens)
@@ -252,13 +286,14 @@ class Lifecycle:
                 E2E.labels(row.model, row.kind).observe((row.finished_at - row.created_at).total_seconds())
         return row is not None
 
-    def fail(self, job: Job, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
+    def fail(self, job: Job | Claimed, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
         """`u`: what to bill; by default what the job's stream delivered (`delivered`)."""
         if u is None:
             u = self.delivered(job)
         error = _storable_error(error)
-        stmt = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
-        return self._end(stmt, "failed", Failed(attempt=job.attempt, error=error), u, engine_s) is not None
+        _, params = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
+        ev = Failed(attempt=job.attempt, error=error)
+        return self._end_billed(FAIL, params, "failed", ev, u, engine_s) is not None
 
     def cancel(self, job_id: str, tenant_id: int) -> Job | None:
         """Cancel a live job of this tenant; returns its row either way (None: not this tenant's)."""

@@ -11,29 +11,19 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from sqlalchemy import Insert, Table, bindparam, func
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import BigInteger, Select, Table, Update, bindparam, func, literal, select
+from sqlalchemy.dialects.postgresql import Insert, insert
 
 from core.infra.metrics import REQUESTS, SECONDS, TOKENS
 from core.infra.orm import UsageDaily
 
+_TABLE = cast(Table, UsageDaily.__table__)
+_DAY = func.date(func.timezone("utc", func.now()))
+_COLUMNS = ("tenant_id", "key_id", "model", "requests", "failed", "prompt_tokens", "completion_tokens", "gpu_seconds")
 
-def _upsert() -> Insert:
-    # Built once, on the table (not the ORM class), with bound parameters: building this statement and
-    # going through the ORM's bulk-insert path per finished job was a sixth of a worker's CPU.
-    t = cast(Table, UsageDaily.__table__)
-    stmt = insert(t).values(
-        day=func.date(func.timezone("utc", func.now())),
-        tenant_id=bindparam("tenant_id"),
-        key_id=bindparam("key_id"),
-        model=bindparam("model"),
-        requests=bindparam("requests"),
-        failed=bindparam("failed"),
-        prompt_tokens=bindparam("prompt_tokens"),
-        completion_tokens=bindparam("completion_tokens"),
-        gpu_seconds=bindparam("gpu_seconds"),
-    )
-    ex = stmt.excluded
+
+def _on_conflict(stmt: Insert) -> Insert:
+    t, ex = _TABLE, stmt.excluded
     return stmt.on_conflict_do_update(
         index_elements=[t.c.day, t.c.tenant_id, t.c.key_id, t.c.model],
         set_={
@@ -44,6 +34,45 @@ def _upsert() -> Insert:
             "gpu_seconds": t.c.gpu_seconds + ex.gpu_seconds,
         },
     )
+
+
+def _upsert() -> Insert:
+    # Built once, on the table (not the ORM class), with bound parameters: building this statement and
+    # going through the ORM's bulk-insert path per finished job was a sixth of a worker's CPU.
+    return _on_conflict(insert(_TABLE).values(day=_DAY, **{c: bindparam(c) for c in _COLUMNS}))
+
+
+def billed_with(ending: Update) -> Select:
+    """One statement that makes `ending` (a job's compare-and-set end, RETURNING at least tenant_id,
+    key_id and model) and counts the job it ended in `usage_daily`, returning what `ending` returns:
+    a data-modifying CTE, atomic on its own, so an autocommit connection ends and bills a job in one
+    round trip instead of BEGIN, UPDATE, upsert and COMMIT. A lost compare-and-set returns no row and
+    bills nothing. Parameters: `ending`'s, and `bill`'s."""
+    ended = ending.cte("ended")
+    c = _TABLE.c
+    rows = select(
+        _DAY,
+        ended.c.tenant_id,
+        func.coalesce(ended.c.key_id, 0),
+        ended.c.model,
+        literal(1, BigInteger),
+        bindparam("failed", type_=c.failed.type),
+        bindparam("prompt_tokens", type_=c.prompt_tokens.type),
+        bindparam("completion_tokens", type_=c.completion_tokens.type),
+        bindparam("gpu_seconds", type_=c.gpu_seconds.type),
+    )
+    billed = _on_conflict(insert(_TABLE).from_select(["day", *_COLUMNS], rows)).cte("billed")
+    return select(*ended.c).add_cte(billed)
+
+
+def bill(outcome: str, prompt_tokens: int, completion_tokens: int, gpu_seconds: float) -> dict[str, Any]:
+    """`billed_with`'s usage parameters for one job."""
+    return {
+        "failed": 0 if outcome == "succeeded" else 1,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "gpu_seconds": gpu_seconds,
+    }
 
 
 UPSERT = _upsert()

@@ -110,7 +110,7 @@ def test_a_group_claim_takes_only_pairs_still_dispatched_at_that_attempt(session
     pairs = [(a.id, 1), (b.id, 2), (queued.id, 1), (newer.id, 2)]
     for expected in ({a.id, b.id}, set()):  # the message, then its duplicate
         with sessions() as s:
-            got = s.execute(*transitions.claim_many(pairs, "w-group", 60)).scalars().all()
+            got = transitions.claimed(s.execute(*transitions.claim_many(pairs, "w-group", 60)))
             s.commit()
         assert {j.id for j in got} == expected
     for job, state in ((a, "running"), (b, "running"), (queued, "queued"), (newer, "dispatched")):

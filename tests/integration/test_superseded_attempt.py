@@ -29,10 +29,10 @@ def engine_loop():
 
 def _claim(sessions, job_id: str, attempt: int, worker: str, lease_s: float):
     with sessions() as s:
-        row = s.execute(*transitions.claim(job_id, attempt, worker, lease_s)).scalar()
+        rows = transitions.claimed(s.execute(*transitions.claim(job_id, attempt, worker, lease_s)))
         s.commit()
-    assert row is not None
-    return row
+    assert len(rows) == 1
+    return rows[0]
 
 
 def _started(session, sessions, rds, it_settings, engine_loop, lease_s: float) -> Attempt:
