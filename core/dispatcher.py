@@ -118,8 +118,10 @@ class Dispatcher:
                 self.keep_batches()
             except Exception:
                 log.exception("batch bookkeeping failed; retrying")
-            if self.batches_pending:  # a batch stopped at a full slice: go on with it now
-                time.sleep(0.01)
+            if self.batches_pending:
+                # A batch stopped at a full slice: go on with it soon, but rest as long as the pass
+                # took, so working through a huge batch takes at most half a core from the others.
+                time.sleep(max(0.05, time.monotonic() - started))
                 continue
             time.sleep(max(0.05, self.settings.dispatcher_interval_s - (time.monotonic() - started)))
 
