@@ -204,8 +204,13 @@ def advance(sessions: sessionmaker[Session], lifecycle: Lifecycle, limit: int = 
             ).first()
             if b is None:  # ended meanwhile, or another keeper holds it
                 continue
-            ended, more, lines = _step(session, lifecycle, b, slice_rows, fingerprints)
-            session.commit()
+            try:
+                ended, more, lines = _step(session, lifecycle, b, slice_rows, fingerprints)
+                session.commit()
+            except Exception:  # this batch's pass is rolled back whole; the others go on
+                log.exception("batch %s: bookkeeping pass failed; retried on the next pass", batch_id)
+                session.rollback()
+                continue
         if lines is not None:
             lifecycle.announce_lines(*lines)
         done.ended += ended

@@ -195,3 +195,34 @@ def test_result_files_are_written_in_slices_and_shown_only_when_whole(session, s
     assert [x["response"]["body"]["choices"][0]["text"] for x in ok] == [f"line {i}" for i in range(12) if i % 4 != 3]
     assert [x["custom_id"] for x in bad] == ["r3", "r7", "r11"]
     assert [x["response"]["body"]["error"]["message"] for x in bad] == ["bad 3", "bad 7", "bad 11"]
+
+
+def test_a_pass_that_dies_mid_slice_leaves_nothing_half_written(session, sessions, rds, it_settings, monkeypatch):
+    """The keeper's process dies while writing a slice (here: its writer raises after a few lines):
+    that slice's transaction rolls back whole, and the next pass writes every line exactly once."""
+    lifecycle = Lifecycle(sessions, rds, it_settings)
+    batch_id = _expired_batch(session, 12, expired=False)
+    ids = [j for (j,) in session.execute(select(Job.id).where(Job.batch_id == batch_id).order_by(Job.line_no))]
+    for i, j in enumerate(ids):
+        assert lifecycle.succeed(_run(session, j), _result(f"line {i}"), Usage(completion_tokens=1), 0.1)
+    progress.advance(sessions, lifecycle, slice_rows=5)  # lines 1-5 written
+    real = progress.files.ChunkWriter.write
+    written = []
+
+    def dying(self, data):
+        written.append(data)
+        if len(written) == 3:
+            raise RuntimeError("killed mid-slice")
+        real(self, data)
+
+    monkeypatch.setattr(progress.files.ChunkWriter, "write", dying)
+    progress.advance(sessions, lifecycle, slice_rows=5)  # the keeper logs and goes on; nothing kept
+    monkeypatch.undo()
+    b = session.get(Batch, batch_id, populate_existing=True)
+    assert b.status == BatchStatus.finalizing and b.results_line == 5
+    _drain(session, sessions, lifecycle, batch_id, 5)
+    b = session.get(Batch, batch_id, populate_existing=True)
+    raw = b"".join(
+        session.scalars(select(FileChunk.data).where(FileChunk.file_id == b.output_file_id).order_by(FileChunk.seq))
+    )
+    assert [json.loads(x)["custom_id"] for x in raw.splitlines()] == [f"r{i}" for i in range(12)]
