@@ -17,7 +17,7 @@ from core.files import storage as files
 from core.infra import threads
 from core.infra.db import async_sessions
 from core.infra.orm import File
-from core.protocol.render import page
+from core.protocol import render
 from core.protocol.schemas import FileDeleted, FileList, FileObject
 
 router = APIRouter(prefix="/v1/files")
@@ -84,13 +84,13 @@ async def upload(
                 f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
                 if f is not None:
                     await uploads.abort(up)  # the first request's file is the answer: this copy goes
-                    return files.file_json(f)
+                    return render.file(f)
             # Stored and named by the key in one transaction, only while this request holds the key.
             stored = await threads.run("upload", up.finish, purpose, idempotency.record_statement(claim, up.file_id))
     except BaseException:
         await uploads.abort(up)
         raise
-    return files.file_json(stored)
+    return render.file(stored)
 
 
 @router.get("", response_model=FileList)
@@ -114,8 +114,8 @@ async def list_files(
             )
     stmt = stmt.order_by(File.created_at.desc() if order == "desc" else File.created_at).limit(limit + 1)
     rows = (await session.execute(stmt)).scalars().all()
-    data = [files.file_json(f) for f in rows[:limit]]
-    return page(data, len(rows) > limit)
+    data = [render.file(f) for f in rows[:limit]]
+    return render.page(data, len(rows) > limit)
 
 
 @router.get("/{file_id}", response_model=FileObject)
@@ -123,7 +123,7 @@ async def get_file(file_id: str, tenant: TenantDep, session: SessionDep) -> dict
     f = (await session.execute(files.get_for_tenant(file_id, tenant.id))).scalar()
     if f is None:
         raise _not_found(file_id)
-    return files.file_json(f)
+    return render.file(f)
 
 
 @router.get("/{file_id}/content")
@@ -152,7 +152,7 @@ async def delete_file(file_id: str, tenant: TenantDep, session: SessionDep) -> d
     f.deleted = True  # the row stays for batches that name it; its content goes
     await session.execute(delete(files.FileChunk).where(files.FileChunk.file_id == file_id))
     await session.commit()
-    return {"id": file_id, "object": "file", "deleted": True}
+    return render.file_deleted(file_id)
 
 
 def _disposition(filename: str) -> str:

@@ -27,12 +27,14 @@ from core.batches.status import BatchStatus, cancelled, rejected, validated
 from core.config import Settings
 from core.errors import DomainError
 from core.files import storage as files
+from core.infra import redis_keys
 from core.infra.kv import TRANSIENT as REDIS_DOWN
 from core.infra.orm import Batch
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import transitions as jobs
 from core.jobs.service import translate
 from core.jobs.states import JobKind, JobState
+from core.protocol import render
 from core.protocol.errors import from_validation
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import reservation
@@ -46,9 +48,6 @@ REQUESTS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
 }
-
-# The API pushes a batch id here after creating it, so a validator starts at once, not at its next poll.
-WAKE_KEY = "spool:batches:validate"
 
 
 class _LineError(Exception):
@@ -297,7 +296,8 @@ def validate(sessions: sessionmaker[Session], batch_id: str, settings: Settings)
                         "message": f"{extra_errors} more lines are invalid.",
                     }
                 )
-            moved: Any = session.execute(rejected(batch_id, now, total, errors))  # an UPDATE's result: rowcount
+            listed = render.listing(errors)
+            moved: Any = session.execute(rejected(batch_id, now, total, listed))  # an UPDATE's result: rowcount
             session.commit()
             return BatchStatus.failed if moved.rowcount else BatchStatus.cancelled
         moved = session.execute(validated(batch_id, now, total))
@@ -348,7 +348,7 @@ def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings,
             if batch_id:
                 validate(sessions, batch_id, settings)
                 continue
-            rds.blpop([WAKE_KEY], timeout=poll_s)
+            rds.blpop([redis_keys.BATCH_VALIDATE_WAKE], timeout=poll_s)
         except TRANSIENT:
             log.warning("batch validation: Postgres/Redis unavailable; will retry", exc_info=True)
             time.sleep(poll_s)
@@ -368,5 +368,5 @@ def give_up(sessions: sessionmaker[Session], batch_id: str) -> None:
         "line": None,
     }
     with sessions() as session:
-        session.execute(rejected(batch_id, datetime.now(UTC), 0, [error]))
+        session.execute(rejected(batch_id, datetime.now(UTC), 0, render.listing([error])))
         session.commit()

@@ -44,10 +44,6 @@ def window_seconds(window: str) -> int | None:
     return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
-def _ts(d: datetime | None) -> int | None:
-    return int(d.timestamp()) if d else None
-
-
 def counts(b: Batch) -> dict[str, int]:
     """OpenAI's request_counts: the total from validation, the rest as kept by the trigger on jobs."""
     total = int((b.request_counts or {}).get("total", 0))
@@ -55,29 +51,8 @@ def counts(b: Batch) -> dict[str, int]:
 
 
 def batch_json(b: Batch) -> dict[str, Any]:
-    final = b.status in FINAL  # result files being written are not shown until they are whole
-    return {
-        "id": b.id,
-        "object": "batch",
-        "endpoint": b.endpoint,
-        "errors": b.errors,
-        "input_file_id": b.input_file_id,
-        "completion_window": b.completion_window,
-        "status": b.status,
-        "output_file_id": b.output_file_id if final else None,
-        "error_file_id": b.error_file_id if final else None,
-        "created_at": _ts(b.created_at),
-        "in_progress_at": _ts(b.in_progress_at),
-        "expires_at": _ts(b.expires_at),
-        "finalizing_at": _ts(b.finalizing_at),
-        "completed_at": _ts(b.completed_at),
-        "failed_at": _ts(b.failed_at),
-        "expired_at": _ts(b.expired_at),
-        "cancelling_at": _ts(b.cancelling_at),
-        "cancelled_at": _ts(b.cancelled_at),
-        "request_counts": counts(b),
-        "metadata": b.meta,
-    }
+    """The batch object: result files being written are not shown until they are whole."""
+    return render.batch(b, counts(b), files_shown=b.status in FINAL)
 
 
 def has_live_lines(batch_id: str):

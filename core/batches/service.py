@@ -14,13 +14,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from core import idempotency
 from core.batches import progress, webhooks
-from core.batches.ingest import WAKE_KEY
 from core.batches.status import CANCELLABLE, EMPTY_COUNTS, BatchStatus, cancel_requested
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import storage as files
 from core.idempotency import Claim
-from core.infra import threads
+from core.infra import redis_keys, threads
 from core.infra.orm import Batch
 from core.tenancy.keys import Principal
 
@@ -103,7 +102,7 @@ async def _wake_validator(rds: aioredis.Redis, batch_id: str) -> None:
     create a second batch. A validator that misses the wake finds the batch at its next poll."""
     try:
         async with asyncio.timeout(WAKE_TIMEOUT_S):
-            await rds.lpush(WAKE_KEY, batch_id)
+            await rds.lpush(redis_keys.BATCH_VALIDATE_WAKE, batch_id)
     except Exception as exc:  # Redis away, slow or refusing: the poll picks the batch up
         log.warning("batch %s stored; could not wake a validator (%s): it starts at the next poll", batch_id, exc)
 

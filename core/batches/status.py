@@ -51,13 +51,15 @@ def validated(batch_id: str, now: datetime, total: int) -> Update:
     )
 
 
-def rejected(batch_id: str, now: datetime, total: int, errors: list[dict[str, Any]]) -> Update:
+def rejected(batch_id: str, now: datetime, total: int, errors: dict[str, Any]) -> Update:
+    """`errors`: the list object the batch shows (render.listing; workers import this module, so it
+    renders nothing itself)."""
     return _move(
         batch_id,
         (BatchStatus.validating,),
         BatchStatus.failed,
         failed_at=now,
-        errors={"object": "list", "data": errors},
+        errors=errors,
         request_counts={**EMPTY_COUNTS, "total": total},
         lease_until=None,
     )

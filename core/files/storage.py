@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -18,7 +17,6 @@ __all__ = [
     "ChunkWriter",
     "File",
     "FileChunk",
-    "file_json",
     "insert_chunk",
     "iter_lines",
     "new_file_id",
@@ -30,19 +28,6 @@ CHUNK = 1 << 20
 
 def new_file_id() -> str:
     return "file-" + secrets.token_hex(12)
-
-
-def file_json(f: File) -> dict[str, Any]:
-    return {
-        "id": f.id,
-        "object": "file",
-        "bytes": f.bytes,
-        "created_at": int(f.created_at.timestamp()),
-        "filename": f.filename,
-        "purpose": f.purpose,
-        "status": f.status,
-        "expires_at": int(f.expires_at.timestamp()) if f.expires_at else None,
-    }
 
 
 def get_for_tenant(file_id: str, tenant_id: int):

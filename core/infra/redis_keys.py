@@ -43,6 +43,10 @@ def live_workers(model: str) -> str:
 # A list pushed when a batch slot frees; the dispatcher blocks on it.
 DISPATCHER_WAKE = "spool:dispatcher:wake"
 
+# A list the API pushes a created batch's id onto, so a validator (core/batches/ingest.py) starts at
+# once, not at its next poll.
+BATCH_VALIDATE_WAKE = "spool:batches:validate"
+
 
 def ui_session(token: str) -> str:
     """A status-page session: the digest of the admin key that opened it, never the key."""

@@ -313,6 +313,89 @@ def webhook_secret(secret: str) -> dict[str, Any]:
     return {"object": "webhook_secret", "secret": secret}
 
 
+# -- files and batches -----------------------------------------------------------------------------
+
+
+class FileRecord(Protocol):
+    """What rendering reads from a stored file (the ORM's File has it)."""
+
+    id: str
+    bytes: int
+    created_at: datetime
+    filename: str
+    purpose: str
+    status: str
+    expires_at: datetime | None
+
+
+def file(f: FileRecord) -> dict[str, Any]:
+    """OpenAI's file object."""
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": _ts(f.created_at),
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": f.status,
+        "expires_at": _ts(f.expires_at),
+    }
+
+
+def file_deleted(file_id: str) -> dict[str, Any]:
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+class BatchRecord(Protocol):
+    """What rendering reads from a batch (the ORM's Batch has it)."""
+
+    id: str
+    endpoint: str
+    errors: dict[str, Any] | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    meta: dict[str, Any] | None
+    created_at: datetime
+    in_progress_at: datetime | None
+    expires_at: datetime
+    finalizing_at: datetime | None
+    completed_at: datetime | None
+    failed_at: datetime | None
+    expired_at: datetime | None
+    cancelling_at: datetime | None
+    cancelled_at: datetime | None
+
+
+def batch(b: BatchRecord, counts: dict[str, int], files_shown: bool) -> dict[str, Any]:
+    """OpenAI's batch object. The domain says what rendering cannot know: its `request_counts`, and
+    whether its result files are whole yet (`files_shown`; core/batches/progress.batch_json)."""
+    return {
+        "id": b.id,
+        "object": "batch",
+        "endpoint": b.endpoint,
+        "errors": b.errors,
+        "input_file_id": b.input_file_id,
+        "completion_window": b.completion_window,
+        "status": b.status,
+        "output_file_id": b.output_file_id if files_shown else None,
+        "error_file_id": b.error_file_id if files_shown else None,
+        "created_at": _ts(b.created_at),
+        "in_progress_at": _ts(b.in_progress_at),
+        "expires_at": _ts(b.expires_at),
+        "finalizing_at": _ts(b.finalizing_at),
+        "completed_at": _ts(b.completed_at),
+        "failed_at": _ts(b.failed_at),
+        "expired_at": _ts(b.expired_at),
+        "cancelling_at": _ts(b.cancelling_at),
+        "cancelled_at": _ts(b.cancelled_at),
+        "request_counts": counts,
+        "metadata": b.meta,
+    }
+
+
 # -- stream chunks -----------------------------------------------------------------------------
 
 DONE = "[DONE]"

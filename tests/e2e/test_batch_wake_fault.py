@@ -21,7 +21,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from core.batches.ingest import WAKE_KEY
+from core.infra.redis_keys import BATCH_VALIDATE_WAKE
 from tests.conftest import MODEL, TEST_REDIS, free_port, wait_for
 
 
@@ -35,7 +35,7 @@ def redis_cut_on_wake(redis_url: str) -> Iterator[tuple[str, list[int]]]:
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     cut = [0]
-    wake = WAKE_KEY.encode()
+    wake = BATCH_VALIDATE_WAKE.encode()
 
     def close(*socks: socket.socket) -> None:
         for s in socks:
