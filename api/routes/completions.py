@@ -65,7 +65,7 @@ class _Call(NamedTuple):
     fingerprints: render.Fingerprints
 
 
-def _call(
+async def _call(  # async: a plain def dependency runs on the thread pool
     request: Request,
     principal: PrincipalDep,
     redis: RedisDep,
@@ -136,7 +136,7 @@ async def _serve(body, endpoint: str, call: _Call):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage, fingerprint=fingerprint)
         return _StreamOrCancel(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
-    row = await _wait_unless_draining(completions.wait(hub, job.id, tenant_id, settings.wait_timeout_s), request)
+    row = await _wait_unless_draining(completions.wait(hub, job, tenant_id, settings.wait_timeout_s), request)
     if row is None:
         return _accepted(job, headers, fingerprint)
     if row.state == "succeeded":

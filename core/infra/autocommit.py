@@ -6,6 +6,7 @@ from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import Engine, Row
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import sessionmaker
 
 
@@ -21,3 +22,14 @@ def one_statement(sessions: sessionmaker, stmt: Any, params: Any = None) -> list
     single-statement transitions (claim, end) that was most of their CPU."""
     with _autocommit(sessions.kw["bind"]).connect() as conn:
         return list(conn.execute(stmt, params))
+
+
+@lru_cache
+def _autocommit_async(engine: AsyncEngine) -> AsyncEngine:
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
+async def one_statement_async(sessions: async_sessionmaker, stmt: Any, params: Any = None) -> list[Row]:
+    """`one_statement` on an async session factory's engine (the API's)."""
+    async with _autocommit_async(sessions.kw["bind"]).connect() as conn:
+        return list(await conn.execute(stmt, params))

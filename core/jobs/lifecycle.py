@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import redis
 from sqlalchemy import Update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
@@ -29,7 +29,7 @@ from core.generation.events import Cancelled, Delta, Done, ErrorInfo, Failed, Jo
 from core.generation.prompt import Prompt
 from core.idempotency import Claim
 from core.infra import kv, streams
-from core.infra.autocommit import one_statement
+from core.infra.autocommit import one_statement, one_statement_async
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
 from core.jobs import transitions
@@ -67,16 +67,21 @@ Send = Callable[[str, int, str, str], None]
 
 
 async def submit(
-    session: AsyncSession, job: Job, send: Send, cap: int | None = None, claim: Claim | None = None
+    sessions: async_sessionmaker[AsyncSession], job: Job, send: Send, cap: int | None = None, claim: Claim | None = None
 ) -> None:
     """Persist, then enqueue: commit the job (and the Idempotency-Key that names it), already
     `dispatched` if its tenant has room, in one transaction; then hand it to Celery with `send`. The
     row exists before any message can name it; if the send fails the dispatcher sends it later."""
     # Interactive jobs only: batch lines always go through the fair dispatcher.
-    row = (await session.execute(*transitions.insert_new(job, cap, dispatch=job.kind == JobKind.interactive))).one()
+    stmt = transitions.insert_new(job, cap, dispatch=job.kind == JobKind.interactive)
+    if claim is None:  # the INSERT alone: one autocommit round trip, no ORM session around it
+        (row,) = await one_statement_async(sessions, *stmt)
+    else:
+        async with sessions() as session:
+            row = (await session.execute(*stmt)).one()
+            await idempotency.record(claim, job.id, session)
+            await session.commit()
     job.state, job.created_at, job.dispatched_at = row.state, row.created_at, row.dispatched_at
-    await idempotency.record(claim, job.id, session)
-    await session.commit()
     if job.state != JobState.dispatched.value:  # a batch line, or over the cap: the dispatcher sends it
         return
     try:
@@ -84,8 +89,7 @@ async def submit(
     except Exception:
         log.warning("could not send job %s; leaving it to the dispatcher", job.id, exc_info=True)
         try:
-            await session.execute(transitions.undispatch(job.id, job.attempt))
-            await session.commit()
+            await one_statement_async(sessions, transitions.undispatch(job.id, job.attempt))
         except Exception:  # left `dispatched`: the dispatcher re-sends it after its timeout
             log.warning("could not return job %s to queued", job.id, exc_info=True)
 

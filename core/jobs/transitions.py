@@ -380,6 +380,13 @@ def fail_lapsed(max_attempts: int, error: dict[str, Any]) -> Update:
     )
 
 
+# What a job's ending wrote, for the API to answer a request that waited for it (it has the rest).
+ENDING_COLUMNS = ("state", "attempt", "result", "usage", "error", "started_at", "finished_at")
+ENDING = select(*(_JOBS.c[n] for n in ENDING_COLUMNS)).where(
+    _JOBS.c.id == bindparam("b_id"), _JOBS.c.tenant_id == bindparam("b_tenant")
+)
+
+
 def get_for_tenant(job_id: str, tenant_id: int):
     """The job, if it belongs to `tenant_id` (another tenant's job is simply not found)."""
     return select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)

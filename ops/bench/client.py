@@ -97,6 +97,7 @@ class Summary:
     ttft_ms: dict[str, float] = field(default_factory=dict)
     itl_ms: dict[str, float] = field(default_factory=dict)
     e2e_ms: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # the first few distinct failures, to say why
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -122,6 +123,7 @@ def summarize(
         rate=cfg.rate,
         requests=len(results),
         failed=len(results) - len(ok),
+        errors=sorted({r.error or "" for r in results if not r.ok})[:5],
         duration_s=duration,
         output_tokens=tokens,
         output_tok_s=tokens / duration if duration else 0.0,

@@ -211,6 +211,7 @@ def run_levels(
                 "spool_tok_s": spool.output_tok_s,
                 "ratio": spool.output_tok_s / eng.output_tok_s if eng.output_tok_s else None,
                 "failed": spool.failed,
+                "errors": spool.errors,
                 "ttft_ms": {"engine": eng.ttft_ms, "spool": spool.ttft_ms},
                 "itl_ms": {"engine": eng.itl_ms, "spool": spool.itl_ms},
                 "cpu_ms_per_token": {k: 1000 * v / toks for k, v in cpu.items()},
@@ -235,6 +236,7 @@ def run_levels(
                 "concurrency": levels[-1],
                 "jobs_s": s.requests_s,
                 "failed": s.failed,
+                "errors": s.errors,
                 "cpu_ms_per_job": {k: 1000 * v / jobs for k, v in cpu.items()},
                 "spool_cpu_ms_per_job": 1000 * sum(v for k, v in cpu.items() if k != "client") / jobs,
             }
@@ -267,6 +269,8 @@ def print_rows(rows: list[dict]) -> None:
                 + f"  | Spool total {r['spool_cpu_ms_per_job']:.2f}",
                 flush=True,
             )
+        for e in r.get("errors") or []:
+            print(f"       failure: {e}", flush=True)
 
 
 def print_medians(rows: list[dict]) -> None:
