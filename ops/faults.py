@@ -46,11 +46,9 @@ import httpx
 import httpx2  # the openai SDK's HTTP client (its fork of httpx)
 import openai
 
-from ops.harness import events, free_port
+from ops.harness import Stack, events, free_port
 from ops.harness import wait_for as _wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
-SPOOL = [sys.executable, "-m", "core.cli"]
 MODEL = "smollm2-135m-instruct"
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 LONG_OUTAGE_S = 30.0  # past the API's 5 s key cache and redis-py's retry window
@@ -139,77 +137,24 @@ class OwnRedis:
             self.proc.wait(10)
 
 
-class Stack:
-    """Spool's own processes, started with `spool` like an operator would."""
-
-    def __init__(self, workdir: Path, db_url: str, redis_url: str) -> None:
-        self.workdir, self.port = workdir, free_port()
-        self.env = {
-            **os.environ,
-            "SPOOL_DATABASE_URL": db_url,
-            "SPOOL_REDIS_URL": redis_url,
-            "SPOOL_API_PORT": str(self.port),
-            "SPOOL_LEASE_S": "3",
-            "SPOOL_DISPATCH_TIMEOUT_S": "8",
-            "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
-            "SPOOL_INFRA_RETRY_S": "120",
-            "SPOOL_N_CTX": "1024",
-            "SPOOL_BATCH_VALIDATION_LEASE_S": "5",
-            "SPOOL_MAX_ATTEMPTS": "50",  # 20+ kills: a job may be hit several times
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.workers_started = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def cli(self, *args: str) -> str:
-        out = subprocess.run([*SPOOL, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        if out.returncode != 0:
-            raise RuntimeError(f"spool {' '.join(args)}: {out.stderr[-2000:]}")
-        return out.stdout.strip()
-
-    def start(self, name: str, *args: str) -> None:
-        log = open(self.workdir / f"{name}.log", "ab")  # the process owns it
-        self.procs[name] = subprocess.Popen([*SPOOL, *args], env=self.env, cwd=ROOT, stdout=log, stderr=log)
-
-    def start_worker(self) -> None:
-        self.workers_started += 1
-        log = self.workdir / "worker.log"
-        before = log.read_text(errors="replace").count("ready.") if log.exists() else 0
-        self.start("worker", "worker")
-        wait_for(lambda: log.read_text(errors="replace").count("ready.") > before, 120, "worker ready")
-
-    def signal(self, name: str, sig: int) -> None:
-        proc = self.procs.pop(name)
-        proc.send_signal(sig)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-    def ready(self) -> bool:
-        try:
-            return httpx.get(self.url + "/ready", timeout=3).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def start_api(self) -> None:
-        self.start("api", "api")
-        wait_for(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, 60, "api up")
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def _stack(workdir: Path, db_url: str, redis_url: str) -> Stack:
+    """Spool's own processes (ops/harness.Stack, as the tests drive them), logs in the work folder."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "SPOOL_DATABASE_URL": db_url,
+        "SPOOL_REDIS_URL": redis_url,
+        "SPOOL_API_PORT": str(port),
+        "SPOOL_LEASE_S": "3",
+        "SPOOL_DISPATCH_TIMEOUT_S": "8",
+        "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
+        "SPOOL_INFRA_RETRY_S": "120",
+        "SPOOL_N_CTX": "1024",
+        "SPOOL_BATCH_VALIDATION_LEASE_S": "5",
+        "SPOOL_MAX_ATTEMPTS": "50",  # 20+ kills: a job may be hit several times
+        "PYTHONUNBUFFERED": "1",
+    }
+    return Stack(env=env, logdir=workdir, port=port, worker_metrics=False)
 
 
 # -- the clients -------------------------------------------------------------------------------------
@@ -506,7 +451,7 @@ def run(
     pg, rd = OwnPostgres(workdir), OwnRedis(workdir)
     pg.init()
     rd.start()
-    st = Stack(workdir, pg.url, rd.url)
+    st = _stack(workdir, pg.url, rd.url)
     report = Report()
     try:
         st.cli("migrate")
@@ -542,7 +487,7 @@ def _load_and_faults(
     n_tokens = 40
     prompts = [f"Fault test {i}: once upon a time" for i in range(12)]
     # What an undisturbed run answers: greedy, so every disturbed run must give exactly this.
-    ref_client = Client(st.url, key, tally)
+    ref_client = Client(st.base_url, key, tally)
     reference, chat_reference = {}, {}
     for p in prompts:
         r = ref_client.http.post("/v1/completions", json=_body(p, n_tokens))
@@ -559,7 +504,7 @@ def _load_and_faults(
     lock = threading.Lock()
 
     def loop(kind: str) -> None:
-        c, sdk = Client(st.url, key, tally), SdkClient(st.url, key, tally)
+        c, sdk = Client(st.base_url, key, tally), SdkClient(st.base_url, key, tally)
         while not stop.is_set():
             p = rng.choice(prompts)
             if kind in SDK_KINDS:
@@ -573,7 +518,7 @@ def _load_and_faults(
     batch_prompts = [prompts[i % len(prompts)] for i in range(24 if short else 60)]
 
     def batch() -> None:
-        c = Client(st.url, key, tally)
+        c = Client(st.base_url, key, tally)
         batch_result["id"], batch_result["texts"] = c.batch(batch_prompts, n_tokens)
         batch_result["jobs"] = c.line_jobs
 

@@ -1,14 +1,18 @@
 """The process harness the tests (tests/conftest.py, tests/sse.py) and the fault harness
-(ops/faults.py) share: a free port, waiting on a condition, and a strict SSE reader (so the wire
-format is checked by our own code, not a client's)."""
+(ops/faults.py) share: Spool's processes as a `Stack`, a free port, waiting on a condition, and a
+strict SSE reader (so the wire format is checked by our own code, not a client's)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,6 +43,154 @@ def wait_for(
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+SPOOL = [sys.executable, "-m", "core.cli"]
+CORE = ("api", "dispatcher", "worker")  # the processes a whole Spool is made of
+
+
+@dataclass
+class Stack:
+    """Spool's own processes, started with `spool` as an operator would, on the environment given
+    (database, Redis, port, timings), each logging to `<logdir>/<name>.log`. Built by the tests
+    (tests/conftest.running_stack) and by the fault harness (ops/faults.py); either kills processes
+    and starts them again under the same name."""
+
+    env: dict[str, str]
+    logdir: Path
+    port: int
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    _worker_n: int = 0
+    worker_name: str = ""
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # process name -> its /metrics port
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> its env overrides
+    worker_metrics: bool = True  # each worker serves /metrics on a port of its own
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run([*SPOOL, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"spool {' '.join(args)} failed: {out.stderr[-2000:]}")
+        return out.stdout.strip()
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        # A process restarted under the same name (a test killed it) gets the same overrides again.
+        if env is not None:
+            self.envs[name] = env
+        env = self.envs.get(name, {})
+        log = open(self.logdir / f"{name}.log", "ab")  # the process owns it
+        proc = subprocess.Popen(
+            [*SPOOL, *args], env={**self.env, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logdir / f"{name}.log").read_text(errors="replace")
+
+    def wait_log(self, name: str, text: str, timeout: float) -> None:
+        """Until `text` is in the process's log; RuntimeError if the process exits first."""
+        proc = self.procs[name]
+        wait_for(lambda: text in self.log(name) or proc.poll() is not None, timeout, f"{name}: {text!r}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited: {self.log(name)[-3000:]}")
+
+    def start_worker(self) -> subprocess.Popen:
+        """A new worker (worker1, worker2, ...: a log each), ready to take jobs; `procs["worker"]`."""
+        self._worker_n += 1
+        name = f"worker{self._worker_n}"
+        env = {}
+        if self.worker_metrics:
+            self.metrics_ports["worker"] = free_port()
+            env["SPOOL_METRICS_PORT"] = str(self.metrics_ports["worker"])
+        proc = self.start(name, "worker", env=env)
+        self.wait_log(name, "ready.", 120)
+        self.procs["worker"] = proc
+        self.worker_name = name
+        return proc
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send a process a signal and wait for it to end (killed if it takes over 30 s)."""
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def kill_worker(self) -> None:
+        self.signal("worker", signal.SIGKILL)
+
+    def up(self) -> bool:
+        """The API answers (/health)."""
+        try:
+            return httpx.get(self.base_url + "/health", timeout=3).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def ready(self) -> bool:
+        """The API, its Postgres and Redis, and a live worker per model (/ready)."""
+        try:
+            return httpx.get(self.base_url + "/ready", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_api(self) -> None:
+        self.start("api", "api")
+        wait_for(self.up, 60, "api up")
+
+    def restore(self) -> list[str]:
+        """Start again whichever of api, dispatcher and worker is gone, and continue a paused one:
+        what a test (or a fault) took away, given back. Returns the names started."""
+        started = []
+        for name in CORE:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # harmless unless it was SIGSTOPped
+                continue
+            if name == "worker":
+                self.start_worker()
+            elif name == "api":
+                self.start_api()
+            else:
+                self.start(name, name)
+            started.append(name)
+        return started
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    # -- clients of the stack -----------------------------------------------------------------------
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
+
+    def new_tenant(self, name: str, **limits: Any) -> str:
+        """Create a tenant through /admin and return a fresh user key for it."""
+        with self.http(self.keys["admin"]) as admin:
+            r = admin.post("/admin/tenants", json={"name": name, **limits})
+            assert r.status_code == 201, r.text
+            r = admin.post(f"/admin/tenants/{name}/keys", json={"name": "test"})
+            assert r.status_code == 201, r.text
+            return r.json()["key"]
+
+    def openai(self, tenant: str = "alpha"):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant], max_retries=0, timeout=120)
 
 
 @dataclass

@@ -4,23 +4,18 @@ Redis of this machine, with the real SmolLM2 model. Nothing of ours is mocked.""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 import redis as redis_lib
 from sqlalchemy import create_engine, text
 
-from ops.harness import free_port, wait_for
+# The one process harness, shared with ops/faults.py; re-exported for the tests that import it from here.
+from ops.harness import ROOT, SPOOL, Stack, free_port, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
-SPOOL = [sys.executable, "-m", "core.cli"]
+__all__ = ["MODEL", "ROOT", "SPOOL", "TEST_DB", "TEST_REDIS", "Stack", "free_port", "running_stack", "wait_for"]
 
 
 def _spool_database_url() -> str:
@@ -38,87 +33,6 @@ def _spool_database_url() -> str:
 TEST_DB = os.environ.get("SPOOL_TEST_DATABASE_URL", _spool_database_url().rsplit("/", 1)[0] + "/spool_test")
 TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 MODEL = "smollm2-135m-instruct"
-
-
-@dataclass
-class Stack:
-    env: dict[str, str]
-    logdir: Path
-    port: int
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    keys: dict[str, str] = field(default_factory=dict)
-    _worker_n: int = 0
-    worker_name: str = ""
-    metrics_ports: dict[str, int] = field(default_factory=dict)  # process name -> its /metrics port
-    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> its env overrides
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def cli(self, *args: str) -> str:
-        out = subprocess.run([*SPOOL, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, f"spool {' '.join(args)} failed: {out.stderr[-2000:]}"
-        return out.stdout.strip()
-
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        # A process restarted under the same name (a test killed it) gets the same overrides again.
-        if env is not None:
-            self.envs[name] = env
-        env = self.envs.get(name, {})
-        log = open(self.logdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            [*SPOOL, *args], env={**self.env, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
-        )
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.logdir / f"{name}.log").read_text(errors="replace")
-
-    def start_worker(self) -> subprocess.Popen:
-        self._worker_n += 1
-        name = f"worker{self._worker_n}"
-        self.metrics_ports["worker"] = free_port()
-        proc = self.start(name, "worker", env={"SPOOL_METRICS_PORT": str(self.metrics_ports["worker"])})
-        wait_for(lambda: "ready." in self.log(name) or proc.poll() is not None, 120, f"{name} ready")
-        assert proc.poll() is None, self.log(name)[-3000:]
-        self.procs["worker"] = proc
-        self.worker_name = name
-        return proc
-
-    def kill_worker(self) -> None:
-        proc = self.procs.pop("worker")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    def http(self, key: str | None = None) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
-
-    def new_tenant(self, name: str, **limits) -> str:
-        """Create a tenant through /admin and return a fresh user key for it."""
-        with self.http(self.keys["admin"]) as admin:
-            r = admin.post("/admin/tenants", json={"name": name, **limits})
-            assert r.status_code == 201, r.text
-            r = admin.post(f"/admin/tenants/{name}/keys", json={"name": "test"})
-            assert r.status_code == 201, r.text
-            return r.json()["key"]
-
-    def openai(self, tenant: str = "alpha"):
-        import openai
-
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant], max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")
@@ -169,19 +83,8 @@ def running_stack(
         for i, worker_env in enumerate(extra_workers):  # more workers, e.g. for other models
             name = f"worker-extra{i + 1}"
             st.start(name, "worker", env=worker_env)
-
-            def ready(n: str = name) -> bool:  # a lambda with a default argument: mypy cannot type it
-                return "ready." in st.log(n)
-
-            wait_for(ready, 120, f"{name} ready")
-
-        def healthy() -> bool:
-            try:
-                return httpx.get(st.base_url + "/ready", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, 60, "api health")
+            st.wait_log(name, "ready.", 120)
+        wait_for(st.ready, 60, "api health")
         yield st
     finally:
         st.stop_all()
@@ -192,6 +95,17 @@ def running_stack(
 def stack(tmp_path_factory) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("logs"), TEST_DB, TEST_REDIS) as st:
         yield st
+
+
+@pytest.fixture(autouse=True)
+def _stack_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test leaves the shared stack as it found it: what a test killed or paused of its api,
+    dispatcher and worker and did not bring back (an assertion failed first) is started again here,
+    so a later test does not run without it."""
+    st: Stack | None = request.getfixturevalue("stack") if "stack" in request.fixturenames else None
+    yield
+    if st is not None and (started := st.restore()):
+        print(f"\nstarted again after {request.node.nodeid}: {', '.join(started)}")
 
 
 @pytest.fixture(scope="session")
