@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import pytest
 
@@ -20,13 +19,17 @@ def _lines(n: int, max_tokens: int = 4, start: int = 0, **extra) -> bytes:
 
 
 def _poll(client, batch_id: str, until: set[str], timeout: float = 180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    seen: list[str] = []
+
+    def reached():
         b = client.batches.retrieve(batch_id)
-        if b.status in until:
-            return b
-        time.sleep(0.5)
-    raise TimeoutError(f"batch {batch_id} stuck in {b.status}")
+        seen.append(b.status)
+        return b if b.status in until else None
+
+    try:
+        return wait_for(reached, timeout, f"batch {batch_id} to reach {sorted(until)}", interval=0.5)
+    except TimeoutError:
+        raise TimeoutError(f"batch {batch_id} stuck in {seen[-1] if seen else None}") from None
 
 
 def _output(client, file_id: str | None) -> list[dict]:
@@ -139,7 +142,6 @@ def test_killing_worker_and_dispatcher_loses_and_duplicates_nothing(stack, db):
     disp = stack.procs.pop("dispatcher")
     disp.kill()
     disp.wait(10)
-    time.sleep(1)
     stack.start("dispatcher", "dispatcher")
     stack.start_worker()
     b = _poll(client, b.id, {"completed", "failed"}, timeout=300)
@@ -209,8 +211,16 @@ def test_killing_the_validator_mid_validation_loses_nothing(stack, db):
             row = conn.execute(text("SELECT status, lease_until FROM batches WHERE id = :i"), {"i": b.id}).one()
         return row.status == "validating" and row.lease_until is not None
 
+    def copying() -> bool:  # its lines are going into the staging table: validation is under way
+        q = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND state = 'active' AND query LIKE 'COPY batch_staging%'"
+        )
+        with db.connect() as conn:
+            return bool(conn.scalar(text(q)))
+
     wait_for(claimed, 30, "the validator to claim the batch", interval=0.05)
-    time.sleep(0.5)
+    wait_for(copying, 30, "the validator to be mid-file", interval=0.05)
     dispatcher = stack.procs.pop("dispatcher")
     dispatcher.kill()  # mid-validation: its transaction never commits
     dispatcher.wait(10)

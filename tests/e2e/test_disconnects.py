@@ -20,7 +20,7 @@ def _raw_post(stack, key: str, body: dict, linger_s: float) -> None:
     ).encode()
     with socket.create_connection(("127.0.0.1", stack.port)) as sock:
         sock.sendall(head + payload)
-        time.sleep(linger_s)
+        time.sleep(linger_s)  # the hang-up comes at this moment of the request's life: time is the point
 
 
 def _jobs(db, tenant: str) -> list[dict]:

@@ -86,7 +86,7 @@ def _through_outage(stack: Stack, keys: list[str], down, up) -> list[tuple[float
             for what, r in _requests(stack, keys):
                 seen.append((round(time.monotonic() - started, 1), what, r.status_code, r.headers.get("retry-after")))
                 assert "Traceback" not in r.text and "127.0.0.1" not in r.text, r.text
-            time.sleep(2)
+            time.sleep(2)  # a round of requests every 2 s for as long as the outage lasts
     finally:
         up()
     return seen

@@ -30,7 +30,7 @@ def outage(tmp_path_factory) -> Iterator[tuple[Stack, OwnRedis]]:
         r.kill()
 
 
-def _follow(stack: Stack, key: str, out: dict, i: int) -> None:
+def _follow(stack: Stack, key: str, out: dict, i: int, under_way: threading.Event) -> None:
     body = {
         "model": MODEL,
         "prompt": f"Story {i}:",
@@ -50,6 +50,8 @@ def _follow(stack: Stack, key: str, out: dict, i: int) -> None:
             assert "error" not in chunk, chunk
             job = chunk["id"]
             got += chunk["choices"][0]["text"] if chunk.get("choices") else ""
+            if got:
+                under_way.set()
     out[i] = (job, got, False)
 
 
@@ -57,12 +59,13 @@ def test_redis_killed_and_restarted_empty_mid_stream(outage):
     stack, redis = outage
     key = stack.keys["alpha"]
     out: dict[int, tuple] = {}
-    threads = [threading.Thread(target=_follow, args=(stack, key, out, i)) for i in range(6)]
+    under_way = [threading.Event() for _ in range(6)]
+    threads = [threading.Thread(target=_follow, args=(stack, key, out, i, under_way[i])) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(2.5)  # every stream is under way
+    assert all(e.wait(60) for e in under_way), "a stream got no text before the outage"
     redis.kill()
-    time.sleep(3)
+    time.sleep(3)  # the outage itself: Redis stays away this long
     redis.start()  # empty: every stream, queue and limit is gone
     for t in threads:
         t.join(240)
