@@ -21,7 +21,8 @@ def one_statement(sessions: sessionmaker, stmt: Any, params: Any = None) -> list
     three (BEGIN, the statement, COMMIT) and its unit-of-work machinery: for a worker's hot,
     single-statement transitions (claim, end) that was most of their CPU."""
     with _autocommit(sessions.kw["bind"]).connect() as conn:
-        return list(conn.execute(stmt, params))
+        result = conn.execute(stmt, params)
+        return list(result) if result.returns_rows else []
 
 
 @lru_cache
@@ -32,4 +33,5 @@ def _autocommit_async(engine: AsyncEngine) -> AsyncEngine:
 async def one_statement_async(sessions: async_sessionmaker, stmt: Any, params: Any = None) -> list[Row]:
     """`one_statement` on an async session factory's engine (the API's)."""
     async with _autocommit_async(sessions.kw["bind"]).connect() as conn:
-        return list(await conn.execute(stmt, params))
+        result = await conn.execute(stmt, params)
+        return list(result) if result.returns_rows else []

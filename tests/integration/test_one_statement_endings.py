@@ -5,7 +5,8 @@ exactly once per job, added to the day's row of the tenant, key and model."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.orm import sessionmaker
 
 from core.generation.events import ChoiceResult, ErrorInfo, JobResult, Usage
 from core.infra.autocommit import one_statement
@@ -58,3 +59,20 @@ def test_endings_add_to_one_usage_row_each_job_once(session, sessions, rds, it_s
     assert abs(u.gpu_seconds - 0.75) < 1e-9
     states = {j.id: session.get(Job, j.id, populate_existing=True).state for j in (a, b, c)}
     assert states == {a.id: "succeeded", b.id: "succeeded", c.id: "failed"}
+
+
+def test_a_pooled_connection_is_transactional_again_after_one_statement(sessions):
+    """The autocommit engine shares the pool: a session that gets the same connection next must
+    still be able to roll back (SQLAlchemy resets the isolation level when the connection returns)."""
+    engine = create_engine(sessions.kw["bind"].url, pool_size=1, max_overflow=0)  # one connection: the same
+    one = sessionmaker(engine)
+    try:
+        one_statement(one, text("CREATE TEMP TABLE t_one(x int)"))  # lives as long as the connection
+        with one() as s:
+            assert s.connection().connection.dbapi_connection.autocommit is False
+            s.execute(text("INSERT INTO t_one VALUES (1)"))
+            s.rollback()
+        assert one_statement(one, text("SELECT count(*) FROM t_one")) == [(0,)]
+        assert one_statement(one, text("SET application_name = 'x'")) == []  # no rows: an empty list
+    finally:
+        engine.dispose()
