@@ -17,6 +17,12 @@ from typing import Any
 
 import httpx
 
+# A client's read timeout in tests: a guard against a hang, never a speed check. The heaviest
+# requests (50 constrained samples, a chat run to the end of its context) take 20 s on a quiet
+# 2-core machine and over 120 s when other processes share its cores (the CPU engine's threads
+# wait on each other); pytest-timeout (600 s a test) stays the backstop.
+CLIENT_TIMEOUT_S = 480
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -176,7 +182,7 @@ class Stack:
     # -- clients of the stack -----------------------------------------------------------------------
     def http(self, key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=CLIENT_TIMEOUT_S)
 
     def new_tenant(self, name: str, **limits: Any) -> str:
         """Create a tenant through /admin and return a fresh user key for it."""
@@ -190,7 +196,9 @@ class Stack:
     def openai(self, tenant: str = "alpha"):
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant], max_retries=0, timeout=120)
+        return openai.OpenAI(
+            base_url=self.base_url + "/v1", api_key=self.keys[tenant], max_retries=0, timeout=CLIENT_TIMEOUT_S
+        )
 
 
 @dataclass
