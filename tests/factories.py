@@ -11,8 +11,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from core.batches.status import BatchStatus
 from core.generation.params import GenerationParams
-from core.infra.orm import ApiKey, Job, Tenant
+from core.infra.orm import ApiKey, Batch, Job, Tenant
 from core.jobs import transitions
 from core.jobs.states import JobState
 from core.tenancy.keys import hash_key, new_key
@@ -64,3 +65,41 @@ def job(
     session.add(j)
     session.commit()
     return j
+
+
+def batch(
+    session: Session,
+    t: Tenant,
+    *,
+    status: BatchStatus = BatchStatus.in_progress,
+    lines: int = 0,
+    window_left_s: float = 3600,
+    **kw: Any,
+) -> Batch:
+    """A batch row of `t` in `status`, its window ending `window_left_s` from now (negative: ended),
+    with `lines` queued lines (custom ids r0, r1, ...; `key_id` passed on to them)."""
+    now = datetime.now(UTC)
+    b = Batch(
+        id="batch_" + next(_batch_ids),
+        tenant_id=t.id,
+        endpoint="/v1/completions",
+        input_file_id="file-x",
+        completion_window="24h",
+        status=status.value,
+        created_at=now - timedelta(seconds=5),
+        in_progress_at=now - timedelta(seconds=5),
+        expires_at=now + timedelta(seconds=window_left_s),
+        cancelling_at=now if status == BatchStatus.cancelling else None,
+        request_counts={"total": lines, "completed": 0, "failed": 0},
+        **kw,
+    )
+    session.add(b)
+    session.commit()
+    for i in range(lines):
+        j = job(session, t, kind="batch", key_id=kw.get("key_id"))
+        j.batch_id, j.line_no, j.custom_id = b.id, i + 1, f"r{i}"
+    session.commit()
+    return b
+
+
+_batch_ids = (f"{n:024x}" for n in itertools.count(int(datetime.now(UTC).timestamp() * 1e6)))

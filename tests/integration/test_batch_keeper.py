@@ -21,26 +21,7 @@ from tests import factories
 
 def _expired_batch(session, lines: int, expired: bool = True) -> str:
     t = factories.tenant(session)
-    now = datetime.now(UTC)
-    b = Batch(
-        id=progress.new_batch_id(),
-        tenant_id=t.id,
-        endpoint="/v1/completions",
-        input_file_id="file-x",
-        completion_window="1s",
-        status=BatchStatus.in_progress.value,
-        created_at=now - timedelta(seconds=5),
-        in_progress_at=now - timedelta(seconds=5),
-        expires_at=now - timedelta(seconds=4) if expired else now + timedelta(hours=1),
-        request_counts={"total": lines, "completed": 0, "failed": 0},
-    )
-    session.add(b)
-    session.commit()
-    for i in range(lines):
-        j = factories.job(session, t, kind="batch")
-        j.batch_id, j.line_no, j.custom_id = b.id, i + 1, f"r{i}"
-    session.commit()
-    return b.id
+    return factories.batch(session, t, lines=lines, window_left_s=-4 if expired else 3600).id
 
 
 def _drain(session, sessions, lifecycle, batch_id: str, slice_rows: int, passes: int = 20) -> int:

@@ -4,8 +4,6 @@ a second pass changes nothing. Real Postgres and Redis, in-process (the batch ke
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import pytest
 from sqlalchemy import func, select
 
@@ -23,28 +21,10 @@ LINES = 12
 
 def _batch(session, status: BatchStatus, key_id: int | None) -> tuple[int, str, list[str]]:
     t = factories.tenant(session)
-    now = datetime.now(UTC)
-    b = Batch(
-        id=progress.new_batch_id(),
-        tenant_id=t.id,
-        endpoint="/v1/completions",
-        input_file_id="file-x",
-        completion_window="1s",
-        status=status.value,
-        created_at=now - timedelta(seconds=5),
-        in_progress_at=now - timedelta(seconds=5),
-        expires_at=now - timedelta(seconds=4) if status == BatchStatus.in_progress else now + timedelta(hours=1),
-        cancelling_at=now if status == BatchStatus.cancelling else None,
-    )
-    session.add(b)
-    session.commit()
-    ids = []
-    for i in range(LINES):
-        j = factories.job(session, t, kind="batch", key_id=key_id)
-        j.batch_id, j.line_no, j.custom_id = b.id, i + 1, f"r{i}"
-        ids.append(j.id)
-    session.commit()
-    return t.id, b.id, ids
+    expired = status == BatchStatus.in_progress
+    b = factories.batch(session, t, status=status, lines=LINES, window_left_s=-4 if expired else 3600, key_id=key_id)
+    ids = session.scalars(select(Job.id).where(Job.batch_id == b.id).order_by(Job.line_no)).all()
+    return t.id, b.id, list(ids)
 
 
 def _usage(session, tenant_id: int) -> tuple[int, int, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from core.batches import progress, webhooks
+from core.batches import webhooks
 from core.batches.status import BatchStatus
 from core.infra.orm import Batch
 from tests import factories
@@ -14,20 +14,8 @@ from tests import factories
 
 def test_claims_count_attempts_and_end_in_giving_up(session):
     t = factories.tenant(session)
+    b = factories.batch(session, t, status=BatchStatus.completed, webhook_url="http://127.0.0.1:9/hook")
     now = datetime.now(UTC)
-    b = Batch(
-        id=progress.new_batch_id(),
-        tenant_id=t.id,
-        endpoint="/v1/completions",
-        input_file_id="file-x",
-        completion_window="24h",
-        status=BatchStatus.completed.value,
-        created_at=now,
-        expires_at=now + timedelta(hours=24),
-        webhook_url="http://127.0.0.1:9/hook",
-    )
-    session.add(b)
-    session.commit()
     for n in range(1, webhooks.MAX_ATTEMPTS + 1):
         claimed = webhooks.claim_due(session, lease_s=60)
         assert [x.id for x in claimed] == [b.id]
@@ -74,23 +62,8 @@ def test_deliveries_leave_from_their_own_pool_capped_per_tenant(session, session
         update={"webhook_allow": "127.0.0.1/32", "webhook_timeout_s": 2.0, "webhook_retry_s": 0.5}
     )
     t = factories.tenant(session)
-    now = datetime.now(UTC)
-    ids = []
-    for _ in range(2):
-        b = Batch(
-            id=progress.new_batch_id(),
-            tenant_id=t.id,
-            endpoint="/v1/completions",
-            input_file_id="file-x",
-            completion_window="24h",
-            status=BatchStatus.completed.value,
-            created_at=now,
-            expires_at=now + timedelta(hours=24),
-            webhook_url=f"http://127.0.0.1:{srv.getsockname()[1]}/hook",
-        )
-        session.add(b)
-        ids.append(b.id)
-    session.commit()
+    hook = f"http://127.0.0.1:{srv.getsockname()[1]}/hook"
+    ids = [factories.batch(session, t, status=BatchStatus.completed, webhook_url=hook).id for _ in range(2)]
     assert len(webhooks.claim_due(session, lease_s=60)) == 2
     pool = webhooks.Pool(threads=2, per_tenant=1)
     try:
