@@ -150,7 +150,9 @@ def parse_tool_calls(text: str, forced: list[str] | None = None) -> tuple[str, l
             rest.append(text[pos:])
             break
         rest.append(text[pos:start])
-        end = text.find(TOOL_CALL_CLOSE, start)
+        end = _close_after_object(text, start + len(TOOL_CALL_OPEN))
+        if end < 0:  # no whole JSON object there: the first closing tag ends the block
+            end = text.find(TOOL_CALL_CLOSE, start)
         body = text[start + len(TOOL_CALL_OPEN) : end if end >= 0 else len(text)]
         call = _call(body)
         if call is None and forced is not None and end < 0:
@@ -173,6 +175,21 @@ def parse_tool_calls(text: str, forced: list[str] | None = None) -> tuple[str, l
             return "", [bare]
         return text, []
     return content, calls
+
+
+def _close_after_object(text: str, at: int) -> int:
+    """Where the closing tag that follows a whole JSON object starting at `at` begins, or -1. A
+    string in the arguments may itself hold "</tool_call>" (a sampled model wrote one inside a city
+    name): the block ends after the object, not at the first closing tag."""
+    try:
+        _, end = _DECODER.raw_decode(text, len(text) - len(text[at:].lstrip()))
+    except (json.JSONDecodeError, ValueError):
+        return -1
+    close = len(text) - len(text[end:].lstrip())
+    return close if text.startswith(TOOL_CALL_CLOSE, close) else -1
+
+
+_DECODER = json.JSONDecoder()
 
 
 def _call(body: str) -> dict[str, Any] | None:

@@ -78,6 +78,13 @@ def test_a_template_that_knows_tools_receives_them():
         ),
         ('{"name": "add", "arguments": {"a": 3}}', "", [("add", {"a": 3})]),
         ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        # A sampled argument that itself holds the closing tag (seen in CI: a forced call's "city"):
+        # the block ends after the whole object, not at the first "</tool_call>".
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": "][0]}</tool_call> x"}}\n</tool_call>',
+            "",
+            [("add", {"a": "][0]}</tool_call> x"})],
+        ),
         ("Just words.", "Just words.", []),
     ],
 )
@@ -85,6 +92,18 @@ def test_tool_calls_are_parsed_out_of_the_text(text, content, calls):
     got_content, got = chat_template.parse_tool_calls(text)
     assert got_content == content
     assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls
+
+
+def test_a_forced_call_whose_argument_holds_the_closing_tag_keeps_its_arguments():
+    """The CI failure of test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples: one of 50
+    samples wrote "</tool_call>" inside its city; the call came out with arguments ''."""
+    city = "][0]}</tool_call> The weather-"
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '", "unit": "celsius"}}\n</tool_call>'
+    )
+    content, calls = chat_template.parse_tool_calls(text, ["get_weather"])
+    assert content == "" and len(calls) == 1
+    assert json.loads(calls[0]["arguments"]) == {"city": city, "unit": "celsius"}
 
 
 def test_chat_shares_the_completions_translation(tok):
