@@ -125,18 +125,19 @@ class Lifecycle:
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod
     def _record(session: Session, job: Any, outcome: str, u: Usage | None, engine_s: float) -> None:
-        u = u or Usage()
-        session.execute(
-            usage.UPSERT,
-            usage.record(
-                tenant_id=job.tenant_id,
-                key_id=job.key_id,
-                model=job.model,
-                prompt_tokens=u.prompt_tokens,
-                completion_tokens=u.completion_tokens,
-                gpu_seconds=engine_s,
-                outcome=outcome,
-            ),
+        session.execute(usage.UPSERT, Lifecycle._counted(job, outcome, u or Usage(), engine_s))
+
+    @staticmethod
+    def _counted(job: Any, outcome: str, u: Usage, engine_s: float) -> dict[str, Any]:
+        """The usage counters (metrics) for one ended job; returns its usage row's parameters."""
+        return usage.record(
+            tenant_id=job.tenant_id,
+            key_id=job.key_id,
+            model=job.model,
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            gpu_seconds=engine_s,
+            outcome=outcome,
         )
 
     @staticmethod
@@ -267,16 +268,7 @@ class Lifecycle:
         if not found:
             return None
         row = found[0]
-        # The usage counters, for the job this call ended (the row is in `usage_daily` already).
-        usage.record(
-            tenant_id=row.tenant_id,
-            key_id=row.key_id,
-            model=row.model,
-            prompt_tokens=u.prompt_tokens,
-            completion_tokens=u.completion_tokens,
-            gpu_seconds=engine_s,
-            outcome=outcome,
-        )
+        self._counted(row, outcome, u, engine_s)  # the row is in `usage_daily` already: the counters only
         self._announce(row.id, u.total_tokens, ev)
         return row
 
