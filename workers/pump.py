@@ -5,7 +5,7 @@ thread, which built its delta and handed it to the stream appender's thread, whi
 with the answer. At 64 sequences that was ~130 thread switches per decode step, and they were most
 of the worker's CPU per token. Here the engine loop's events for every attempt go to this one
 thread, which applies them to their choices, builds the deltas, and writes all jobs' entries in
-one pipeline of fenced appends per wake-up (each job still fenced by its own attempt). An attempt's
+one fenced-append script call per wake-up (each job still fenced by its own attempt). An attempt's
 own thread only waits for the end and, meanwhile, polls for a cancel and renews its lease.
 
 Errors reach the attempt they belong to: the engine's verdict on one sequence, a newer attempt's
@@ -89,12 +89,9 @@ class StreamPump:
         deadline, backoff = time.monotonic() + self.settings.infra_retry_s, 0.2
         ttl = self.settings.events_ttl_s
         while ready:
-            pipe = self.redis.pipeline(transaction=False)
-            for a, payloads in ready:
-                job = a.job
-                pipe.eval(*streams.fenced_append_args(job.id, job.attempt, payloads, ttl, len(a.log) + 1))
+            appends = [streams.Append(a.job.id, a.job.attempt, payloads, ttl, len(a.log) + 1) for a, payloads in ready]
             try:
-                results = pipe.execute(raise_on_error=False)
+                results = streams.append_many(self.redis, appends)
             except TRANSIENT as exc:
                 if time.monotonic() + backoff > deadline:
                     for a, _ in ready:
@@ -106,15 +103,14 @@ class StreamPump:
                 continue
             self.flushes += 1
             lost = []
-            for (a, payloads), r in zip(ready, results, strict=True):
-                if isinstance(r, BaseException):
-                    a.stop(r)
-                elif r is None:
-                    a.stop(streams.Fenced(f"job {a.job.id}: attempt {a.job.attempt} was superseded"))
-                elif r == streams.LOST:
+            for (a, payloads), append, r in zip(ready, appends, results, strict=True):
+                if r == streams.LOST:
                     lost.append((a, payloads))
-                else:
-                    a.logged([streams.text(i) for i in r], payloads)
+                    continue
+                try:
+                    a.logged(streams.appended(r, append.job_id, append.attempt), payloads)
+                except Exception as exc:  # Fenced, or this job's own script error
+                    a.stop(exc)
             # Streams lost with a Redis restart (nothing was appended to them): each is rebuilt by
             # its attempt if it still owns the job (or it stops, Fenced), then appended to again.
             ready = []

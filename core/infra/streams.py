@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import queue
 import re
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from redis.exceptions import NoScriptError, ResponseError
 
 from core.infra.kv import TRANSIENT
 
@@ -74,27 +77,47 @@ def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) ->
 # place (time-based ids made such a reader receive the same tokens twice). Terminal events get
 # time-based ids (`Lifecycle.publish`): above every position, and once one is there nothing more is
 # appended (the job ended some other way: a cancel).
+#
+# One call appends for many jobs, each fenced by its own attempt: a worker's whole decode step is
+# one script, so Redis wakes a blocked reader (the API's shared XREAD) once per step with every
+# job's token instead of once per job (64 XREADs per step at 64 sequences, most of the API's and
+# Redis's CPU per token). KEYS: stream, fence per job; ARGV per job: attempt, ttl, start, n and its
+# n payloads. Answers per job: its entries' ids, FENCED or LOST.
 _FENCED_APPEND = """
-local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
-if fence > tonumber(ARGV[1]) then return false end
-local top_seq = 0
-local start = tonumber(ARGV[3])
-local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if #top > 0 then
-  local ms, seq = string.match(top[1][1], '^(%d+)-(%d+)$')
-  if ms ~= '0' then return false end
-  top_seq = tonumber(seq)
-elseif start > 1 then
-  return 0
+local out = {}
+local a = 1
+for j = 1, #KEYS, 2 do
+  local stream = KEYS[j]
+  local attempt, ttl = tonumber(ARGV[a]), ARGV[a + 1]
+  local start, n = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local first = a + 4
+  a = first + n
+  local r = nil
+  local fence = tonumber(redis.call('GET', KEYS[j + 1]) or '0')
+  local top_seq = 0
+  if fence > attempt then
+    r = -1
+  else
+    local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+    if #top > 0 then
+      local ms, seq = string.match(top[1][1], '^(%d+)-(%d+)$')
+      if ms ~= '0' then r = -1 else top_seq = tonumber(seq) end
+    elseif start > 1 then
+      r = 0
+    end
+  end
+  if r == nil then
+    r = {}
+    for i = 0, n - 1 do
+      local seq = start + i
+      if seq > top_seq then redis.call('XADD', stream, '0-' .. seq, 'e', ARGV[first + i]) end
+      r[#r + 1] = '0-' .. seq
+    end
+    redis.call('EXPIRE', stream, ttl)
+  end
+  out[#out + 1] = r
 end
-local ids = {}
-for i = 4, #ARGV do
-  local seq = start + i - 4
-  if seq > top_seq then redis.call('XADD', KEYS[1], '0-' .. seq, 'e', ARGV[i]) end
-  ids[#ids + 1] = '0-' .. seq
-end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return ids
+return out
 """
 
 # Raise the fence to this attempt (never lower it); returns the fence now in force.
@@ -115,9 +138,12 @@ class StreamLost(Exception):
     nothing was appended; the attempt rebuilds it (if it still owns the job) and appends again."""
 
 
-# What the fenced append answers for a lost stream: an append past entry 1 into no stream at all.
-# Found by the append itself, so no attempt has to ask Redis whether its stream still exists.
+# What the fenced append answers for one job besides its ids: a newer attempt owns the job (or it
+# has ended), or its stream is lost (an append past entry 1 into no stream at all: found by the
+# append itself, so no attempt has to ask Redis whether its stream still exists).
+FENCED = -1
 LOST = 0
+_APPEND_SHA = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
 
 
 def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
@@ -126,44 +152,81 @@ def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
     return int(redis.eval(_RAISE_FENCE, 1, fence_key(job_id), attempt, ttl_s))
 
 
-def fenced_append_args(job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[Any]:
-    """`EVAL` arguments of one fenced append (for a pipeline that carries several jobs' appends)."""
-    return [_FENCED_APPEND, 2, stream_key(job_id), fence_key(job_id), attempt, ttl_s, start, *payloads]
+class Append(NamedTuple):
+    """One job's entries number `start`, `start + 1`, ... (1-based), by attempt `attempt`."""
+
+    job_id: str
+    attempt: int
+    payloads: list[str]
+    ttl_s: int
+    start: int
+
+
+Appended = list[str] | int | Exception  # the ids, FENCED or LOST; an error of this job's alone
+
+
+def append_many(redis: Any, appends: Sequence[Append]) -> list[Appended]:
+    """Every append in one script call (sync client), each fenced by its own attempt; those entries
+    already there (a retried append) are not written again. A connection error is raised for all.
+    A script error (a job's key of another type, written by hand) is isolated: each job is appended
+    alone, and only the culprit's answer is its error."""
+    keys: list[str] = []
+    args: list[Any] = []
+    for a in appends:
+        keys += (stream_key(a.job_id), fence_key(a.job_id))
+        args += (a.attempt, a.ttl_s, a.start, len(a.payloads), *a.payloads)
+    try:
+        raw = _call_append(redis, keys, args)
+    except ResponseError as exc:
+        if len(appends) == 1:
+            return [exc]
+        return [append_many(redis, [a])[0] for a in appends]
+    return [r if isinstance(r, int) else [_text(i) for i in r] for r in raw]
+
+
+def _call_append(redis: Any, keys: list[str], args: list[Any]) -> Any:
+    try:  # the script by its digest: 64 jobs' appends would otherwise carry 64 copies of its text
+        return redis.evalsha(_APPEND_SHA, len(keys), *keys, *args)
+    except NoScriptError:  # a Redis that restarted or never saw it: EVAL caches it again
+        return redis.eval(_FENCED_APPEND, len(keys), *keys, *args)
+
+
+def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
+    """One job's fenced append: its entries' ids, or Fenced / StreamLost / its error raised."""
+    return appended(append_many(redis, [Append(job_id, attempt, payloads, ttl_s, start)])[0], job_id, attempt)
+
+
+def appended(result: Appended, job_id: str, attempt: int) -> list[str]:
+    """One job's answer from `append_many`, as its ids or the exception it stands for."""
+    if isinstance(result, Exception):
+        raise result
+    if result == FENCED:
+        raise Fenced(f"job {job_id}: attempt {attempt} was superseded")
+    if result == LOST:
+        raise StreamLost(f"job {job_id}: its event stream is gone")
+    assert isinstance(result, list)
+    return result
 
 
 def text(v: Any) -> str:
     return _text(v)
 
 
-def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
-    """Append `payloads` as the job's entries number `start`, `start + 1`, ... (1-based): those
-    already there (a retried append) are not written again."""
-    return _appended(redis.eval(*fenced_append_args(job_id, attempt, payloads, ttl_s, start)), job_id, attempt)
-
-
-def _appended(result: Any, job_id: str, attempt: int) -> list[str]:
-    if result is None:
-        raise Fenced(f"job {job_id}: attempt {attempt} was superseded")
-    if result == LOST:
-        raise StreamLost(f"job {job_id}: its event stream is gone")
-    return [_text(i) for i in result]
-
-
 class _Pending:
-    __slots__ = ("args", "done", "result")
+    __slots__ = ("append", "done", "result")
 
-    def __init__(self, args: list[Any]) -> None:
-        self.args = args
+    def __init__(self, append: Append) -> None:
+        self.append = append
         self.done = threading.Event()
-        self.result: Any = None
+        self.result: Appended | BaseException = 0
 
 
 class GroupAppender:
     """Fenced appends of every job of a worker process, written together: each job's thread hands
-    its entries here and waits; one thread sends whatever has gathered meanwhile as one pipeline of
-    fenced-append scripts. At N live sequences that is one Redis round trip per decode step instead
-    of N EVALs from N threads; each append is still fenced by its own attempt (`Fenced` for it alone)
-    and a Redis error reaches every caller of that flush as if it had called Redis itself."""
+    its entries here and waits; one thread sends whatever has gathered meanwhile as one fenced-append
+    script call. At N live sequences that is one Redis round trip per decode step instead of N EVALs
+    from N threads; each append is still fenced by its own attempt (`Fenced` for it alone) and a
+    Redis error reaches every caller of that flush as if it had called Redis itself."""
 
     def __init__(self, redis: Any) -> None:
         self._redis = redis
@@ -173,7 +236,7 @@ class GroupAppender:
         self.flushes = 0  # round trips made (tests and the bench read it)
 
     def append(self, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
-        item = _Pending(fenced_append_args(job_id, attempt, payloads, ttl_s, start))
+        item = _Pending(Append(job_id, attempt, payloads, ttl_s, start))
         with self._lock:  # started on first use: processes that never stream hold no thread
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stream-appender", daemon=True)
@@ -182,7 +245,7 @@ class GroupAppender:
         item.done.wait()
         if isinstance(item.result, BaseException):
             raise item.result
-        return _appended(item.result, job_id, attempt)
+        return appended(item.result, job_id, attempt)
 
     def _run(self) -> None:
         while True:
@@ -192,11 +255,9 @@ class GroupAppender:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            results: list[Appended | BaseException]
             try:
-                pipe = self._redis.pipeline(transaction=False)
-                for item in batch:
-                    pipe.eval(*item.args)
-                results = pipe.execute(raise_on_error=False)
+                results = list(append_many(self._redis, [item.append for item in batch]))
             except Exception as e:  # the connection: every caller of this flush sees it
                 results = [e] * len(batch)
             self.flushes += 1

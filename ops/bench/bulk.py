@@ -164,7 +164,7 @@ def main() -> None:
         from core.config import Settings
 
         held = PACED_BATCH + Settings().batch_prefetch  # the worker's threads: every line it may hold
-        with paced_stack(ROOT, [held], "spool_bulk") as (url, key, meters, _pids):
+        with paced_stack(ROOT, [held], "spool_bulk") as (url, key, meters, _pids, _calls):
             out = run(url, key, a.lines, a.max_tokens, meters)
     else:
         if not (a.url and a.api_key):

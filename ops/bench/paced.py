@@ -164,16 +164,41 @@ def profiled(pids: dict[str, int], out: Path | None, tag: str) -> Iterator[None]
             p.wait(60)
 
 
+Calls = Callable[[], dict[str, int]]
+
+
+def redis_calls(url: str) -> Calls:
+    """Commands Redis has served so far, by name (`INFO commandstats`): how many round trips a token
+    or a job costs, which CPU seconds alone do not say."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(url)
+
+    def read() -> dict[str, int]:
+        stats = client.info("commandstats")
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+    return read
+
+
 def measured(
-    cfg: BenchConfig, meters: dict[str, Meter], spy: tuple[dict[str, int], Path | None, str] = ({}, None, "")
-) -> tuple[Summary, dict[str, float]]:
-    before, c0 = {k: m() for k, m in meters.items()}, client_cpu()
+    cfg: BenchConfig,
+    meters: dict[str, Meter],
+    spy: tuple[dict[str, int], Path | None, str] = ({}, None, ""),
+    calls: Calls | None = None,
+) -> tuple[Summary, dict[str, float], dict[str, int]]:
+    before, c0, n0 = {k: m() for k, m in meters.items()}, client_cpu(), calls() if calls else {}
     with profiled(*spy):
         s = bench_http(cfg)[0]
-    after, c1 = {k: m() for k, m in meters.items()}, client_cpu()
+    after, c1, n1 = {k: m() for k, m in meters.items()}, client_cpu(), calls() if calls else {}
     cpu = {k: after[k] - before[k] for k in meters}
     cpu["client"] = c1 - c0
-    return s, cpu
+    served = {k: n1[k] - n0.get(k, 0) for k in n1 if k != "info" and n1[k] > n0.get(k, 0)}
+    return s, cpu, served
+
+
+def _per(served: dict[str, int], n: int, top: int = 6) -> dict[str, float]:
+    return {k: v / n for k, v in sorted(served.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def run_levels(
@@ -185,6 +210,7 @@ def run_levels(
     meters: dict[str, Meter],
     pids: dict[str, int] | None = None,
     label: str = "spool",
+    calls: Calls | None = None,
 ) -> list[dict]:
     rows: list[dict] = []
     prof = Path(a.profile) if a.profile else None
@@ -200,7 +226,7 @@ def run_levels(
             stream=True,
         )
         eng = engine_alone(base)
-        spool, cpu = measured(base, meters, (pids or {}, prof, f"{label}-c{conc}"))
+        spool, cpu, served = measured(base, meters, (pids or {}, prof, f"{label}-c{conc}"), calls)
         toks = max(spool.output_tokens, 1)
         rows.append(
             {
@@ -216,6 +242,7 @@ def run_levels(
                 "itl_ms": {"engine": eng.itl_ms, "spool": spool.itl_ms},
                 "cpu_ms_per_token": {k: 1000 * v / toks for k, v in cpu.items()},
                 "spool_cpu_ms_per_token": 1000 * sum(v for k, v in cpu.items() if k != "client") / toks,
+                "redis_calls_per_token": _per(served, toks),
             }
         )
     if a.short_jobs:
@@ -228,7 +255,7 @@ def run_levels(
             max_tokens=1,
             stream=False,
         )
-        s, cpu = measured(short, meters, (pids or {}, prof, f"{label}-short"))
+        s, cpu, served = measured(short, meters, (pids or {}, prof, f"{label}-short"), calls)
         jobs = max(s.requests - s.failed, 1)
         rows.append(
             {
@@ -239,6 +266,7 @@ def run_levels(
                 "errors": s.errors,
                 "cpu_ms_per_job": {k: 1000 * v / jobs for k, v in cpu.items()},
                 "spool_cpu_ms_per_job": 1000 * sum(v for k, v in cpu.items() if k != "client") / jobs,
+                "redis_calls_per_job": _per(served, jobs),
             }
         )
     return rows
@@ -269,6 +297,10 @@ def print_rows(rows: list[dict]) -> None:
                 + f"  | Spool total {r['spool_cpu_ms_per_job']:.2f}",
                 flush=True,
             )
+        per = r.get("redis_calls_per_token") or r.get("redis_calls_per_job")
+        if per:
+            unit = "token" if "redis_calls_per_token" in r else "job"
+            print(f"       Redis calls per {unit}: " + "  ".join(f"{k} {v:.3f}" for k, v in per.items()), flush=True)
         for e in r.get("errors") or []:
             print(f"       failure: {e}", flush=True)
 
@@ -337,9 +369,9 @@ def _pings(redis_lib, port: int) -> bool:
 @contextlib.contextmanager
 def paced_stack(
     root: Path, levels: list[int], database: str
-) -> Iterator[tuple[str, str, dict[str, Meter], dict[str, int]]]:
+) -> Iterator[tuple[str, str, dict[str, Meter], dict[str, int], Calls]]:
     """API, dispatcher and a paced worker started from checkout `root` as the tests start them; yields
-    (url, api key, CPU meters of every Spool process, pids of the Python ones)."""
+    (url, api key, CPU meters of every Spool process, pids of the Python ones, Redis's command counts)."""
     from tests import conftest
 
     conftest.ROOT = root  # the processes run from that checkout (its code first on their path)
@@ -361,7 +393,7 @@ def paced_stack(
             "redis": tree_meter(redis_pid),
         }
         pids = {k: st.procs[k].pid for k in ("api", "worker", "dispatcher")}
-        yield st.base_url, st.keys["alpha"], meters, pids
+        yield st.base_url, st.keys["alpha"], meters, pids, redis_calls(redis_url)
     print(f"stack logs ({root}): {logdir}", flush=True)
 
 
@@ -392,8 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         for rnd in range(a.rounds):
             for label, root in roots.items():
                 print(f"-- round {rnd + 1}, {label} ({root})", flush=True)
-                with paced_stack(root, levels, a.database) as (url, key, meters, pids):
-                    got = run_levels(url, key, a.model, levels, a, meters, pids, f"{label}-r{rnd + 1}")
+                with paced_stack(root, levels, a.database) as (url, key, meters, pids, calls):
+                    got = run_levels(url, key, a.model, levels, a, meters, pids, f"{label}-r{rnd + 1}", calls)
                 for r in got:
                     r |= {"label": label, "round": rnd + 1, "root": str(root)}
                 print_rows(got)

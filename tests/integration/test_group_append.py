@@ -1,5 +1,5 @@
-"""The worker's grouped stream appends (streams.GroupAppender): the entries of many jobs written in
-one round trip, each still fenced by its own attempt. Real Redis."""
+"""The worker's grouped stream appends (streams.append_many, streams.GroupAppender): the entries of
+many jobs written by one script call, each still fenced by its own attempt. Real Redis."""
 
 from __future__ import annotations
 
@@ -7,34 +7,36 @@ import threading
 import time
 
 import pytest
+import redis as redis_lib
 
 from core.generation.events import Delta, encode
 from core.infra import streams
 from tests.conftest import wait_for
 
 
+def _delta(text: str, attempt: int = 1) -> str:
+    return encode(Delta(attempt=attempt, choice=0, text=text, token_ids=[1]))
+
+
 class _Gated:
-    """The real client, whose first pipeline waits on the wire until the test opens the gate: every
-    append handed in meanwhile must go out together in the next one."""
+    """The real client, whose first script call waits on the wire until the test opens the gate:
+    every append handed in meanwhile must go out together in the next one."""
 
     def __init__(self, rds) -> None:
-        self.rds, self.gate, self.first = rds, threading.Event(), True
+        self.rds, self.gate, self.first, self.calls = rds, threading.Event(), True, 0
 
-    def pipeline(self, **kw):
-        pipe = self.rds.pipeline(**kw)
+    def evalsha(self, *args):
+        self.calls += 1
         if self.first:
             self.first = False
-            real = pipe.execute
+            self.gate.wait(10)
+        return self.rds.evalsha(*args)
 
-            def held(**kw2):
-                self.gate.wait(10)
-                return real(**kw2)
-
-            pipe.execute = held
-        return pipe
+    def eval(self, *args):
+        return self.rds.eval(*args)
 
 
-def test_sixteen_jobs_appends_go_out_in_one_round_trip_each_fenced_alone(rds):
+def test_sixteen_jobs_appends_go_out_in_one_script_call_each_fenced_alone(rds):
     tag = str(time.time_ns())
     ids = [f"job-grp-{tag}-{i}" for i in range(17)]
     stale = ids[16]
@@ -44,9 +46,8 @@ def test_sixteen_jobs_appends_go_out_in_one_round_trip_each_fenced_alone(rds):
     results: dict[str, object] = {}
 
     def one(job_id: str, attempt: int) -> None:
-        payload = encode(Delta(attempt=attempt, choice=0, text=job_id, token_ids=[1]))
         try:
-            results[job_id] = app.append(job_id, attempt, [payload], 60, start=1)
+            results[job_id] = app.append(job_id, attempt, [_delta(job_id, attempt)], 60, start=1)
         except streams.Fenced as e:
             results[job_id] = e
 
@@ -60,7 +61,7 @@ def test_sixteen_jobs_appends_go_out_in_one_round_trip_each_fenced_alone(rds):
     gated.gate.set()
     for t in [first, *rest]:
         t.join(10)
-    assert app.flushes == 2  # the first alone, then all sixteen others in one pipeline
+    assert app.flushes == 2 and gated.calls == 2  # the first alone, then all sixteen others in one call
     assert isinstance(results[stale], streams.Fenced) and streams.entries(rds, stale) == []
     for j in ids[:16]:
         got = results[j]
@@ -70,9 +71,64 @@ def test_sixteen_jobs_appends_go_out_in_one_round_trip_each_fenced_alone(rds):
 
 def test_a_redis_error_reaches_every_caller_of_that_flush(rds):
     class Broken:
-        def pipeline(self, **kw):
-            raise ConnectionError("redis away")
+        def evalsha(self, *args):
+            raise redis_lib.ConnectionError("redis away")
 
     app = streams.GroupAppender(Broken())
-    with pytest.raises(ConnectionError):
+    with pytest.raises(redis_lib.ConnectionError):
         app.append("job-grp-broken", 1, ["{}"], 60, start=1)
+
+
+def test_a_blocked_reader_finds_a_whole_step_when_it_wakes(rds):
+    """Why one call: a step's appends as one script are atomic, so the API's shared read, woken by
+    the first of them, finds every job's entries there in its next read: two XREADs per step instead
+    of one per job or so (Redis 7.0 answers a woken XREAD with the first ready stream alone)."""
+    tag = str(time.time_ns())
+    ids = [f"job-wake-{tag}-{i}" for i in range(16)]
+    wanted = {streams.stream_key(j): "0-0" for j in ids}
+    reader = redis_lib.Redis(connection_pool=rds.connection_pool)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(reader.xread(wanted, block=10_000)))
+    t.start()
+    wait_for(lambda: int(rds.info("clients")["blocked_clients"]) >= 1, 10, "the reader blocked")
+    answers = streams.append_many(rds, [streams.Append(j, 1, [_delta(j), _delta(j + "!")], 60, 1) for j in ids])
+    t.join(10)
+    assert answers == [["0-1", "0-2"]] * 16
+    assert got and got[0], "the reader was woken by the appends"
+    then = reader.xread(wanted)  # at once, not blocking: the rest of the step is all there
+    found = {k.decode(): [e[0].decode() for e in entries] for k, entries in then}
+    assert found == {streams.stream_key(j): ["0-1", "0-2"] for j in ids}
+
+
+def test_a_retried_call_writes_nothing_twice_and_a_lost_stream_is_told_apart(rds):
+    tag = str(time.time_ns())
+    a, b = f"job-many-{tag}-a", f"job-many-{tag}-b"
+    x, y, z, q = (_delta(t) for t in "xyzq")
+    first = [streams.Append(a, 1, [x, y], 60, 1)]
+    assert streams.append_many(rds, first) == [["0-1", "0-2"]]
+    # the same call again (its answer was lost), plus one more entry, and a job whose stream is gone
+    again = [streams.Append(a, 1, [x, y, z], 60, 1), streams.Append(b, 1, [q], 60, 4)]
+    assert streams.append_many(rds, again) == [["0-1", "0-2", "0-3"], streams.LOST]
+    assert [p for _, p in streams.entries(rds, a)] == [x, y, z]
+    assert not rds.exists(streams.stream_key(b))
+
+
+def test_a_key_of_another_type_fails_its_own_job_alone(rds):
+    tag = str(time.time_ns())
+    ids = [f"job-iso-{tag}-{i}" for i in range(3)]
+    rds.set(streams.stream_key(ids[1]), "not a stream")  # written by hand
+    payloads = {j: _delta(j) for j in ids}
+    answers = streams.append_many(rds, [streams.Append(j, 1, [payloads[j]], 60, 1) for j in ids])
+    assert answers[0] == ["0-1"] and answers[2] == ["0-1"]
+    assert isinstance(answers[1], redis_lib.ResponseError) and "WRONGTYPE" in str(answers[1])
+    with pytest.raises(redis_lib.ResponseError):
+        streams.appended(answers[1], ids[1], 1)
+    assert rds.get(streams.stream_key(ids[1])) == b"not a stream"
+    assert [p for _, p in streams.entries(rds, ids[2])] == [payloads[ids[2]]]
+
+
+def test_the_script_is_loaded_again_after_redis_forgets_it(rds):
+    rds.script_flush()
+    job = f"job-flush-{time.time_ns()}"
+    assert streams.append_fenced(rds, job, 1, [_delta("a")], 60, start=1) == ["0-1"]
+    assert rds.script_exists(streams._APPEND_SHA) == [True]
