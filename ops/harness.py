@@ -73,13 +73,14 @@ class Stack:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # process name -> its /metrics port
     envs: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> its env overrides
     worker_metrics: bool = True  # each worker serves /metrics on a port of its own
+    root: Path = ROOT  # the checkout the processes run from (the bench compares two side by side)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def cli(self, *args: str) -> str:
-        out = subprocess.run([*SPOOL, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        out = subprocess.run([*SPOOL, *args], env=self.env, capture_output=True, text=True, timeout=120, cwd=self.root)
         if out.returncode != 0:
             raise RuntimeError(f"spool {' '.join(args)} failed: {out.stderr[-2000:]}")
         return out.stdout.strip()
@@ -91,7 +92,7 @@ class Stack:
         env = self.envs.get(name, {})
         log = open(self.logdir / f"{name}.log", "ab")  # the process owns it
         proc = subprocess.Popen(
-            [*SPOOL, *args], env={**self.env, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            [*SPOOL, *args], env={**self.env, **env}, cwd=self.root, stdout=log, stderr=subprocess.STDOUT
         )
         self.procs[name] = proc
         return proc

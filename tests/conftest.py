@@ -42,10 +42,15 @@ def db_url() -> str:
 
 @contextmanager
 def running_stack(
-    logdir: Path, db_url: str, redis_url: str, extra_workers: tuple[dict[str, str], ...] = (), **extra_env: str
+    logdir: Path,
+    db_url: str,
+    redis_url: str,
+    extra_workers: tuple[dict[str, str], ...] = (),
+    root: Path = ROOT,
+    **extra_env: str,
 ) -> Iterator[Stack]:
     """A whole Spool (api + dispatcher + one worker) on its own database and Redis db, with tenants
-    alpha, beta and ops and an admin key, all made fresh."""
+    alpha, beta and ops and an admin key, all made fresh; its processes run from checkout `root`."""
     from core.infra.dbadmin import drop_database
 
     port = free_port()
@@ -69,7 +74,7 @@ def running_stack(
     }
     drop_database(db_url)
     redis_lib.Redis.from_url(redis_url).flushdb()
-    st = Stack(env=env, logdir=logdir, port=port)
+    st = Stack(env=env, logdir=logdir, port=port, root=root)
     st.cli("migrate")
     for tenant in ("alpha", "beta", "ops"):
         st.cli("tenant", "create", tenant)

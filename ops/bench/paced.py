@@ -374,7 +374,6 @@ def paced_stack(
     (url, api key, CPU meters of every Spool process, pids of the Python ones, Redis's command counts)."""
     from tests import conftest
 
-    conftest.ROOT = root  # the processes run from that checkout (its code first on their path)
     db_url = conftest.TEST_DB.rsplit("/", 1)[0] + "/" + database
     env = {
         **PACED_ENV,
@@ -384,7 +383,10 @@ def paced_stack(
         "PYTHONPATH": str(root),
     }
     logdir = Path(tempfile.mkdtemp(prefix="spool-bench-logs-"))
-    with private_redis() as (redis_url, redis_pid), conftest.running_stack(logdir, db_url, redis_url, (), **env) as st:
+    with (
+        private_redis() as (redis_url, redis_pid),
+        conftest.running_stack(logdir, db_url, redis_url, (), root, **env) as st,
+    ):
         meters = {
             "api": tree_meter(st.procs["api"].pid),
             "worker": tree_meter(st.procs["worker"].pid),
@@ -393,6 +395,10 @@ def paced_stack(
             "redis": tree_meter(redis_pid),
         }
         pids = {k: st.procs[k].pid for k in ("api", "worker", "dispatcher")}
+        for name, pid in pids.items():  # `python -m` puts the cwd first on the path: that checkout's code runs
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            if Path(cwd) != root.resolve():
+                raise RuntimeError(f"{name} runs from {cwd}, not {root}")
         yield st.base_url, st.keys["alpha"], meters, pids, redis_calls(redis_url)
     print(f"stack logs ({root}): {logdir}", flush=True)
 
