@@ -368,10 +368,11 @@ def _pings(redis_lib, port: int) -> bool:
 
 @contextlib.contextmanager
 def paced_stack(
-    root: Path, levels: list[int], database: str
+    root: Path, levels: list[int], database: str, api_workers: int = 1
 ) -> Iterator[tuple[str, str, dict[str, Meter], dict[str, int], Calls]]:
     """API, dispatcher and a paced worker started from checkout `root` as the tests start them; yields
-    (url, api key, CPU meters of every Spool process, pids of the Python ones, Redis's command counts)."""
+    (url, api key, CPU meters of every Spool process, pids of the Python ones, Redis's command counts).
+    `api_workers` > 1: the API as that many processes (`spool api --workers N`)."""
     from tests import conftest
 
     db_url = conftest.TEST_DB.rsplit("/", 1)[0] + "/" + database
@@ -387,6 +388,11 @@ def paced_stack(
         private_redis() as (redis_url, redis_pid),
         conftest.running_stack(logdir, db_url, redis_url, (), root, **env) as st,
     ):
+        if api_workers > 1:
+            st.procs["api"].terminate()
+            st.procs["api"].wait(30)
+            st.start("api", "api", "--workers", str(api_workers))
+            conftest.wait_for(st.ready, 60, "api health")
         meters = {
             "api": tree_meter(st.procs["api"].pid),
             "worker": tree_meter(st.procs["worker"].pid),
@@ -406,7 +412,9 @@ def paced_stack(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stack", action="store_true", help="start a paced stack (or one per --roots) and measure it")
-    ap.add_argument("--roots", default=None, help="with --stack: label=checkout,... (default: this checkout)")
+    ap.add_argument(
+        "--roots", default=None, help="with --stack: label=checkout[@N API processes],... (default: this checkout, 1)"
+    )
     ap.add_argument("--rounds", type=int, default=1, help="with --stack: rounds over the roots, interleaved")
     ap.add_argument("--database", default="spool_bench", help="with --stack: the database it drops and makes")
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -424,13 +432,16 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     if a.stack:
         os.environ.update(PACED_ENV)  # the engine-alone runs (a subprocess) model the same GPU
-        roots = {"spool": ROOT}
-        if a.roots:
-            roots = {k: Path(v).resolve() for k, v in (x.split("=", 1) for x in a.roots.split(","))}
+        roots: dict[str, tuple[Path, int]] = {"spool": (ROOT, 1)}
+        if a.roots:  # label=DIR or label=DIR@N (N API processes)
+            roots = {}
+            for label, spec in (x.split("=", 1) for x in a.roots.split(",")):
+                where, _, n = spec.partition("@")
+                roots[label] = (Path(where).resolve(), int(n or 1))
         for rnd in range(a.rounds):
-            for label, root in roots.items():
-                print(f"-- round {rnd + 1}, {label} ({root})", flush=True)
-                with paced_stack(root, levels, a.database) as (url, key, meters, pids, calls):
+            for label, (root, api_workers) in roots.items():
+                print(f"-- round {rnd + 1}, {label} ({root}, {api_workers} API process(es))", flush=True)
+                with paced_stack(root, levels, a.database, api_workers) as (url, key, meters, pids, calls):
                     got = run_levels(url, key, a.model, levels, a, meters, pids, f"{label}-r{rnd + 1}", calls)
                 for r in got:
                     r |= {"label": label, "round": rnd + 1, "root": str(root)}
