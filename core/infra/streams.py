@@ -218,7 +218,7 @@ class _Pending:
     def __init__(self, append: Append) -> None:
         self.append = append
         self.done = threading.Event()
-        self.result: Appended | BaseException = 0
+        self.result: Appended | BaseException | None = None  # set before `done`
 
 
 class GroupAppender:
@@ -245,6 +245,7 @@ class GroupAppender:
         item.done.wait()
         if isinstance(item.result, BaseException):
             raise item.result
+        assert item.result is not None
         return appended(item.result, job_id, attempt)
 
     def _run(self) -> None:
@@ -255,9 +256,9 @@ class GroupAppender:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            results: list[Appended | BaseException]
+            results: Sequence[Appended | BaseException]
             try:
-                results = list(append_many(self._redis, [item.append for item in batch]))
+                results = append_many(self._redis, [item.append for item in batch])
             except Exception as e:  # the connection: every caller of this flush sees it
                 results = [e] * len(batch)
             self.flushes += 1
