@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import retention
@@ -24,6 +24,7 @@ from core.config import Settings
 from core.generation.events import ErrorInfo, Failed
 from core.infra import redis_keys
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
+from core.infra.db import Listener
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
 from core.infra.orm import Job, Tenant
 from core.jobs import transitions as jobs
@@ -110,9 +111,17 @@ class Dispatcher:
             log.info("batch keeper: %s", counts)
         return counts
 
-    def run_batch_keeper(self) -> None:
-        """`keep_batches` once per interval, forever (a thread of the dispatcher process)."""
-        while True:
+    def run_batch_keeper(self, stop: threading.Event | None = None) -> None:
+        """`keep_batches` once per interval, forever (a thread of the dispatcher process), and at once
+        when a batch's last line ends (the NOTIFY of migration 0011): a finished batch's output file
+        is there a few milliseconds later, not up to an interval later."""
+        engine = self.sessions.kw.get("bind")
+        lines_ended = None
+        if isinstance(engine, Engine) and engine.dialect.name == "postgresql":
+            lines_ended = Listener(engine, batches.LINES_ENDED)
+        if lines_ended is not None:
+            lines_ended.start()
+        while stop is None or not stop.is_set():
             started = time.monotonic()
             try:
                 self.keep_batches()
@@ -123,7 +132,11 @@ class Dispatcher:
                 # took, so working through a huge batch takes at most half a core from the others.
                 time.sleep(max(0.05, time.monotonic() - started))
                 continue
-            time.sleep(max(0.05, self.settings.dispatcher_interval_s - (time.monotonic() - started)))
+            rest = max(0.05, self.settings.dispatcher_interval_s - (time.monotonic() - started))
+            if lines_ended is None:
+                time.sleep(rest)
+            else:
+                lines_ended.wait(rest)
 
     def _admit_lines(self, session: Session, picks: list[str]) -> list[str]:
         """Batch lines take their tenant's limits as they dispatch (core/tenancy/admission.py): a line
@@ -214,7 +227,7 @@ class Dispatcher:
             # fixed period would cap short batch lines at queue_depth per period.
             pause = 0.02 if sent else self.settings.dispatcher_interval_s - (time.monotonic() - started)
             if pause > 0.05:
-                # A worker that frees a batch slot wakes us (workers.slot_freed): refill at once.
+                # A worker that frees a batch slot wakes us (workers.wake_dispatcher): refill at once.
                 try:
                     woke = self.rds.blpop([redis_keys.DISPATCHER_WAKE], timeout=pause)
                     self.rds.delete(redis_keys.DISPATCHER_WAKE)

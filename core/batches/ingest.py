@@ -32,6 +32,7 @@ from core.infra.kv import TRANSIENT as REDIS_DOWN
 from core.infra.orm import Batch
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import transitions as jobs
+from core.jobs import workers
 from core.jobs.service import translate
 from core.jobs.states import JobKind, JobState
 from core.protocol import render
@@ -346,7 +347,8 @@ def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings,
         try:
             batch_id = claim_next(sessions, settings.batch_validation_lease_s)
             if batch_id:
-                validate(sessions, batch_id, settings)
+                if validate(sessions, batch_id, settings) == BatchStatus.in_progress:
+                    _wake_dispatcher(rds)
                 continue
             rds.blpop([redis_keys.BATCH_VALIDATE_WAKE], timeout=poll_s)
         except TRANSIENT:
@@ -358,6 +360,14 @@ def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings,
             log.exception("batch %s: validation failed; failing the batch", batch_id)
             if batch_id:
                 give_up(sessions, batch_id)
+
+
+def _wake_dispatcher(rds: Any) -> None:
+    """The lines start now rather than at the dispatcher's next tick; without Redis they start then."""
+    try:
+        workers.wake_dispatcher(rds)
+    except REDIS_DOWN:
+        log.warning("batch validated; could not wake the dispatcher: its lines start at its next tick")
 
 
 def give_up(sessions: sessionmaker[Session], batch_id: str) -> None:

@@ -55,6 +55,10 @@ def batch_json(b: Batch) -> dict[str, Any]:
     return render.batch(b, counts(b), files_shown=b.status in FINAL)
 
 
+# Postgres notifies this channel when a batch's last live line ends (migration 0011's trigger).
+LINES_ENDED = "spool_batch_lines_ended"
+
+
 def has_live_lines(batch_id: str):
     """One probe of ix_jobs_batch_state per live state: cheap however many lines the batch has."""
     return select(exists().where(Job.batch_id == batch_id, Job.state.in_(ACTIVE)))

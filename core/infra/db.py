@@ -5,8 +5,11 @@ Both use psycopg 3, so the SQL in core/jobs/transitions.py runs unchanged on eit
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
+import psycopg
+from psycopg import sql
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import sessionmaker
@@ -47,3 +50,48 @@ def async_engine() -> AsyncEngine:
 @lru_cache
 def async_sessions() -> async_sessionmaker:
     return async_sessionmaker(async_engine(), expire_on_commit=False)
+
+
+class Listener:
+    """Waits for a Postgres NOTIFY on one channel, on a connection of its own (a LISTEN holds it).
+
+    A notification is a hint, never the only way work is found: Postgres away, or a restart between
+    a NOTIFY and the LISTEN, turns a wait into a plain sleep of the same length, and the next wait
+    connects again. Notifications sent while the caller was busy are queued on the connection and
+    end the next wait at once."""
+
+    def __init__(self, engine: Engine, channel: str) -> None:
+        self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._channel = channel
+        self._conn: psycopg.Connection | None = None
+
+    def wait(self, timeout: float) -> str | None:
+        """The payload of a notification that came within `timeout` seconds, else None."""
+        if timeout <= 0:
+            return None
+        try:
+            conn = self._listen()
+            return next((n.payload for n in conn.notifies(timeout=timeout, stop_after=1)), None)
+        except (psycopg.Error, OSError):
+            self.close()
+            time.sleep(timeout)
+            return None
+
+    def start(self) -> None:
+        """Listen from now on (a wait does it too): call before the first look for work, so nothing
+        sent between that look and the first wait is missed."""
+        try:
+            self._listen()
+        except (psycopg.Error, OSError):
+            self.close()
+
+    def _listen(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=_CONNECT["connect_timeout"])
+            self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

@@ -61,8 +61,9 @@ def batch_capacity(rds: Any, model: str) -> int:
     return sum(w.batch_slots for w in live(rds, model))
 
 
-def slot_freed(rds: Any) -> None:
-    """A batch line ended: wake the dispatcher so the slot is refilled now, not at its next tick."""
+def wake_dispatcher(rds: Any) -> None:
+    """Batch work to hand out now, not at the dispatcher's next tick: a batch line ended (its slot is
+    free) or a batch's lines were just queued (validated). Wakes that pile up are one wake."""
     pipe = rds.pipeline(transaction=False)
     pipe.lpush(redis_keys.DISPATCHER_WAKE, 1)
     pipe.ltrim(redis_keys.DISPATCHER_WAKE, 0, 0)

@@ -5,14 +5,17 @@ Real Postgres and Redis, in-process: the batch keeper's own pass (`progress.adva
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import event, func, select
+from sqlalchemy import event, func, select, text, update
 
 from core.batches import progress
 from core.batches.status import FINAL, BatchStatus
 from core.dispatcher import Dispatcher
 from core.generation.events import ChoiceResult, ErrorInfo, JobResult, Usage
+from core.infra.db import Listener
 from core.infra.orm import Batch, File, FileChunk, Job
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
@@ -207,3 +210,65 @@ def test_a_pass_that_dies_mid_slice_leaves_nothing_half_written(session, session
         session.scalars(select(FileChunk.data).where(FileChunk.file_id == b.output_file_id).order_by(FileChunk.seq))
     )
     assert [json.loads(x)["custom_id"] for x in raw.splitlines()] == [f"r{i}" for i in range(12)]
+
+
+def test_the_last_line_to_end_notifies_once_when_its_ending_commits(session, sessions, rds, it_settings):
+    """Migration 0011: the ending that brings a batch's counts to its total NOTIFYs the keeper with the
+    batch's id; earlier endings do not, and nothing is sent before the ending commits."""
+    lifecycle = Lifecycle(sessions, rds, it_settings)
+    batch_id = _expired_batch(session, 3, expired=False)
+    ids = [j for (j,) in session.execute(select(Job.id).where(Job.batch_id == batch_id).order_by(Job.line_no))]
+    listener = Listener(sessions.kw["bind"], progress.LINES_ENDED)
+    try:
+        listener.start()
+        assert lifecycle.succeed(_run(session, ids[0]), _result("a"), Usage(completion_tokens=1), 0.1)
+        assert lifecycle.fail(_run(session, ids[1]), ErrorInfo(message="boom", type="server_error"), Usage())
+        assert listener.wait(0.3) is None  # one line still live
+        last = _run(session, ids[2])
+        with sessions() as other:
+            other.execute(update(Job).where(Job.id == last.id).values(state=JobState.succeeded.value))
+            assert listener.wait(0.3) is None  # not committed yet
+            other.commit()
+        assert listener.wait(10) == batch_id
+        assert listener.wait(0.3) is None  # once
+    finally:
+        listener.close()
+
+
+def test_the_keeper_finalizes_a_batch_when_its_last_line_ends_not_at_its_next_pass(session, sessions, rds, it_settings):
+    """Before: a finished batch waited for the keeper's next timed pass (up to `dispatcher_interval_s`).
+    Here that interval is a minute; the batch completes, with its output file, as its last line ends."""
+    settings = it_settings.model_copy(update={"dispatcher_interval_s": 60.0})
+    lifecycle = Lifecycle(sessions, rds, settings)
+    batch_id = _expired_batch(session, 2, expired=False)
+    ids = [j for (j,) in session.execute(select(Job.id).where(Job.batch_id == batch_id).order_by(Job.line_no))]
+    stop, passed = threading.Event(), threading.Event()
+    d = Dispatcher(sessions, rds, rds, settings)
+    keep = d.keep_batches
+
+    def counted() -> dict[str, int]:
+        out = keep()
+        passed.set()
+        return out
+
+    d.keep_batches = counted  # type: ignore[method-assign]
+    assert lifecycle.succeed(_run(session, ids[0]), _result("a"), Usage(completion_tokens=1), 0.1)
+    keeper = threading.Thread(target=d.run_batch_keeper, args=(stop,))
+    keeper.start()
+    try:
+        assert passed.wait(20)  # its first pass found a live line; now it waits its minute
+        assert session.get(Batch, batch_id, populate_existing=True).status == BatchStatus.in_progress
+        assert lifecycle.succeed(_run(session, ids[1]), _result("b"), Usage(completion_tokens=1), 0.1)
+        deadline = time.monotonic() + 20  # a third of the interval: only the notification explains it
+        while session.get(Batch, batch_id, populate_existing=True).status != BatchStatus.completed:
+            assert time.monotonic() < deadline, "not finalized when its last line ended"
+            time.sleep(0.1)
+        b = session.get(Batch, batch_id)
+        assert progress.counts(b) == {"total": 2, "completed": 2, "failed": 0} and b.output_file_id is not None
+    finally:
+        stop.set()
+        with sessions() as s:  # wake it so it sees the stop
+            s.execute(text("SELECT pg_notify(:c, '')"), {"c": progress.LINES_ENDED})
+            s.commit()
+        keeper.join(10)
+    assert not keeper.is_alive()
