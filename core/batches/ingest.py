@@ -342,6 +342,7 @@ def claim_next(sessions: sessionmaker[Session], lease_s: float) -> str | None:
 def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings, poll_s: float = 2.0) -> None:
     """Validate batches one at a time, forever (a dispatcher thread). Safe with several running: a
     batch is claimed under a lease, and taken over when the lease of a dead validator lapses."""
+    _warm(settings)
     while True:
         batch_id = None
         try:
@@ -360,6 +361,16 @@ def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings,
             log.exception("batch %s: validation failed; failing the batch", batch_id)
             if batch_id:
                 give_up(sessions, batch_id)
+
+
+def _warm(settings: Settings) -> None:
+    """Load each served model's tokenizer now: the first batch would otherwise wait for it (~0.4 s
+    for a GGUF's vocabulary). A model this host cannot load fails its lines later, as before."""
+    for model in settings.model_ids:
+        try:
+            tokenizer_for(model)
+        except Exception:
+            log.warning("could not load the tokenizer of %s ahead of the first batch", model, exc_info=True)
 
 
 def _wake_dispatcher(rds: Any) -> None:

@@ -123,8 +123,9 @@ def through_spool(
     before = {k: m() for k, m in meters.items()}
     start = time.perf_counter()
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    created = time.perf_counter() - start
     while b.status not in ("completed", "failed", "expired", "cancelled"):
-        time.sleep(0.25)
+        time.sleep(0.1)  # the batch's end is seen within ~0.1 s (0.25 s before 2026-11-26)
         b = client.batches.retrieve(b.id)
     took = time.perf_counter() - start
     cpu = {k: m() - before[k] for k, m in meters.items()}
@@ -139,6 +140,7 @@ def through_spool(
     return {
         "status": b.status,
         "seconds": took,
+        "create_call_s": created,
         "server_seconds": server,
         "counts": b.request_counts,
         "cpu": cpu,
@@ -189,6 +191,7 @@ def run(url: str, api_key: str, n: int, max_tokens: int, meters: dict[str, Calla
         "engine_exact_s": round(exact, 2),
         "spool_s": round(got["seconds"], 2),
         "spool_server_s": got["server_seconds"],
+        "create_call_s": round(got["create_call_s"], 3),
         "spool_vs_exact": round(exact / got["seconds"], 3),
         "spool_vs_engine_alone": round(alone / got["seconds"], 3),
         "status": got["status"],
