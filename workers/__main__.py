@@ -66,8 +66,29 @@ def _heartbeat(name: str, s, loop) -> None:
     rds = kv.client(s.redis_url)
     model = s.worker_model_ids[0]
 
+    said = (time.monotonic(), 0, 0.0, 0.0)
+
+    def say_pace() -> tuple[float, int, float, float]:
+        """Once a minute while the engine steps, and when it goes idle: its steps, and the host's
+        time between them (on a GPU, time the GPU waits for Spool)."""
+        now, (then, steps, inside, between) = time.monotonic(), said
+        n = loop.steps - steps
+        if now - then < 60 and not (n and loop.live_count() == 0):
+            return said
+        if n:
+            logging.getLogger(__name__).info(
+                "engine: %d steps in %.0fs, %.2f ms a step inside the engine, %.2f ms between steps",
+                n,
+                now - then,
+                (loop.step_s - inside) * 1000 / n,
+                (loop.between_s - between) * 1000 / n,
+            )
+        return now, loop.steps, loop.step_s, loop.between_s
+
     def beat_forever() -> None:
+        nonlocal said
         while True:
+            said = say_pace()
             stalled = loop.stalled_for()
             if stalled > s.engine_stall_s:
                 logging.getLogger(__name__).critical(

@@ -60,8 +60,10 @@ def exact_seconds(n: int, tokens: int, prompt_tokens: list[int], eng: PacedEngin
     return total
 
 
-def engine_alone(lines: list[str], max_tokens: int) -> tuple[float, float, dict[int, str]]:
-    """(measured seconds, exact seconds, text of each line) on the paced engine in-process."""
+def engine_alone(lines: list[str], max_tokens: int) -> tuple[float, float, dict[int, str], float]:
+    """(measured seconds, exact seconds, text of each line, ms between steps) on the paced engine
+    in-process. The last is the host's time between one step and the next (events, callbacks): the
+    worker logs the same figure once a minute ("engine: ... between steps")."""
     from workers.runtime import build_engine
 
     loop = EngineLoop(build_engine(MODEL))
@@ -91,7 +93,8 @@ def engine_alone(lines: list[str], max_tokens: int) -> tuple[float, float, dict[
         ended += ev.ended
     took = time.perf_counter() - start
     texts = {i: b"".join(eng.token_bytes(t) for t in ts).decode("utf-8", "replace") for i, ts in toks.items()}
-    return took, exact_seconds(len(lines), max_tokens, [len(x) for x in ids], eng), texts
+    between_ms = loop.between_s * 1000 / max(1, loop.steps)
+    return took, exact_seconds(len(lines), max_tokens, [len(x) for x in ids], eng), texts, between_ms
 
 
 def through_spool(
@@ -180,7 +183,7 @@ def main() -> None:
 
 def run(url: str, api_key: str, n: int, max_tokens: int, meters: dict[str, Callable[[], float]]) -> dict:
     lines = prompts(n)
-    alone, exact, want = engine_alone(lines, max_tokens)
+    alone, exact, want, between_ms = engine_alone(lines, max_tokens)
     got = through_spool(url, api_key, lines, max_tokens, meters)
     texts = got.pop("texts")
     tokens = n * max_tokens
@@ -189,6 +192,7 @@ def run(url: str, api_key: str, n: int, max_tokens: int, meters: dict[str, Calla
         "max_tokens": max_tokens,
         "engine_alone_s": round(alone, 2),
         "engine_exact_s": round(exact, 2),
+        "engine_alone_ms_between_steps": round(between_ms, 3),
         "spool_s": round(got["seconds"], 2),
         "spool_server_s": got["server_seconds"],
         "create_call_s": round(got["create_call_s"], 3),

@@ -29,6 +29,12 @@ class EngineLoop:
         self.max_live = 0  # most sequences live at once: concurrency evidence for tests and metrics
         self._busy: dict[Hashable, float] = {}  # engine seconds per sequence (step time / live count)
         self.steps = 0
+        # Wall time inside engine steps, and between one step's return and the next step while
+        # sequences were live: the host's share (events, callbacks, the GIL), which on a GPU is time
+        # the GPU waits. The heartbeat logs both; the bench reads them.
+        self.step_s = 0.0
+        self.between_s = 0.0
+        self._returned: float | None = None
         self._inside_since: float | None = None  # monotonic start of the engine call in progress
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -91,6 +97,7 @@ class EngineLoop:
         while True:
             # Block only when idle; otherwise take whatever arrived and keep stepping.
             if not self.engine.has_work():
+                self._returned = None  # idle: not the host's time between steps
                 self._apply(*self._inbox.get())
             while True:
                 try:
@@ -101,6 +108,8 @@ class EngineLoop:
                 continue
             self.max_live = max(self.max_live, len(self._sinks))
             started = self._inside_since = time.monotonic()
+            if self._returned is not None:
+                self.between_s += started - self._returned
             try:
                 events = self.engine.step()
             except SequenceError as exc:  # one sequence's fault: it alone ends; the others step on
@@ -117,7 +126,10 @@ class EngineLoop:
             finally:
                 self._inside_since = None
             self.steps += 1
-            share = (time.monotonic() - started) / max(1, len(self._sinks))
+            returned = time.monotonic()
+            self.step_s += returned - started
+            self._returned = returned if self._sinks else None
+            share = (returned - started) / max(1, len(self._sinks))
             for key in self._sinks:
                 self._busy[key] = self._busy.get(key, 0.0) + share
             for ev in events:
