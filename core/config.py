@@ -126,19 +126,23 @@ class Settings(BaseSettings):
         30.0, description="Finished jobs older than this are deleted by the retention sweeper (usage rows stay)."
     )
 
-    worker_concurrency: int = Field(
-        24,
-        description="Celery threads per worker: jobs it holds at once. The dispatcher sends batch lines only "
-        "for free batch slots (`max_batch` per live worker), so the threads beyond them are always there for "
-        "interactive requests.",
+    worker_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Celery threads per worker: jobs it holds at once. Default: every batch line it may hold "
+        "(`max_batch` + `batch_prefetch`) plus `interactive_slots` plus 4, so the threads beyond the batch lines "
+        "are always there for interactive requests (the dispatcher sends batch lines only for free batch slots).",
     )
     max_batch: int = Field(
         16, description="Sequences of batch work an engine decodes together (both engines); see `interactive_slots`."
     )
-    batch_prefetch: int = Field(
-        2,
+    batch_prefetch: int | None = Field(
+        None,
+        ge=0,
         description="Batch lines a worker holds beyond its `max_batch` slots, waiting in its engine, so a slot "
-        "that frees is refilled without a round trip to the dispatcher.",
+        "that frees is refilled without a round trip to the dispatcher. Default: half of `max_batch` (at least 2): "
+        "lines of equal length end in the same step, and a worker holding few more than its slots decodes nearly "
+        "empty until the dispatcher refills them.",
     )
     batch_group: int = Field(
         8,
@@ -270,6 +274,14 @@ class Settings(BaseSettings):
 
             return list(registry(self))
         return [m.strip() for m in self.models.split(",") if m.strip()]
+
+    def prefetch_for(self, max_batch: int) -> int:
+        """`batch_prefetch` for an engine of `max_batch` slots."""
+        return self.batch_prefetch if self.batch_prefetch is not None else max(2, max_batch // 2)
+
+    def threads_for(self, batch_slots: int) -> int:
+        """`worker_concurrency` for a worker that takes `batch_slots` batch lines."""
+        return self.worker_concurrency or batch_slots + self.interactive_slots + 4
 
     @property
     def worker_model_ids(self) -> list[str]:

@@ -49,7 +49,7 @@ class Dispatcher:
         self.batches_pending = False  # the last batch pass stopped at a full slice
         # Free batch slots a woken pass waits for: a message's worth, but no more than a worker
         # holds in reserve (its prefetched lines are what keeps its engine full until then).
-        self.refill_at = max(1, min(settings.batch_group, settings.batch_prefetch))
+        self.refill_at = max(1, min(settings.batch_group, settings.prefetch_for(settings.max_batch)))
 
     def tick(self, woken: bool = False) -> dict[str, int]:
         """One pass. Returns counts for logs and tests. `woken`: a pass that follows a send or a wake

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     from core.infra import logs
 
     logs.setup(s.log_format)
-    from workers.runtime import runner
+    from workers.runtime import batch_slots, runner
     from workers.tasks import app
 
     r = runner()  # load the model before taking any message
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={s.worker_concurrency}",
+            f"--concurrency={s.threads_for(batch_slots(s.worker_model_ids[0], s))}",
             f"--queues={queues}",
             "--loglevel=INFO",
             "--without-gossip",
@@ -62,9 +62,11 @@ def _heartbeat(name: str, s, loop) -> None:
     from core.infra import kv
     from core.infra.metrics import RUNNING, WAITING
     from core.jobs import workers
+    from workers.runtime import batch_slots
 
     rds = kv.client(s.redis_url)
     model = s.worker_model_ids[0]
+    slots = batch_slots(model, s)
 
     said = (time.monotonic(), 0, 0.0, 0.0)
 
@@ -102,12 +104,12 @@ def _heartbeat(name: str, s, loop) -> None:
             RUNNING.labels(model, name).set(max(loop.live_count() - waiting, 0))
             WAITING.labels(model, name).set(waiting)
             try:
-                workers.beat(rds, model, name, s.max_batch + s.batch_prefetch, s.interactive_slots)
+                workers.beat(rds, model, name, slots, s.interactive_slots)
             except Exception:
                 logging.getLogger(__name__).warning("heartbeat failed; retrying", exc_info=True)
             time.sleep(workers.HEARTBEAT_S)
 
-    workers.beat(rds, model, name, s.max_batch + s.batch_prefetch, s.interactive_slots)
+    workers.beat(rds, model, name, slots, s.interactive_slots)
     threading.Thread(target=beat_forever, name="heartbeat", daemon=True).start()
     atexit.register(lambda: workers.gone(rds, model, name))
 

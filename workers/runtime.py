@@ -7,7 +7,7 @@ import os
 import socket
 from functools import lru_cache
 
-from core.config import get_settings
+from core.config import Settings, get_settings
 from core.infra import kv
 from core.infra.db import sync_sessions
 from core.registry import model_path, settings_for
@@ -16,6 +16,14 @@ from workers.engine.loop import EngineLoop
 from workers.runner import JobRunner
 
 log = logging.getLogger(__name__)
+
+
+def batch_slots(model_id: str, settings: Settings) -> int:
+    """Batch lines a worker takes for a model (its heartbeat tells the dispatcher): the engine's batch,
+    which is the registry's `max_batch` for that model where it sets one, plus the prefetched lines.
+    Before, the global SPOOL_MAX_BATCH was advertised: a registry batch of 48 got 18 lines."""
+    max_batch = settings_for(model_id, settings).max_batch
+    return max_batch + settings.prefetch_for(max_batch)
 
 
 def build_engine(model_id: str) -> Engine:

@@ -168,7 +168,7 @@ def main() -> None:
         os.environ.update(PACED_ENV)  # the engine alone runs in this process with the worker's settings
         from core.config import Settings
 
-        held = PACED_BATCH + Settings().batch_prefetch  # the worker's threads: every line it may hold
+        held = PACED_BATCH + Settings().prefetch_for(PACED_BATCH)  # the worker's threads: every line it may hold
         with paced_stack(ROOT, [held], "spool_bulk") as (url, key, meters, _pids, _calls):
             out = run(url, key, a.lines, a.max_tokens, meters)
     else:
