@@ -127,8 +127,14 @@ class Dispatcher:
         lines_ended = None
         if isinstance(engine, Engine) and engine.dialect.name == "postgresql":
             lines_ended = Listener(engine, batches.LINES_ENDED)
-        if lines_ended is not None:
             lines_ended.start()
+        try:
+            self._keep_batches_until(stop, lines_ended)
+        finally:
+            if lines_ended is not None:
+                lines_ended.close()
+
+    def _keep_batches_until(self, stop: threading.Event | None, lines_ended: Listener | None) -> None:
         while stop is None or not stop.is_set():
             started = time.monotonic()
             try:

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     from workers.tasks import app
 
     r = runner()  # load the model before taking any message
-    _heartbeat(r.worker_name, s, r.loop)
+    slots = batch_slots(s.worker_model_ids[0], s)
+    _heartbeat(r.worker_name, s, r.loop, slots)
     from core.jobs import workers
 
     r.batch_slot_wake = lambda: workers.wake_dispatcher(r.redis)
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={s.threads_for(batch_slots(s.worker_model_ids[0], s))}",
+            f"--concurrency={s.threads_for(slots)}",
             f"--queues={queues}",
             "--loglevel=INFO",
             "--without-gossip",
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def _heartbeat(name: str, s, loop) -> None:
+def _heartbeat(name: str, s, loop, slots: int) -> None:
     """Tell the dispatcher (and /ready) this worker is alive and how much batch work it takes; a
     wedged engine stops the beat and ends the process (its supervisor restarts it; its jobs, no
     longer renewed, resume on another worker)."""
@@ -62,35 +63,14 @@ def _heartbeat(name: str, s, loop) -> None:
     from core.infra import kv
     from core.infra.metrics import RUNNING, WAITING
     from core.jobs import workers
-    from workers.runtime import batch_slots
 
     rds = kv.client(s.redis_url)
     model = s.worker_model_ids[0]
-    slots = batch_slots(model, s)
-
-    said = (time.monotonic(), 0, 0.0, 0.0)
-
-    def say_pace() -> tuple[float, int, float, float]:
-        """Once a minute while the engine steps, and when it goes idle: its steps, and the host's
-        time between them (on a GPU, time the GPU waits for Spool)."""
-        now, (then, steps, inside, between) = time.monotonic(), said
-        n = loop.steps - steps
-        if now - then < 60 and not (n and loop.live_count() == 0):
-            return said
-        if n:
-            logging.getLogger(__name__).info(
-                "engine: %d steps in %.0fs, %.2f ms a step inside the engine, %.2f ms between steps",
-                n,
-                now - then,
-                (loop.step_s - inside) * 1000 / n,
-                (loop.between_s - between) * 1000 / n,
-            )
-        return now, loop.steps, loop.step_s, loop.between_s
+    pace = _Pace(loop)
 
     def beat_forever() -> None:
-        nonlocal said
         while True:
-            said = say_pace()
+            pace.say()
             stalled = loop.stalled_for()
             if stalled > s.engine_stall_s:
                 logging.getLogger(__name__).critical(
@@ -112,6 +92,33 @@ def _heartbeat(name: str, s, loop) -> None:
     workers.beat(rds, model, name, slots, s.interactive_slots)
     threading.Thread(target=beat_forever, name="heartbeat", daemon=True).start()
     atexit.register(lambda: workers.gone(rds, model, name))
+
+
+class _Pace:
+    """Logs the engine's pace once a minute while it steps, and when it goes idle: its steps, the
+    time inside them, and the host's time between them (on a GPU, time the GPU waits for Spool)."""
+
+    def __init__(self, loop) -> None:
+        import time
+
+        self.loop, self.clock = loop, time.monotonic
+        self.mark = (self.clock(), 0, 0.0, 0.0)  # when, steps, step_s, between_s at the last line
+
+    def say(self) -> None:
+        loop, now = self.loop, self.clock()
+        then, steps, inside, between = self.mark
+        n = loop.steps - steps
+        if now - then < 60 and not (n and loop.live_count() == 0):
+            return
+        if n:
+            logging.getLogger(__name__).info(
+                "engine: %d steps in %.0fs, %.2f ms a step inside the engine, %.2f ms between steps",
+                n,
+                now - then,
+                (loop.step_s - inside) * 1000 / n,
+                (loop.between_s - between) * 1000 / n,
+            )
+        self.mark = (now, loop.steps, loop.step_s, loop.between_s)
 
 
 if __name__ == "__main__":
