@@ -59,7 +59,8 @@ class Attempt:
         self._publish_every = self._next_publish = 0.0
         self.stopped = False
         self._error: BaseException | None = None
-        self._ended = threading.Event()
+        self._ended = threading.Event()  # set by `stop` (the pump) or by a cancel seen (`_on_cancel`)
+        self._cancel_seen = False
         self._itl = ITL.labels(job.model)  # per token: a labelled child looked up once, not per call
 
     # -- setup ------------------------------------------------------------------------------
@@ -148,9 +149,14 @@ class Attempt:
         else:
             self.stop(None)
         next_renew = time.monotonic() + every.lease_s / 3
+        watch = self.runner.cancels
+        watch.watch(job.id, self._on_cancel)
         try:
-            while not self._ended.wait(0.5):
-                if self._cancelled():
+            while True:
+                self._ended.wait(0.5)
+                if self.stopped:  # the pump ended it (done, or an error): that wins over a late cancel
+                    break
+                if self._cancel_seen:
                     log.info("job %s cancelled; dropping its sequences", job.id)
                     return Outcome.cancelled
                 if time.monotonic() >= next_renew:
@@ -165,6 +171,7 @@ class Attempt:
             if self._error is not None:
                 raise self._error
         finally:
+            watch.unwatch(job.id, self._on_cancel)
             self.stopped = True  # the pump drops whatever else arrives for it
             if self.live:
                 self.loop.cancel(list(self.live))
@@ -278,8 +285,7 @@ class Attempt:
         except TRANSIENT:
             pass  # Postgres away too: the lease may lapse, and the job resumes elsewhere
 
-    def _cancelled(self) -> bool:
-        try:
-            return bool(self.runner.redis.exists(streams.cancel_key(self.job.id)))
-        except TRANSIENT:
-            return False  # unknown while Redis is away: keep going; a cancel also ends the lease
+    def _on_cancel(self) -> None:
+        """Called by the worker's cancel watch (workers/cancels.py) when the job's cancel key is set."""
+        self._cancel_seen = True
+        self._ended.set()

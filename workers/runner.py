@@ -24,6 +24,7 @@ from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobKind
 from core.jobs.transitions import Claimed
 from workers.attempt import Attempt
+from workers.cancels import CancelWatch
 from workers.engine.loop import EngineLoop
 from workers.outcome import EngineError, JobError, Outcome
 from workers.pump import StreamPump
@@ -46,6 +47,8 @@ class JobRunner:
         self.lifecycle.appender = streams.GroupAppender(redis_client)
         # Every attempt's engine events become stream entries on one thread (workers/pump.py).
         self.pump = StreamPump(redis_client, settings)
+        # Every running job's cancel key asked in one round trip, not one EXISTS per job per 0.5 s.
+        self.cancels = CancelWatch(redis_client)
         self.batch_slot_wake: Any = None  # set by the worker process: called when an attempt ends
 
     # -- entrypoint -------------------------------------------------------------------------

@@ -121,3 +121,63 @@ def test_parse_id_takes_only_what_redis_takes():
     assert streams.parse_id("18446744073709551615-18446744073709551615") == "18446744073709551615-18446744073709551615"
     for bad in ("18446744073709551616-0", "1-18446744073709551616", "²", "\u0661", "1-", "-1", "1\n", "+1", "1" * 21):
         assert streams.parse_id(bad) is None, bad
+
+
+def test_a_follower_fed_steadily_hears_no_silence_and_a_quiet_one_hears_it_each_period(rds):
+    """Silence (None) is told by one timer per follower, re-armed from the last entry put: news more
+    often than `block_ms` never yields None; a quiet follower gets None once per `block_ms`."""
+
+    async def scenario() -> None:
+        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=2000)
+        try:
+            busy = hub.read("hub-busy", "0-0", 300)
+            quiet = hub.read("hub-quiet", "0-0", 300)
+            got: list = []
+            for i in range(8):  # 8 x 100 ms: well past the 300 ms of silence a None would need
+                ids = _append(rds, "hub-busy", f"t{i}")
+                got += await _take(busy, 1)
+                assert got[-1] == (ids[0], f"t{i}")
+                await asyncio.sleep(0.1)
+            assert None not in got
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            assert await anext(quiet) is None  # joined ~0.8 s ago: a None has been waiting
+            assert await anext(quiet) is None
+            assert 0.2 <= loop.time() - began <= 1.5  # the next one a period later, not at once
+            await busy.aclose()
+            await quiet.aclose()
+            assert hub._followers == {}
+        finally:
+            await hub.aclose()
+            await hub.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_followers_joining_during_one_blocked_read_share_one_wake(rds):
+    """Each follower that joins while the shared read is blocked used to send its own wake (an XADD
+    and an EXPIRE per new stream: one per short job). One wake per blocked read serves them all."""
+
+    async def scenario() -> None:
+        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=HUB_BLOCK_MS)
+        try:
+            first = hub.read("hub-w0", "0-0", FOLLOWER_WAIT_MS)
+            ids = _append(rds, "hub-w0", "x")
+            assert await _take(first, 1) == [(ids[0], "x")]  # the shared read now blocks on hub-w0
+            joiners = [hub.read(f"hub-w{i}", "0-0", FOLLOWER_WAIT_MS) for i in range(1, 17)]
+            pending = [asyncio.ensure_future(anext(j)) for j in joiners]  # all join before any wake returns
+            await asyncio.sleep(0.3)
+            info = rds.xinfo_stream(hub._wake_key)
+            added = int(info.get("entries-added", info.get(b"entries-added", 0)))
+            assert added == 1, f"{added} wakes for 16 followers joining one blocked read"
+            for i in range(1, 17):
+                _append(rds, f"hub-w{i}", f"y{i}")
+            got = await asyncio.gather(*pending)
+            assert [p for _, p in got] == [f"y{i}" for i in range(1, 17)]  # every joiner is served
+            for it in (first, *joiners):
+                await it.aclose()
+        finally:
+            await hub.aclose()
+            await hub.redis.aclose()
+
+    asyncio.run(scenario())

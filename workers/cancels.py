@@ -1,0 +1,70 @@
+"""Which of a worker's running jobs were cancelled: one thread asks Redis for all of them at once.
+
+A cancel (core/jobs/lifecycle.py) commits in Postgres, then sets the job's cancel key in Redis. Each
+attempt used to poll its own key with an `EXISTS` every 0.5 s from its own thread: at 64 running
+jobs, 128 round trips a second and ~7 % of the worker's CPU per streamed token at 64 streams. Here
+one thread sends every watched key's `EXISTS` in one pipeline per `every` seconds and raises the
+callback of each cancelled attempt (which wakes its thread at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from core.infra import streams
+from core.infra.kv import TRANSIENT
+
+log = logging.getLogger(__name__)
+
+
+class CancelWatch:
+    def __init__(self, redis: Any, every: float = 0.25) -> None:
+        self._redis, self._every = redis, every
+        self._watched: dict[str, Callable[[], None]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.rounds = 0  # round trips made (tests read it)
+
+    def watch(self, job_id: str, on_cancel: Callable[[], None]) -> None:
+        """`on_cancel()` is called (on this watch's thread) once `job_id` is seen cancelled, and again
+        at each later round until `unwatch`, which the attempt calls when it ends."""
+        with self._lock:
+            self._watched[job_id] = on_cancel
+            if self._thread is None:  # started on first use: processes that run no job hold no thread
+                self._thread = threading.Thread(target=self._run, name="cancel-watch", daemon=True)
+                self._thread.start()
+
+    def unwatch(self, job_id: str, on_cancel: Callable[[], None]) -> None:
+        with self._lock:
+            if self._watched.get(job_id) is on_cancel:  # a newer attempt of the job here keeps its own
+                del self._watched[job_id]
+
+    def check(self) -> None:
+        """One round: every watched job's cancel key in one pipeline. Redis away: nothing is known,
+        so nothing is flagged (a cancel also ends the job's lease, which the attempt renews)."""
+        with self._lock:
+            watched = list(self._watched.items())
+        if not watched:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id, _ in watched:
+            pipe.exists(streams.cancel_key(job_id))
+        try:
+            found = pipe.execute()
+        except TRANSIENT:
+            return
+        self.rounds += 1
+        for (_, on_cancel), hit in zip(watched, found, strict=True):
+            if hit:
+                on_cancel()
+
+    def _run(self) -> None:
+        stop = threading.Event()  # never set: the thread lives as long as the process
+        while not stop.wait(self._every):
+            try:
+                self.check()
+            except Exception:  # a bad reply must not end the watch for every job
+                log.exception("cancel watch failed; retrying")
