@@ -23,7 +23,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-# llama-cpp-python compiles llama.cpp (about 8 minutes on 2 cores the first time; pip caches the wheel).
+# llama-cpp-python compiles llama.cpp (about 8-12 minutes on 2 cores the first time; the wheel is kept).
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 # Serving needs only the CPU engine (ops/run.sh); the test command asks for the test, bench and eval
 # extras too (SPOOL_EXTRAS=cpu,test,bench,eval), and SPOOL_SKIP_EVAL=1 leaves lm-eval and torch out.
@@ -34,6 +34,16 @@ if [[ ",$EXTRAS," == *,eval,* ]] && ! .venv/bin/python -c 'import torch' 2>/dev/
   # of the size. Where that index cannot be reached, pip falls back to PyPI (or a local copy) below.
   .venv/bin/python -m pip install --quiet --progress-bar off --retries 0 --timeout 10 \
     --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" 2>/dev/null || true
+fi
+if [[ ",$EXTRAS," == *,cpu,* ]]; then
+  # llama.cpp built for a portable CPU baseline, not -march=native (why: ops/llama_wheel.sh); a venv
+  # holding another build of it (pip's native one) gets this one instead, once.
+  WHEEL=$(bash ops/llama_wheel.sh .venv/bin/python)
+  MARK=".venv/.$(basename "$(dirname "$WHEEL")")"
+  if [ ! -e "$MARK" ]; then
+    .venv/bin/python -m pip install --quiet --progress-bar off --no-deps --force-reinstall "$WHEEL"
+    touch "$MARK"
+  fi
 fi
 .venv/bin/python -m pip install --quiet --progress-bar off -e ".[$EXTRAS]"
 

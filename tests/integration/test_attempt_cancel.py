@@ -1,0 +1,42 @@
+"""A running attempt stops when its job is cancelled: the cancel (Postgres, then the job's cancel key
+in Redis) is seen by the worker's cancel watch (workers/cancels.py), the attempt drops its sequences
+and the engine stops generating. Real Postgres and Redis, in-process; the paced engine, slowed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from core.infra import streams
+from core.jobs.lifecycle import Lifecycle
+from core.jobs.states import JobState
+from tests import factories
+from workers.engine.loop import EngineLoop
+from workers.engine.paced import PacedEngine
+from workers.outcome import Outcome
+from workers.runner import JobRunner
+
+MODEL = "smollm2-135m-instruct"
+
+
+def test_a_cancelled_job_stops_its_running_attempt(session, sessions, rds, it_settings):
+    loop = EngineLoop(PacedEngine(MODEL, n_ctx=512, max_batch=4, step_ms=50.0, seq_ms=0.0))
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=400))
+    runner = JobRunner(loop, it_settings, rds, sessions, "w-cancel")
+    out: list[Outcome] = []
+    th = threading.Thread(target=lambda: out.append(runner.run(job.id, 1)))
+    th.start()
+    deadline = time.monotonic() + 20
+    while len(streams.entries(rds, job.id)) < 3:  # it is generating (20 tokens a second)
+        assert time.monotonic() < deadline, "the attempt never streamed"
+        time.sleep(0.05)
+    asked = time.monotonic()
+    assert Lifecycle(sessions, rds, it_settings).cancel(job.id, t.id) is not None
+    th.join(10)
+    assert not th.is_alive(), "the attempt did not stop after its job was cancelled"
+    assert out == [Outcome.cancelled]
+    assert time.monotonic() - asked < 5  # the watch asks every 0.25 s; the attempt wakes at once
+    while loop.live_count():  # its sequences are dropped from the engine (through the loop's inbox)
+        assert time.monotonic() - asked < 10, "the cancelled job's sequence stayed in the engine"
+        time.sleep(0.05)
