@@ -28,6 +28,9 @@ class CancelWatch:
         self._thread: threading.Thread | None = None
         self.rounds = 0  # round trips made (tests read it)
 
+    def watching(self) -> int:
+        return len(self._watched)
+
     def watch(self, job_id: str, on_cancel: Callable[[], None]) -> None:
         """`on_cancel()` is called (on this watch's thread) once `job_id` is seen cancelled, and again
         at each later round until `unwatch`, which the attempt calls when it ends."""
@@ -39,7 +42,9 @@ class CancelWatch:
 
     def unwatch(self, job_id: str, on_cancel: Callable[[], None]) -> None:
         with self._lock:
-            if self._watched.get(job_id) is on_cancel:  # a newer attempt of the job here keeps its own
+            # `==`, not `is`: an attempt's bound method is a new object at each access. A newer attempt
+            # of the job on this worker keeps its own watch.
+            if self._watched.get(job_id) == on_cancel:
                 del self._watched[job_id]
 
     def check(self) -> None:

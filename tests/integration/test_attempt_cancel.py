@@ -40,3 +40,16 @@ def test_a_cancelled_job_stops_its_running_attempt(session, sessions, rds, it_se
     while loop.live_count():  # its sequences are dropped from the engine (through the loop's inbox)
         assert time.monotonic() - asked < 10, "the cancelled job's sequence stayed in the engine"
         time.sleep(0.05)
+    assert runner.cancels.watching() == 0  # the ended attempt is no longer asked about
+
+
+def test_attempts_that_end_leave_nothing_watched(session, sessions, rds, it_settings):
+    """Every attempt stops being asked about when it ends: a watch left behind would be asked every
+    0.25 s for ever (seen: 15 EXISTS per short job, growing with every job the worker ran)."""
+    loop = EngineLoop(PacedEngine(MODEL, n_ctx=512, max_batch=4, step_ms=1.0, seq_ms=0.0))
+    t = factories.tenant(session)
+    runner = JobRunner(loop, it_settings, rds, sessions, "w-ends")
+    for _ in range(3):
+        job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=4))
+        assert runner.run(job.id, 1) == Outcome.succeeded
+        assert runner.cancels.watching() == 0
