@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class CancelWatch:
-    def __init__(self, redis: Any, every: float = 0.25) -> None:
+    def __init__(self, redis: Any, every: float = 0.5) -> None:
         self._redis, self._every = redis, every
         self._watched: dict[str, Callable[[], None]] = {}
         self._lock = threading.Lock()
