@@ -20,7 +20,9 @@ MODEL = "smollm2-135m-instruct"
 
 
 def test_a_cancelled_job_stops_its_running_attempt(session, sessions, rds, it_settings):
-    loop = EngineLoop(PacedEngine(MODEL, n_ctx=512, max_batch=4, step_ms=50.0, seq_ms=0.0))
+    # One token every 3 s: the cancel lands between two appends, so it is the watch that stops the
+    # attempt (an append after the cancel's terminal event would stop it too, as Fenced: "lost").
+    loop = EngineLoop(PacedEngine(MODEL, n_ctx=512, max_batch=4, step_ms=3000.0, seq_ms=0.0))
     t = factories.tenant(session)
     job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=400))
     runner = JobRunner(loop, it_settings, rds, sessions, "w-cancel")
@@ -28,15 +30,14 @@ def test_a_cancelled_job_stops_its_running_attempt(session, sessions, rds, it_se
     th = threading.Thread(target=lambda: out.append(runner.run(job.id, 1)))
     th.start()
     deadline = time.monotonic() + 20
-    while len(streams.entries(rds, job.id)) < 3:  # it is generating (20 tokens a second)
+    while not streams.entries(rds, job.id):  # its first token is out
         assert time.monotonic() < deadline, "the attempt never streamed"
         time.sleep(0.05)
-    asked = time.monotonic()
     assert Lifecycle(sessions, rds, it_settings).cancel(job.id, t.id) is not None
     th.join(10)
     assert not th.is_alive(), "the attempt did not stop after its job was cancelled"
     assert out == [Outcome.cancelled]
-    assert time.monotonic() - asked < 5  # the watch asks every 0.5 s; the attempt wakes at once
+    asked = time.monotonic()
     while loop.live_count():  # its sequences are dropped from the engine (through the loop's inbox)
         assert time.monotonic() - asked < 10, "the cancelled job's sequence stayed in the engine"
         time.sleep(0.05)
