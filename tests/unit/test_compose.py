@@ -59,7 +59,7 @@ SETTINGS = {f"SPOOL_{name.upper()}" for name in Settings.model_fields}
 COMPOSE_VARS = {"SPOOL_REGISTRY", "SPOOL_MODEL_DIR", "SPOOL_PORT", "SPOOL_CPU_MODELS", "SPOOL_GPU_MODEL"}
 COMPOSE_VARS |= {"SPOOL_GPU_WORKER_CONCURRENCY"}
 # Read by the `spool` client commands (typer envvar=) and the scripts, not by the service.
-CLI_VARS = {"SPOOL_URL", "SPOOL_API_KEY", "SPOOL_KEY", "SPOOL_EXTRAS", "SPOOL_SKIP_EVAL"}
+CLI_VARS = {"SPOOL_URL", "SPOOL_API_KEY", "SPOOL_KEY", "SPOOL_EXTRAS", "SPOOL_SKIP_EVAL", "SPOOL_WHEEL_CACHE"}
 
 
 def _env_example() -> dict[str, str]:
@@ -85,6 +85,12 @@ def test_every_variable_compose_interpolates_is_documented_in_env_example_or_a_s
     for var in used:
         assert var in COMPOSE_VARS | SETTINGS, f"compose interpolates {var}, which nothing documents"
         assert var in env or var in SETTINGS or f"{var}=" in (ROOT / "docs/gpu.md").read_text(), var
+
+
+def test_script_variables_are_read_by_the_scripts():
+    scripts = "".join((ROOT / "ops" / f).read_text() for f in ("bootstrap.sh", "test.sh", "llama_wheel.sh"))
+    for var in ("SPOOL_EXTRAS", "SPOOL_SKIP_EVAL", "SPOOL_WHEEL_CACHE"):
+        assert var in scripts, var
 
 
 def test_docs_name_only_settings_that_exist():
