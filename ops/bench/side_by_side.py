@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--temperatures", default="0,0.8")
     a = ap.parse_args(argv)
+    Path(a.out).mkdir(parents=True, exist_ok=True)  # before the runs: a missing folder lost a whole run's JSON
     from tests import conftest
 
     db = conftest.TEST_DB.rsplit("/", 1)[0] + "/spool_cmp"
