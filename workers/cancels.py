@@ -37,7 +37,7 @@ class CancelWatch:
         at each later round until `unwatch`, which the attempt calls when it ends."""
         with self._lock:
             self._watched[job_id] = on_cancel
-            if self._thread is None:  # started on first use: processes that run no job hold no thread
+            if self._thread is None:  # runs only while something is watched: an idle process holds no thread
                 self._thread = threading.Thread(target=self._run, name="cancel-watch", daemon=True)
                 self._thread.start()
 
@@ -65,9 +65,17 @@ class CancelWatch:
                 on_cancel()
 
     def _run(self) -> None:
-        while True:  # as long as the process
+        while True:
             time.sleep(self._every)
             try:
                 self.check()
             except Exception:  # a bad reply must not end the watch for every job
                 log.exception("cancel watch failed; retrying")
+            with self._lock:  # the same lock as `watch`: a job watched now finds no thread and starts one
+                if not self._watched:
+                    self._thread = None
+                    return
+
+    def running(self) -> bool:
+        with self._lock:
+            return self._thread is not None

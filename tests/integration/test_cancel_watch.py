@@ -55,3 +55,23 @@ def test_the_watch_thread_calls_back_within_its_period(rds):
     watch.watch("cw-thread", hit.set)
     rds.set(streams.cancel_key("cw-thread"), 1, ex=60)
     assert hit.wait(10), "the watch thread never saw the cancel"
+
+
+def test_the_thread_ends_when_nothing_is_watched_and_comes_back_on_the_next_watch(rds):
+    """An idle worker (or a test that built a runner) holds no thread asking Redis for nothing."""
+    import threading
+    import time
+
+    watch = CancelWatch(redis_lib.Redis.from_url(IT_REDIS), every=0.05)
+    watch.watch("cw-idle", lambda: None)
+    assert watch.running()
+    watch.unwatch("cw-idle", watch._watched["cw-idle"])
+    deadline = time.monotonic() + 10
+    while watch.running():
+        assert time.monotonic() < deadline, "the watch thread outlived its last job"
+        time.sleep(0.02)
+
+    hit = threading.Event()
+    watch.watch("cw-again", hit.set)
+    rds.set(streams.cancel_key("cw-again"), 1, ex=60)
+    assert hit.wait(10), "a watch after the thread ended was never checked"

@@ -4,6 +4,9 @@ a 30 s Redis outage let the lease lapse and a second attempt took the job over (
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
 from core.config import Settings
@@ -13,7 +16,10 @@ from workers import retry
 @pytest.mark.parametrize("lease_s", [3.0, 30.0])
 def test_pauses_stay_within_a_third_of_the_lease(monkeypatch, lease_s):
     timeline: list[tuple[str, float]] = []
-    monkeypatch.setattr(retry.time, "sleep", lambda s: timeline.append(("sleep", s)))
+    # retry's own `time` only: patching the shared module would also speed up every other thread's sleep
+    # (a cancel watch left by an earlier test spun 20,000 times into this timeline)
+    fake_time = SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: timeline.append(("sleep", s)))
+    monkeypatch.setattr(retry, "time", fake_time)
     calls = iter(range(30))
 
     def flaky() -> str:
