@@ -33,7 +33,7 @@ from core.config import get_settings
 from core.errors import DomainError
 from core.idempotency import Idempotency
 from core.infra import kv, logs, streams
-from core.infra.broker import send_run_job
+from core.infra.broker import AsyncSender
 from core.infra.db import async_engine, async_sessions, sync_sessions
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import workers
@@ -61,8 +61,9 @@ async def lifespan(app: FastAPI):
     # What a rendered completion names as its `system_fingerprint`, per model (rendering reads no settings).
     app.state.fingerprints = render.Fingerprints(settings)
     app.state.idempotency = Idempotency(async_sessions(), settings.idempotency_lock_s)
+    sender = AsyncSender(settings.celery_broker_url)
     app.state.completions = Completions(
-        async_sessions(), app.state.redis, settings, app.state.idempotency, send_run_job, tokenizer_for
+        async_sessions(), app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
     )
     _drain_on_sigterm(app)
     if settings.api_metrics_port:
@@ -76,6 +77,7 @@ async def lifespan(app: FastAPI):
             log.warning("model %s: tokenizer not loaded (%s)", model, e)
     yield
     await app.state.hub.aclose()
+    await sender.aclose()
     await app.state.redis.aclose()
     await async_engine().dispose()
 

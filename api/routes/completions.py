@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 from starlette.requests import ClientDisconnect
 
-from api.bodies import json_body, openapi_answers, openapi_body
+from api.bodies import INLINE_BYTES, json_body, openapi_answers, openapi_body
 from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, PrincipalDep, RedisDep, SettingsDep
 from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
@@ -127,7 +127,8 @@ async def _serve(body, endpoint: str, call: _Call):
     queued = "respond-async" in request.headers.get("prefer", "")
     key = request.headers.get("idempotency-key")
     rid = getattr(request.state, "request_id", None)
-    created = await completions.create(principal, body, key, endpoint, queued=queued, request_id=rid)
+    small = len(await request.body()) <= INLINE_BYTES  # read already (api/bodies.py): cached
+    created = await completions.create(principal, body, key, endpoint, queued=queued, request_id=rid, small=small)
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
     fingerprint = fingerprints(job.model)
     if queued:

@@ -130,6 +130,23 @@ def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive
     _send(RUN_JOB, [job_id, attempt], queue_for(model, kind))
 
 
+class AsyncSender:
+    """`send_run_job` for the API's event loop: the same message, pushed with an async client (a thread
+    hop per request to run the blocking one cost more CPU than the push itself)."""
+
+    def __init__(self, url: str) -> None:
+        from core.infra import kv
+
+        self._redis = kv.async_client(url)
+
+    async def __call__(self, job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
+        queue = queue_for(model, kind)
+        await self._redis.lpush(queue, task_message(RUN_JOB, [job_id, attempt], queue))
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
 def send_run_jobs(pairs: list[tuple[str, int]], model: str) -> None:
     """Publish one `run_jobs([[job_id, attempt], ...])` message (batch lines of one model)."""
     _send(RUN_JOBS, [[list(p) for p in pairs]], queue_for(model, "batch"))

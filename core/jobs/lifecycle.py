@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import anyio
 import redis
 from sqlalchemy import Update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -62,8 +61,8 @@ def worker_lost(max_attempts: int) -> ErrorInfo:
     )
 
 
-# Hands one job to Celery (core/infra/broker.send_run_job): (job id, attempt, model, kind); blocking.
-Send = Callable[[str, int, str, str], None]
+# Hands one job to Celery (core/infra/broker.AsyncSender): (job id, attempt, model, kind).
+Send = Callable[[str, int, str, str], Awaitable[None]]
 
 
 async def submit(
@@ -85,7 +84,7 @@ async def submit(
     if job.state != JobState.dispatched.value:  # a batch line, or over the cap: the dispatcher sends it
         return
     try:
-        await anyio.to_thread.run_sync(send, job.id, job.attempt, job.model, job.kind)
+        await send(job.id, job.attempt, job.model, job.kind)
     except Exception:
         log.warning("could not send job %s; leaving it to the dispatcher", job.id, exc_info=True)
         try:

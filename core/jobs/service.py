@@ -9,6 +9,7 @@ construction (api/app.py), so a test can hand it fakes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,8 @@ from core.registry import chat_template_for, resolve, settings_for
 from core.tenancy import ratelimit
 from core.tenancy.admission import admit
 from core.tenancy.keys import Principal
+
+LIVE_CACHE_S = 1.0
 
 
 @dataclass
@@ -74,6 +77,21 @@ class Completions:
     ) -> None:
         self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
         self.send, self.tokenizers = send, tokenizers
+        self._warm: set[str] = set()  # models whose tokenizer this process has loaded
+        self._live_until: dict[str, float] = {}  # model -> until when a live worker was last seen
+
+    async def _live(self, model: str) -> bool:
+        """Whether a worker serves `model`. A yes is kept for a second (a worker is taken for gone only
+        after `workers.LIVE_S` of silence anyway): one Redis round trip per model per second, not per
+        request. A no is asked again each time, so a worker that comes back is seen at once."""
+        now = time.monotonic()
+        if self._live_until.get(model, 0.0) > now:
+            return True
+        if await workers.live_async(self.redis, model):
+            self._live_until[model] = now + LIVE_CACHE_S
+            return True
+        self._live_until.pop(model, None)
+        return False
 
     async def create(
         self,
@@ -83,9 +101,12 @@ class Completions:
         endpoint: str = "/v1/completions",
         queued: bool = False,
         request_id: str | None = None,
+        small: bool = False,
     ) -> Created:
         """`queued`: the client asked for a 202 and will poll, so it is accepted even while no worker
-        serves the model; a request that waits or streams gets a 503 with Retry-After instead."""
+        serves the model; a request that waits or streams gets a 503 with Retry-After instead.
+        `small`: the body was small (api/bodies.INLINE_BYTES); unless it asks for a grammar, it is
+        prepared on the loop (a short prompt's tokens cost less than a thread hop)."""
         payload = None  # only a key's request hash needs it; a big body's dump is not for the event loop
         if idempotency_key is not None:
             payload = await threads.run(
@@ -96,7 +117,7 @@ class Completions:
                 job = await self.get(claim.replay, principal.tenant.id)
                 if job is not None:
                     return Created(job, {"idempotent-replayed": "true"}, replayed=True)
-            return await self._create(principal, body, claim, queued, request_id)
+            return await self._create(principal, body, claim, queued, request_id, small)
 
     async def _create(
         self,
@@ -105,6 +126,7 @@ class Completions:
         claim: Claim | None,
         queued: bool,
         request_id: str | None = None,
+        small: bool = False,
     ) -> Created:
         settings, rds = self.settings, self.redis
         headers: dict[str, str] = {}
@@ -114,7 +136,7 @@ class Completions:
                 raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
             headers["x-spool-ignored-params"] = ",".join(unknown)
         body.model = check_model(body.model, settings)
-        if not queued and not await workers.live_async(rds, body.model):
+        if not queued and not await self._live(body.model):
             raise DomainError(
                 ErrorKind.unavailable,
                 f"No worker is serving '{body.model}' right now; retry shortly, or send the request with "
@@ -123,7 +145,11 @@ class Completions:
                 code="model_not_loaded",
                 headers={"retry-after": "5"},
             )
-        tok, ms, (params, prompts, chat) = await threads.run("prepare", self._prepare, body)
+        if small and body.model in self._warm and not body.constrained():
+            tok, ms, (params, prompts, chat) = self._prepare(body)
+        else:
+            tok, ms, (params, prompts, chat) = await threads.run("prepare", self._prepare, body)
+            self._warm.add(body.model)  # its tokenizer is loaded: the next small request may stay on the loop
         tenant = principal.tenant
         job = transitions.new_job(
             tenant_id=tenant.id,

@@ -155,6 +155,15 @@ class _GenerationRequest(BaseModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
+    def constrained(self) -> bool:
+        """Whether preparing it builds a grammar (a schema, a regex, tools): milliseconds or more of
+        llguidance, so never on the event loop."""
+        fmt = self.response_format
+        plain_format = fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")
+        return (
+            bool(self.grammar or self.json_schema or self.regex or self.guided_choice or self.tools) or not plain_format
+        )
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt

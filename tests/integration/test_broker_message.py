@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -42,6 +43,19 @@ def test_the_message_is_the_one_send_task_writes(it_settings, monkeypatch):
         assert json.loads(base64.b64decode(ours["body"])) == json.loads(base64.b64decode(theirs["body"]))
         assert ours["headers"]["id"] == ours["headers"]["root_id"] == ours["properties"]["correlation_id"]
         assert broker.queued_jobs(rds, "broker-message-test") == set()
+        # The API's async sender pushes the same message.
+        sender = broker.AsyncSender(get_settings().celery_broker_url)
+
+        async def push() -> None:
+            try:
+                await sender("job-1", 2, "broker-message-test")
+            finally:
+                await sender.aclose()
+
+        asyncio.run(push())
+        from_loop = _pushed(rds, queue)
+        assert same(from_loop) == same(ours) | {"body": from_loop["body"]}
+        assert json.loads(base64.b64decode(from_loop["body"])) == json.loads(base64.b64decode(ours["body"]))
         broker.send_run_jobs([("a", 1), ("b", 3)], "broker-message-test")
         assert broker.queued_jobs(rds, "broker-message-test") == {("a", 1), ("b", 3)}
         rds.delete(broker.queue_for("broker-message-test", "batch"))

@@ -53,7 +53,7 @@ class Broker:
         self.sent: list[tuple[str, int, str, str]] = []
         self.down = down
 
-    def __call__(self, job_id: str, attempt: int, model: str, kind: str) -> None:
+    async def __call__(self, job_id: str, attempt: int, model: str, kind: str) -> None:
         if self.down:
             raise ConnectionError("broker unavailable")
         self.sent.append((job_id, attempt, model, kind))
@@ -181,3 +181,49 @@ def test_a_model_nobody_serves_is_a_503_unless_queued(it_settings, session, rds)
     [row] = _jobs_of(session, t.id)
     assert row.id == created.job.id and row.model == "unserved-model"
     assert broker.sent == [(row.id, 1, "unserved-model", "interactive")]  # waits in its queue for a worker
+
+
+def test_a_live_worker_is_asked_once_a_second_and_its_absence_every_time(it_settings, session, rds, caller):
+    """The API asks Redis whether a worker serves the model at most once a second while one does; once
+    none does, every request asks again (a worker that comes back is seen at once)."""
+    monkey = {"now": 1000.0}
+
+    async def use(s: Completions) -> list[bool]:
+        import core.jobs.service as service
+
+        real_clock = service.time.monotonic
+        service.time.monotonic = lambda: monkey["now"]  # type: ignore[assignment]
+        try:
+            seen = [await s._live(MODEL)]  # asks: a worker beats (the fixture)
+            rds.delete(redis_keys.live_workers(MODEL))
+            seen.append(await s._live(MODEL))  # within the second: the yes is kept
+            monkey["now"] += service.LIVE_CACHE_S + 0.01
+            seen.append(await s._live(MODEL))  # asked again: no worker now
+            workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+            seen.append(await s._live(MODEL))  # a no is not kept: back at once
+            return seen
+        finally:
+            service.time.monotonic = real_clock  # type: ignore[assignment]
+
+    assert _run(it_settings, Broker(), use) == [True, True, False, True]
+
+
+def test_a_small_request_is_prepared_on_the_loop_once_its_tokenizer_is_loaded(it_settings, session, caller):
+    import threading
+
+    threads_seen: list[int] = []
+
+    def tokenizer(_model: str) -> CharTokenizer:
+        threads_seen.append(threading.get_ident())
+        return CharTokenizer()
+
+    async def use(s: Completions) -> int:
+        s.tokenizers = tokenizer
+        await s.create(caller, _request(), small=True)  # first: on a thread (it may load the tokenizer)
+        await s.create(caller, _request(), small=True)  # then on the loop
+        await s.create(caller, _request(), small=False)  # a big body: on a thread
+        await s.create(caller, _request(regex="[ab]+"), small=True)  # a grammar to build: on a thread
+        return threading.get_ident()
+
+    loop_thread = _run(it_settings, Broker(), use)
+    assert [t == loop_thread for t in threads_seen] == [False, True, False, False]

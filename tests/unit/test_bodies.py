@@ -103,7 +103,8 @@ def test_openapi_body_is_the_models_schema_without_refs():
     assert "$ref" not in doc and '"ChatMessage"' in doc  # nested models inlined, titles kept
 
 
-def test_body_is_validated_on_a_thread(monkeypatch):
+def _body_via_dependency(model, raw: bytes, monkeypatch) -> tuple[object, list[int]]:
+    """`json_body(model)` run on `raw`; returns its answer (or the exception) and the threads that parsed it."""
     seen: list[int] = []
     real = bodies._parse
 
@@ -117,10 +118,41 @@ def test_body_is_validated_on_a_thread(monkeypatch):
         headers = {"content-type": "application/json"}
 
         async def body(self) -> bytes:
-            return b'{"model": "m", "prompt": "x"}'
+            return raw
 
     async def main() -> object:
-        return await bodies.json_body(P)(FakeRequest())  # type: ignore[arg-type]
+        try:
+            return await bodies.json_body(model)(FakeRequest())  # type: ignore[arg-type]
+        except RequestValidationError as e:
+            return e
 
-    assert isinstance(asyncio.run(main()), P)
-    assert seen and seen[0] != threading.get_ident()
+    return asyncio.run(main()), seen
+
+
+def test_a_big_body_is_validated_on_a_thread_and_a_small_one_on_the_loop(monkeypatch):
+    big = json.dumps({"model": "m", "prompt": "x" * (bodies.INLINE_BYTES + 1)}).encode()
+    got, seen = _body_via_dependency(P, big, monkeypatch)
+    assert isinstance(got, P) and seen and seen[0] != threading.get_ident()
+    got, seen = _body_via_dependency(P, b'{"model": "m", "prompt": "x"}', monkeypatch)
+    assert isinstance(got, P) and seen == [threading.get_ident()]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model": "m", "messages": [{"role": "user", "content": 1}]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+        {"model": "m", "messages": "hi"},
+        {"messages": [{"role": "user", "content": "x"}]},
+    ],
+)
+def test_small_and_big_bodies_get_the_same_errors(monkeypatch, bad):
+    small = json.dumps(bad).encode()
+    big = json.dumps({**bad, "user": "u" * bodies.INLINE_BYTES}).encode()  # same fault, past the inline size
+    (on_loop, _), (on_thread, _) = (
+        _body_via_dependency(C, small, monkeypatch),
+        _body_via_dependency(C, big, monkeypatch),
+    )
+    assert isinstance(on_loop, RequestValidationError) and isinstance(on_thread, RequestValidationError)
+    strip = lambda e: [{k: v for k, v in err.items() if k != "input"} for err in e.errors()]  # noqa: E731
+    assert strip(on_loop) == strip(on_thread)
