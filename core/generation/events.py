@@ -81,6 +81,9 @@ class Done(_Model):
     type: Literal["done"] = "done"
     attempt: int = 0
     usage: Usage
+    # The stored result (`JobResult` as JSON) when it is small: an API waiting for the job answers
+    # from this event instead of reading the row back (core/jobs/service.Completions.wait).
+    result: dict[str, Any] | None = None
     t: float = Field(default_factory=_now)
 
 
@@ -135,6 +138,16 @@ class TerminalRow(Protocol):
     result: dict[str, Any] | None
     usage: dict[str, Any] | None
     error: dict[str, Any] | None
+
+
+# Results up to this much text, without scores, ride along in their `Done` event.
+INLINE_RESULT_CHARS = 8192
+
+
+def inline_result(result: JobResult, stored: dict[str, Any]) -> dict[str, Any] | None:
+    """`stored` (the result as the job row holds it) if it may ride in the `Done` event, else None."""
+    small = sum(len(c.text) for c in result.choices) <= INLINE_RESULT_CHARS
+    return stored if small and not any(c.scores or c.prompt_scores for c in result.choices) else None
 
 
 def result_of(row: TerminalRow) -> JobResult:

@@ -24,7 +24,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
 from core.config import Settings
-from core.generation.events import Cancelled, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode, encode
+from core.generation.events import (
+    Cancelled,
+    Delta,
+    Done,
+    ErrorInfo,
+    Failed,
+    JobResult,
+    Usage,
+    decode,
+    encode,
+    inline_result,
+)
 from core.generation.prompt import Prompt
 from core.idempotency import Claim
 from core.infra import kv, streams
@@ -272,8 +283,10 @@ class Lifecycle:
         return row
 
     def succeed(self, job: Job | Claimed, result: JobResult, u: Usage, engine_s: float) -> bool:
-        _, params = transitions.succeed(job.id, job.attempt, result.model_dump(mode="json"), u.model_dump(mode="json"))
-        row = self._end_billed(SUCCEED, params, "succeeded", Done(attempt=job.attempt, usage=u), u, engine_s)
+        stored = result.model_dump(mode="json")
+        _, params = transitions.succeed(job.id, job.attempt, stored, u.model_dump(mode="json"))
+        done = Done(attempt=job.attempt, usage=u, result=inline_result(result, stored))
+        row = self._end_billed(SUCCEED, params, "succeeded", done, u, engine_s)
         if row is not None:
             PROMPT_TOKENS.labels(row.model).inc(u.prompt_tokens)
             GENERATION_TOKENS.labels(row.model).inc(u.completion_tokens)
