@@ -7,12 +7,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from core.errors import DomainError, ErrorKind
 from core.protocol.errors import from_validation
@@ -149,6 +150,13 @@ def install(app: FastAPI) -> None:
     async def _redis(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unreachable: %s", type(exc).__name__)
         return _unavailable()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect) -> Response:
+        # The client hung up while its body was being read: nothing was stored and nobody reads an
+        # answer. Not an error of ours (it was logged as an unhandled one, a 500): 499, as nginx counts it.
+        log.info("client went away before its request body was read: %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

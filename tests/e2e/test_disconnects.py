@@ -62,3 +62,22 @@ def test_a_stream_abandoned_mid_way_is_cancelled(stack, db):
         "the job ended",
     )
     assert ended[0]["state"] == "cancelled", ended
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_server_error(stack, db):
+    """The body is cut off (Content-Length promises more) and the socket closed: nothing is stored, the
+    access log counts it as the client's (499), never as a 500 or an unhandled error of ours."""
+    before, seen = len(_jobs(db, "alpha")), len(stack.log("api"))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {stack.keys['alpha']}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.sendall(head + b'{"model": "' + MODEL.encode())
+        time.sleep(0.3)  # the API is reading the body when the client goes
+    gone = "client went away before its request body was read"
+    wait_for(lambda: gone in stack.log("api")[seen:], 20, "the hang-up seen")
+    log = stack.log("api")[seen:]
+    assert "POST /v1/completions 499" in log
+    assert "POST /v1/completions 500" not in log and "unhandled error" not in log
+    assert len(_jobs(db, "alpha")) == before
