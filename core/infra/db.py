@@ -10,7 +10,8 @@ from functools import lru_cache
 
 import psycopg
 from psycopg import sql
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
@@ -23,10 +24,41 @@ _CONNECT = {"connect_timeout": 5}
 _API_CONNECT = {**_CONNECT, "options": "-c statement_timeout=60000"}
 
 
+# A pooled connection idle at least this long is pinged before use (see `ping_when_idle`).
+PING_IDLE_S = 1.0
+
+
+def ping_when_idle(engine: Engine, idle_s: float = PING_IDLE_S) -> Engine:
+    """`pool_pre_ping`, for connections that sat in the pool `idle_s` or more. pre_ping sent a
+    `SELECT 1` before every statement: under load a third of the round trips of a short job (the
+    API's INSERT, the worker's claim and end), a connection back in the pool for milliseconds. A
+    connection Postgres dropped meanwhile (a restart lasts longer than `idle_s`; and a failed
+    statement invalidates the whole pool) is found by the ping, replaced, and never seen by a caller."""
+    dialect = engine.dialect
+
+    @event.listens_for(engine, "checkin")
+    def _returned(_dbapi: object, record: object) -> None:
+        record.info["idle_since"] = time.monotonic()  # type: ignore[attr-defined]
+
+    @event.listens_for(engine, "checkout")
+    def _taken(dbapi: object, record: object, _proxy: object) -> None:
+        since = record.info.get("idle_since")  # type: ignore[attr-defined]  # none: just connected
+        if since is None or time.monotonic() - since < idle_s:
+            return
+        try:
+            alive = dialect.do_ping(dbapi)  # type: ignore[arg-type]
+        except Exception as exc:  # the pool replaces the connection and tries again
+            raise DisconnectionError("connection lost while idle") from exc
+        if not alive:
+            raise DisconnectionError("connection lost while idle")
+
+    return engine
+
+
 @lru_cache
 def sync_engine() -> Engine:
-    return create_engine(
-        get_settings().database_url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=_CONNECT
+    return ping_when_idle(
+        create_engine(get_settings().database_url, pool_size=10, max_overflow=20, connect_args=_CONNECT)
     )
 
 
@@ -37,14 +69,11 @@ def sync_sessions() -> sessionmaker:
 
 @lru_cache
 def async_engine() -> AsyncEngine:
-    return create_async_engine(
-        get_settings().database_url,
-        pool_pre_ping=True,
-        pool_size=20,
-        max_overflow=40,
-        pool_timeout=10,
-        connect_args=_API_CONNECT,
+    engine = create_async_engine(
+        get_settings().database_url, pool_size=20, max_overflow=40, pool_timeout=10, connect_args=_API_CONNECT
     )
+    ping_when_idle(engine.sync_engine)
+    return engine
 
 
 @lru_cache
