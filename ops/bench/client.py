@@ -219,8 +219,16 @@ async def run_http(cfg: BenchConfig, conc: int | None) -> tuple[list[RequestResu
             results = []
 
             async def worker() -> None:
-                while not queue.empty():
-                    results.append(await _one(client, cfg, queue.get_nowait()))
+                # A client (and one connection) per stream, as separate users would have: one pool
+                # shared by 64 streams made httpcore scan every connection on every request and
+                # answer (quadratic), up to 12 ms of client CPU per short job, starving the server
+                # of the machine's second core whenever answers came in bursts.
+                own = httpx.AsyncClient(
+                    base_url=cfg.url, headers=headers, timeout=600, limits=httpx.Limits(max_connections=1)
+                )
+                async with own:
+                    while not queue.empty():
+                        results.append(await _one(own, cfg, queue.get_nowait()))
 
             await asyncio.gather(*(worker() for _ in range(conc or 1)))
         return list(results), time.perf_counter() - start
