@@ -260,7 +260,8 @@ class Settings(BaseSettings):
     prepare_threads: int = Field(
         8,
         ge=1,
-        description="API threads that parse, validate and tokenize request bodies off the event loop.",
+        description="API threads that parse, validate and tokenize request bodies off the event loop (bodies over "
+        "4 KiB, and any that build a grammar; smaller ones cost less than the hop and stay on the loop).",
     )
     dns_threads: int = Field(
         4, ge=1, description="API threads for webhook URLs' DNS lookups (an unresolvable host waits on these alone)."

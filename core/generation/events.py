@@ -82,7 +82,7 @@ class Done(_Model):
     attempt: int = 0
     usage: Usage
     # The stored result (`JobResult` as JSON) when it is small: an API waiting for the job answers
-    # from this event instead of reading the row back (core/jobs/service.Completions.wait).
+    # from this event instead of reading the row back (`Completions.wait`, core/jobs/service.py).
     result: dict[str, Any] | None = None
     t: float = Field(default_factory=_now)
 

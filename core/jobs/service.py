@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -212,9 +213,7 @@ class Completions:
                         ev = item[1]  # type: ignore[index]
                         if isinstance(ev, Done) and ev.result is not None:
                             # Its result rode along (a small one): the answer needs no read-back.
-                            job.state, job.attempt, job.result = JobState.succeeded.value, ev.attempt, ev.result
-                            job.usage = ev.usage.model_dump(mode="json")
-                            return job
+                            return _with_ending(job, _ending_of(job, ev))
                         break
                 # The job is stored: an outage now must cost a wait (or a 202 to poll), never a 5xx.
                 while True:
@@ -225,11 +224,20 @@ class Completions:
                         await asyncio.sleep(1.0)
         except TimeoutError:
             return None
-        if row is None:
-            return None
-        for name in transitions.ENDING_COLUMNS:
-            setattr(job, name, getattr(row, name))
-        return job
+        return None if row is None else _with_ending(job, row)
+
+
+def _ending_of(job: Job, done: Done) -> Any:
+    """The ending a `Done` event that carries its result tells (what `transitions.ENDING` reads)."""
+    usage = done.usage.model_dump(mode="json")
+    values = {"state": JobState.succeeded.value, "attempt": done.attempt, "result": done.result, "usage": usage}
+    return SimpleNamespace(**{"error": None, "started_at": job.started_at, "finished_at": job.finished_at, **values})
+
+
+def _with_ending(job: Job, row: Any) -> Job:
+    for name in transitions.ENDING_COLUMNS:
+        setattr(job, name, getattr(row, name))
+    return job
 
 
 def translate(
