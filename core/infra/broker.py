@@ -125,9 +125,15 @@ def _send(task: str, args: list[Any], queue: str) -> None:
     _broker().lpush(queue, task_message(task, args, queue))
 
 
+def run_job_message(job_id: str, attempt: int, model: str, kind: str = "interactive") -> tuple[str, str]:
+    """(queue, message) of one `run_job(job_id, attempt)`: what both senders push."""
+    queue = queue_for(model, kind)
+    return queue, task_message(RUN_JOB, [job_id, attempt], queue)
+
+
 def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
     """Publish one `run_job(job_id, attempt)` message to the model's queue (blocking I/O)."""
-    _send(RUN_JOB, [job_id, attempt], queue_for(model, kind))
+    _broker().lpush(*run_job_message(job_id, attempt, model, kind))
 
 
 class AsyncSender:
@@ -140,8 +146,7 @@ class AsyncSender:
         self._redis = kv.async_client(url)
 
     async def __call__(self, job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
-        queue = queue_for(model, kind)
-        await self._redis.lpush(queue, task_message(RUN_JOB, [job_id, attempt], queue))
+        await self._redis.lpush(*run_job_message(job_id, attempt, model, kind))
 
     async def aclose(self) -> None:
         await self._redis.aclose()
