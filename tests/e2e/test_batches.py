@@ -18,7 +18,9 @@ def _lines(n: int, max_tokens: int = 4, start: int = 0, **extra) -> bytes:
     return ("\n".join(out) + "\n").encode()
 
 
-def _poll(client, batch_id: str, until: set[str], timeout: float = 180):
+def _poll(client, batch_id: str, until: set[str], timeout: float = 180, stack=None, db=None):
+    """The batch once its status is in `until`. A batch that never gets there fails with what explains
+    it: its lines by state (from `db`) and the dispatcher's last log lines (its keeper, from `stack`)."""
     seen: list[str] = []
 
     def reached():
@@ -29,7 +31,16 @@ def _poll(client, batch_id: str, until: set[str], timeout: float = 180):
     try:
         return wait_for(reached, timeout, f"batch {batch_id} to reach {sorted(until)}", interval=0.5)
     except TimeoutError:
-        raise TimeoutError(f"batch {batch_id} stuck in {seen[-1] if seen else None}") from None
+        why = [f"batch {batch_id} stuck in {seen[-1] if seen else None}"]
+        if db is not None:
+            from sqlalchemy import text
+
+            with db.connect() as conn:
+                q = "SELECT state, count(*) FROM jobs WHERE batch_id = :i GROUP BY state"
+                why.append(f"lines by state: {dict(conn.execute(text(q), {'i': batch_id}).all())}")
+        if stack is not None:
+            why.append("dispatcher log:\n" + "\n".join(stack.log("dispatcher").splitlines()[-40:]))
+        raise TimeoutError("\n".join(why)) from None
 
 
 def _output(client, file_id: str | None) -> list[dict]:
@@ -228,10 +239,10 @@ def test_killing_the_validator_mid_validation_loses_nothing(stack, db):
         assert conn.scalar(text("SELECT status FROM batches WHERE id = :i"), {"i": b.id}) == "validating"
         assert conn.scalar(text("SELECT count(*) FROM jobs WHERE batch_id = :i"), {"i": b.id}) == 0
     stack.start("dispatcher", "dispatcher")
-    b = _poll(client, b.id, {"in_progress", "failed", "completed"}, timeout=120)
+    b = _poll(client, b.id, {"in_progress", "failed", "completed"}, timeout=120, stack=stack, db=db)
     assert b.status == "in_progress" and b.request_counts.total == n
     client.batches.cancel(b.id)  # the lines themselves are not the point here
-    b = _poll(client, b.id, {"cancelled"}, timeout=120)
+    b = _poll(client, b.id, {"cancelled"}, timeout=120, stack=stack, db=db)
     out, err = _output(client, b.output_file_id), _output(client, b.error_file_id)
     ids = [o["custom_id"] for o in out + err]
     assert len(ids) == n and len(set(ids)) == n  # every line exactly once
