@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -137,16 +138,23 @@ def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive
 
 
 class AsyncSender:
-    """`send_run_job` for the API's event loop: the same message, pushed with an async client (a thread
-    hop per request to run the blocking one cost more CPU than the push itself)."""
+    """`send_run_job` for the API's event loop: the same messages, pushed with an async client (a thread
+    hop per request to run the blocking one cost more CPU than the push itself), all of a group of new
+    jobs in one pipeline: (job id, attempt, model, kind) each."""
 
     def __init__(self, url: str) -> None:
         from core.infra import kv
 
         self._redis = kv.async_client(url)
 
-    async def __call__(self, job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
-        await self._redis.lpush(*run_job_message(job_id, attempt, model, kind))
+    async def __call__(self, jobs: Sequence[tuple[str, int, str, str]]) -> None:
+        if len(jobs) == 1:
+            await self._redis.lpush(*run_job_message(*jobs[0]))
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.lpush(*run_job_message(*job))
+        await pipe.execute()
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -32,7 +32,7 @@ from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.jobs import transitions, workers
-from core.jobs.lifecycle import Send, submit
+from core.jobs.lifecycle import Send, Submitter
 from core.jobs.states import JobState
 from core.jobs.stream import HEARTBEAT, follow
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
@@ -65,7 +65,7 @@ def check_model(model: str, settings: Settings) -> str:
 
 
 class Completions:
-    """The completion use case. `send` hands a job to Celery (core/infra/broker.send_run_job);
+    """The completion use case. `send` hands jobs to Celery (core/infra/broker.AsyncSender);
     `tokenizers` finds a model's tokenizer (core/infra/tokenizers.tokenizer_for, loaded once)."""
 
     def __init__(
@@ -78,7 +78,7 @@ class Completions:
         tokenizers: Callable[[str], Tokenizer] = tokenizer_for,
     ) -> None:
         self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
-        self.send, self.tokenizers = send, tokenizers
+        self.submit, self.tokenizers = Submitter(sessions, send), tokenizers
         self._warm: set[str] = set()  # models whose tokenizer this process has loaded
         self._live_until: dict[str, float] = {}  # model -> until when a live worker was last seen
 
@@ -168,7 +168,7 @@ class Completions:
         )
         headers |= await admit(rds, principal, job.id, job.reserved_tokens)
         try:
-            await submit(self.sessions, job, self.send, cap=tenant.max_concurrent, claim=claim)
+            await self.submit(job, cap=tenant.max_concurrent, claim=claim)
         except BaseException:
             await ratelimit.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
             raise

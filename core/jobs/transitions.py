@@ -9,22 +9,26 @@ sync session (workers, dispatcher) or an async one (API) and commit.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
+    ARRAY,
     Boolean,
     Insert,
     Integer,
     Interval,
+    String,
     Table,
     Update,
     and_,
+    any_,
     bindparam,
     case,
     func,
     insert,
+    literal,
     null,
     or_,
     select,
@@ -97,13 +101,18 @@ _NEW = (
 )
 
 
+_IN_FLIGHT_STATES = literal([JobState.dispatched.value, JobState.running.value], ARRAY(String))
+
+
 def in_flight(tenant_id: Any):
     """How many of a tenant's jobs are dispatched or running (its concurrency); `tenant_id` may be a
     bound parameter."""
     return (
         select(func.count())
         .select_from(Job)
-        .where(Job.tenant_id == tenant_id, Job.state.in_([JobState.dispatched.value, JobState.running.value]))
+        # `= ANY(array)`, one bound value, rather than an expanding `IN`: the API's group INSERT runs it
+        # per row of an executemany, which cannot expand a list (Postgres plans both alike).
+        .where(Job.tenant_id == tenant_id, Job.state == any_(_IN_FLIGHT_STATES))
         .scalar_subquery()
     )
 
@@ -112,11 +121,12 @@ def _insert() -> Insert:
     c = _JOBS.c
     cap = bindparam("b_cap", type_=Integer)
     in_flight_now = in_flight(bindparam("b_tenant_id", type_=c.tenant_id.type))
-    room = and_(bindparam("b_dispatch", type_=Boolean), or_(cap.is_(None), in_flight_now < cap))
+    rank = bindparam("b_rank", type_=Integer)  # the tenant's jobs ahead of this one in the same statement
+    room = and_(bindparam("b_dispatch", type_=Boolean), or_(cap.is_(None), in_flight_now + rank < cap))
     values: dict[str, Any] = {n: bindparam(f"b_{n}", type_=c[n].type) for n in _NEW}
     values["state"] = case((room, JobState.dispatched.value), else_=JobState.queued.value)
     values["dispatched_at"] = case((room, func.now()), else_=null())
-    return insert(_JOBS).values(values).returning(c.state, c.created_at, c.dispatched_at)
+    return insert(_JOBS).values(values).returning(c.id, c.state, c.created_at, c.dispatched_at)
 
 
 INSERT = _insert()
@@ -124,11 +134,28 @@ INSERT = _insert()
 
 def insert_new(job: Job, cap: int | None, dispatch: bool) -> tuple[Insert, dict[str, Any]]:
     """Store a new job in one statement, already `dispatched` when `dispatch` and its tenant is under
-    its concurrency cap (else `queued`, for the fair dispatcher); returns (state, created_at,
+    its concurrency cap (else `queued`, for the fair dispatcher); returns (id, state, created_at,
     dispatched_at). Built once, on the table: the ORM's flush plus a second UPDATE was two round trips
     and a unit of work per request. Replicas racing may overshoot the cap by a job or two; the
     dispatcher, which feeds everything else, counts exactly."""
-    return INSERT, {"b_cap": cap, "b_dispatch": dispatch, **{f"b_{n}": getattr(job, n) for n in _NEW}}
+    return INSERT, _new_params(job, cap, dispatch, 0)
+
+
+def insert_group(jobs: Sequence[tuple[Job, int | None]]) -> list[dict[str, Any]]:
+    """`INSERT`'s parameters for several new interactive jobs stored by one statement (the API's group
+    commit): rows come back in this order. One statement sees one snapshot, so the jobs of a tenant
+    in the group do not see each other: each counts those ahead of it (`b_rank`) against the cap."""
+    ahead: dict[int, int] = {}
+    out = []
+    for job, cap in jobs:
+        rank = ahead.get(job.tenant_id, 0)
+        ahead[job.tenant_id] = rank + 1
+        out.append(_new_params(job, cap, True, rank))
+    return out
+
+
+def _new_params(job: Job, cap: int | None, dispatch: bool, rank: int) -> dict[str, Any]:
+    return {"b_cap": cap, "b_dispatch": dispatch, "b_rank": rank, **{f"b_{n}": getattr(job, n) for n in _NEW}}
 
 
 def _transition(

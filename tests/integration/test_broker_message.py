@@ -48,7 +48,7 @@ def test_the_message_is_the_one_send_task_writes(it_settings, monkeypatch):
 
         async def push() -> None:
             try:
-                await sender("job-1", 2, "broker-message-test")
+                await sender([("job-1", 2, "broker-message-test", "interactive")])
             finally:
                 await sender.aclose()
 
@@ -56,6 +56,18 @@ def test_the_message_is_the_one_send_task_writes(it_settings, monkeypatch):
         from_loop = _pushed(rds, queue)
         assert same(from_loop) == same(ours) | {"body": from_loop["body"]}
         assert json.loads(base64.b64decode(from_loop["body"])) == json.loads(base64.b64decode(ours["body"]))
+        # A group's messages, pipelined: one each, each its own.
+        sender = broker.AsyncSender(get_settings().celery_broker_url)
+
+        async def push_group() -> None:
+            try:
+                await sender([(f"job-{i}", 1, "broker-message-test", "interactive") for i in range(3)])
+            finally:
+                await sender.aclose()
+
+        asyncio.run(push_group())
+        assert broker.queued_jobs(rds, "broker-message-test") == {(f"job-{i}", 1) for i in range(3)}
+        rds.delete(queue)
         broker.send_run_jobs([("a", 1), ("b", 3)], "broker-message-test")
         assert broker.queued_jobs(rds, "broker-message-test") == {("a", 1), ("b", 3)}
         rds.delete(broker.queue_for("broker-message-test", "batch"))

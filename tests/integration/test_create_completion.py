@@ -8,7 +8,7 @@ recorder, the reservation from Redis. Postgres and Redis are the integration tes
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pytest
@@ -47,16 +47,19 @@ class CharTokenizer:
 
 
 class Broker:
-    """Records every job handed to it, as (job id, attempt, model, kind); `down` makes it fail."""
+    """Records every job handed to it, as (job id, attempt, model, kind), and how many went in each
+    call (one round trip); `down` makes it fail."""
 
     def __init__(self, down: bool = False) -> None:
         self.sent: list[tuple[str, int, str, str]] = []
+        self.calls: list[int] = []
         self.down = down
 
-    async def __call__(self, job_id: str, attempt: int, model: str, kind: str) -> None:
+    async def __call__(self, jobs: Sequence[tuple[str, int, str, str]]) -> None:
         if self.down:
             raise ConnectionError("broker unavailable")
-        self.sent.append((job_id, attempt, model, kind))
+        self.sent += jobs
+        self.calls.append(len(jobs))
 
 
 def _run(it_settings, broker: Broker, use: Callable[[Completions], Awaitable[T]]) -> T:
@@ -227,3 +230,69 @@ def test_a_small_request_is_prepared_on_the_loop_once_its_tokenizer_is_loaded(it
 
     loop_thread = _run(it_settings, Broker(), use)
     assert [t == loop_thread for t in threads_seen] == [False, True, False, False]
+
+
+def _burst(it_settings, broker: Broker, bodies: list[tuple[Principal, CompletionRequest]]) -> tuple[list[Any], int]:
+    """Every create at once (a burst), through one service: (each outcome, job or exception, in
+    order; how many INSERTs of jobs reached Postgres)."""
+    from sqlalchemy import event
+
+    inserts = 0
+
+    def count(_conn, _cursor, statement: str, *_args: Any) -> None:
+        nonlocal inserts
+        inserts += statement.lstrip().upper().startswith("INSERT INTO JOBS")
+
+    async def use(s: Completions) -> list[Any]:
+        event.listen(s.submit.sessions.kw["bind"].sync_engine, "before_cursor_execute", count)
+        await s.create(*bodies[0])  # the model's tokenizer loaded: the burst stays on the loop, as in production
+        burst = (s.create(who, body, small=True) for who, body in bodies[1:])
+        outcomes = await asyncio.gather(*burst, return_exceptions=True)
+        return [None, *outcomes]
+
+    outcomes = _run(it_settings, broker, use)
+    return outcomes, inserts - 1
+
+
+def test_a_burst_is_stored_in_few_statements_and_each_job_sent_once(it_settings, session, caller):
+    broker = Broker()
+    n = 24
+    outcomes, inserts = _burst(it_settings, broker, [(caller, _request(user=f"u{i}")) for i in range(n + 1)])
+
+    created = [o.job for o in outcomes[1:]]
+    rows = {j.id: j for j in _jobs_of(session, caller.tenant.id)}
+    assert len(rows) == n + 1 and all(rows[j.id].state == JobState.dispatched for j in created)
+    assert [rows[j.id].user for j in created] == [f"u{i}" for i in range(1, n + 1)]  # each row is its own request's
+    assert sorted(broker.sent) == sorted((j, 1, MODEL, "interactive") for j in rows)  # each sent once
+    # Grouped: the burst's jobs went in fewer INSERTs and fewer pushes than one per job.
+    assert inserts < n and len(broker.calls) - 1 < n, f"{inserts} INSERTs, pushes of {broker.calls}"
+
+
+def test_a_burst_keeps_the_tenants_concurrency_cap(it_settings, session, rds):
+    """Jobs of one tenant stored by one statement do not see each other: each counts those ahead of it."""
+    t = factories.tenant(session, max_concurrent=3)
+    _, k = factories.api_key(session, t)
+    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    who = Principal(tenant=t, key=k)
+    broker = Broker()
+    _burst(it_settings, broker, [(who, _request()) for _ in range(9)])
+
+    states = [r.state for r in _jobs_of(session, t.id)]
+    assert states.count(JobState.dispatched) == 3 and states.count(JobState.queued) == 6
+    assert len(broker.sent) == 3  # the dispatcher sends the rest as the cap allows
+
+
+def test_one_unstorable_request_in_a_burst_fails_alone(it_settings, session, caller):
+    """A value Postgres refuses fails the group's statement: the group is retried job by job, so only
+    that request fails (a 400 in the API: api/errors.py) and the others are stored and sent."""
+    from sqlalchemy.exc import DataError
+
+    broker = Broker()
+    bodies = [(caller, _request(user="bad\x00user" if i == 5 else f"u{i}")) for i in range(12)]
+    outcomes, _ = _burst(it_settings, broker, bodies)
+
+    assert isinstance(outcomes[5], DataError)
+    good = [o.job.id for i, o in enumerate(outcomes) if i not in (0, 5)]
+    rows = {j.id: j for j in _jobs_of(session, caller.tenant.id)}
+    assert len(rows) == 11 and set(good) <= set(rows)
+    assert sorted(j for j, *_ in broker.sent) == sorted(rows)
