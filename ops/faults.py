@@ -9,7 +9,10 @@ Load while the faults happen: streaming greedy completions (clients re-attach wi
 when the API goes away, and retry a POST that got no answer with the same `Idempotency-Key`),
 `Prefer: respond-async` jobs polled to the end, one Batches API batch, and the official `openai` SDK
 as its users run it (completions and chat, streamed and not; its own retries, one `Idempotency-Key`
-per request, a stream cut by an API restart asked again with that key). Faults, one after another
+per request, a stream cut by an API restart asked again with that key), and bursts of keyless
+completions (no `Idempotency-Key`, as most clients send them; the API stores a burst's jobs together,
+core/jobs/lifecycle.Submitter): each tagged by its `user`, so the audit finds every job a request
+stored: a 503 must have stored none, and one request never stores two. Faults, one after another
 with load in between: worker SIGKILL mid-generation (a new worker is started each time), Redis
 SIGKILLed and restarted *empty*, Postgres stopped hard (`-m immediate`) and restarted, the API
 SIGTERMed and SIGKILLed mid-stream, the dispatcher SIGKILLed; the full run adds Redis and Postgres
@@ -38,6 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,7 @@ MODEL = "smollm2-135m-instruct"
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 LONG_OUTAGE_S = 30.0  # past the API's 5 s key cache and redis-py's retry window
 SDK_KINDS = ("sdk-completion", "sdk-completion-stream", "sdk-chat", "sdk-chat-stream")
+KEYLESS_BURST = 6  # keyless requests a client sends at once
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -167,6 +172,10 @@ class Outcome:
     status: str | None = None  # the job's final status as the client saw it
     reattached: int = 0
     retried_posts: int = 0
+    # A keyless request's tags (its `user`), one per POST: refused ones (503) must have stored nothing,
+    # cut ones (the connection broke) may have stored a job, which must still end.
+    refused: list[str] = field(default_factory=list)
+    cut: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -287,9 +296,48 @@ class Client:
             out.status = f"http {r.status_code}"
             return out
         out.job_id = r.json()["id"]
+        return self._read_job(out)
+
+    def keyless(self, prompt: str, max_tokens: int) -> Outcome:
+        """A completion without an Idempotency-Key, waited for, as most OpenAI clients send one: the
+        API's group commit stores these. A 503 with Retry-After stored nothing, so the client sends the
+        same request again; a broken connection leaves it not knowing, so it sends a new one (a new
+        tag) and the broken one's job, if it was stored, must end all the same."""
+        out = Outcome("keyless", prompt)
         deadline = time.monotonic() + self.give_up_s
         while time.monotonic() < deadline:
-            job = self._get_job(out.job_id)
+            tag = "keyless-" + uuid.uuid4().hex
+            try:
+                r = self.http.post("/v1/completions", json=_body(prompt, max_tokens, user=tag))
+                self.tally.saw(r)
+            except RETRYABLE:
+                out.cut.append(tag)
+                time.sleep(0.5)
+                continue
+            if r.status_code == 503 and r.headers.get("x-spool-job-id"):
+                # The API restarted under the wait: the job was stored and goes on. Without a key, read
+                # it where the answer says rather than send the request again.
+                out.job_id = r.headers["x-spool-job-id"]
+                return self._read_job(out)
+            if r.status_code == 503 and "retry-after" in r.headers:
+                out.refused.append(tag)
+                out.retried_posts += 1
+                time.sleep(1.0)
+                continue
+            if r.status_code != 200:
+                out.status = f"http {r.status_code}"
+                return out
+            body = r.json()
+            out.job_id, out.text = body["id"], body["choices"][0]["text"]
+            out.status = "succeeded"
+            return out
+        return out
+
+    def _read_job(self, out: Outcome) -> Outcome:
+        """Poll `out.job_id` until it ends; its status and text into `out`."""
+        deadline = time.monotonic() + self.give_up_s
+        while time.monotonic() < deadline:
+            job = self._get_job(out.job_id or "")
             if job and job["status"] in TERMINAL:
                 out.status = job["status"]
                 if job.get("result"):
@@ -425,6 +473,7 @@ class Report:
     batch_lines: int = 0
     reattached_streams: int = 0
     resumed_jobs: int = 0  # jobs that ran more than one attempt
+    keyless_orphans: int = 0  # keyless requests cut off after their job was stored (it ran; nobody read it)
     by_client: dict[str, int] = field(default_factory=dict)  # requests per kind of client
     faults: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -507,6 +556,12 @@ def _load_and_faults(
         c, sdk = Client(st.base_url, key, tally), SdkClient(st.base_url, key, tally)
         while not stop.is_set():
             p = rng.choice(prompts)
+            if kind == "keyless":  # a burst at once, so that the API stores them together
+                with ThreadPoolExecutor(KEYLESS_BURST) as pool:
+                    got = list(pool.map(lambda q: c.keyless(q, n_tokens), rng.sample(prompts, KEYLESS_BURST)))
+                with lock:
+                    outcomes.extend(got)
+                continue
             if kind in SDK_KINDS:
                 o = sdk.run(kind, p, n_tokens)
             else:
@@ -523,7 +578,8 @@ def _load_and_faults(
         batch_result["jobs"] = c.line_jobs
 
     threads = [
-        threading.Thread(target=loop, args=(k,), daemon=True) for k in ["stream"] * 4 + ["async"] * 2 + list(SDK_KINDS)
+        threading.Thread(target=loop, args=(k,), daemon=True)
+        for k in ["stream"] * 4 + ["async"] * 2 + ["keyless"] + list(SDK_KINDS)
     ]
     threads.append(threading.Thread(target=batch, daemon=True))
     for t in threads:
@@ -625,12 +681,29 @@ def _load_and_faults(
 
     # -- the audit: what the clients saw, against the ledger ---------------------------------------
     with db.connect() as conn:
-        rows = conn.execute(text("SELECT id, state, attempt, kind FROM jobs")).all()
+        rows = conn.execute(text('SELECT id, state, attempt, kind, "user" FROM jobs')).all()
     by_id = {r.id: r for r in rows}
-    interactive = [r for r in rows if r.kind == "interactive"]
+    # Keyless requests are audited by their tags below; the key-based count of duplicates leaves them out.
+    keyless_jobs: dict[str, list[Any]] = {}
+    for job in rows:
+        if (job.user or "").startswith("keyless-"):
+            keyless_jobs.setdefault(job.user, []).append(job)
+    interactive = [r for r in rows if r.kind == "interactive" and not (r.user or "").startswith("keyless-")]
     report.resumed_jobs = sum(1 for r in rows if r.attempt > 1)
     report.stuck = sum(1 for r in rows if r.state not in TERMINAL)
-    client_jobs = [o for o in outcomes if o.job_id]
+    client_jobs = [o for o in outcomes if o.job_id and o.kind != "keyless"]
+    for o in outcomes:
+        if o.kind != "keyless":
+            continue
+        for tag in o.refused:  # a refusal stores nothing: its retry would otherwise run the request twice
+            if keyless_jobs.get(tag):
+                report.duplicated += 1
+                report.problems.append(f"keyless {tag}: refused with a 503, yet stored {len(keyless_jobs[tag])} job(s)")
+        report.keyless_orphans += sum(1 for tag in o.cut if keyless_jobs.get(tag))
+    for tag, found in keyless_jobs.items():
+        if len(found) > 1:
+            report.duplicated += len(found) - 1
+            report.problems.append(f"keyless {tag}: one request, {len(found)} jobs")
     report.requests = len(outcomes) + reference_jobs
     # Each client request carries one Idempotency-Key: any extra interactive job is a duplicate.
     report.duplicated = max(0, len(interactive) - reference_jobs - len({o.job_id for o in client_jobs}))

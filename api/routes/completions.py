@@ -98,14 +98,16 @@ T = TypeVar("T")
 # What a client waiting for an answer gets when this API process is told to stop: the job goes on,
 # and the same request again (with its Idempotency-Key) reaches it through another process.
 _RESTARTING = (
-    "This server is restarting. Your request was stored and goes on: send it again with the same "
-    "Idempotency-Key for its answer."
+    "This server is restarting. Your request was stored and goes on as job {job_id}: send it again with the "
+    "same Idempotency-Key for its answer, or read it at /v1/jobs/{job_id}."
 )
 
 
-async def _wait_unless_draining(waiting: Coroutine[Any, Any, T], request: Request) -> T:
+async def _wait_unless_draining(waiting: Coroutine[Any, Any, T], request: Request, job_id: str) -> T:
     """The wait, unless this process starts draining first: then a 503 with Retry-After, answered
-    before uvicorn's shutdown timeout would cancel the wait into a 500."""
+    before uvicorn's shutdown timeout would cancel the wait into a 500. It names the stored job
+    (`x-spool-job-id`, `Location`): a client that sent no Idempotency-Key reads that job instead of
+    sending the request again, which would run it twice."""
     drained: asyncio.Event | None = getattr(request.app.state, "drained", None)
     if drained is None:
         return await waiting
@@ -118,7 +120,8 @@ async def _wait_unless_draining(waiting: Coroutine[Any, Any, T], request: Reques
     if wait_task.done():
         return wait_task.result()
     wait_task.cancel()
-    raise APIError(503, _RESTARTING, code="server_restarting", headers={"Retry-After": "1"})
+    headers = {"Retry-After": "1", "x-spool-job-id": job_id, "Location": f"/v1/jobs/{job_id}"}
+    raise APIError(503, _RESTARTING.format(job_id=job_id), code="server_restarting", headers=headers)
 
 
 async def _serve(body, endpoint: str, call: _Call):
@@ -137,7 +140,7 @@ async def _serve(body, endpoint: str, call: _Call):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage, fingerprint=fingerprint)
         return _StreamOrCancel(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
-    row = await _wait_unless_draining(completions.wait(hub, job, tenant_id, settings.wait_timeout_s), request)
+    row = await _wait_unless_draining(completions.wait(hub, job, tenant_id, settings.wait_timeout_s), request, job.id)
     if row is None:
         return _accepted(job, headers, fingerprint)
     if row.state == "succeeded":

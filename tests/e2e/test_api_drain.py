@@ -46,6 +46,8 @@ def test_sigterm_answers_waiting_requests_503_and_the_retry_gets_the_job(stack):
         assert r.headers["retry-after"] == "1"
         err = r.json()["error"]
         assert err["code"] == "server_restarting" and "Idempotency-Key" in err["message"]
+        stored = _job_for(stack, key)  # named, so that a client without a key can read it instead
+        assert r.headers["x-spool-job-id"] == stored and r.headers["location"] == f"/v1/jobs/{stored}"
         api.wait(30)
         # It drained instead of having uvicorn cancel the waiting request at its shutdown timeout.
         assert "Exception in ASGI application" not in (stack.logdir / "api-drain.log").read_text(errors="replace")

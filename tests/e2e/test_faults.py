@@ -33,3 +33,4 @@ def test_short_fault_run_loses_doubles_and_garbles_nothing(tmp_path):
     assert report.resumed_jobs >= 1  # the worker kills really hit running jobs, which resumed
     assert report.reattached_streams >= 1  # API restarts really cut streams that clients re-attached
     assert all(report.by_client.get(k) for k in faults.SDK_KINDS), report.by_client  # the openai SDK was a client
+    assert report.by_client.get("keyless"), report.by_client  # and bursts without a key (group commit)
