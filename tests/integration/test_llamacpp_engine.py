@@ -126,3 +126,28 @@ def test_a_resumed_sequence_continues_exactly_from_any_point(engine):
     for k in range(1, 40, 3):
         resumed, _ = run(engine, [SeqSpec(("r", k), ids + ref[:k], 40 - k, p, 0, prior=k, interactive=False)])
         assert resumed[("r", k)] == ref[k:], f"resumed after {k} tokens went another way"
+
+
+def test_a_sequence_displaced_again_while_it_replays_keeps_every_token(engine):
+    """A displaced sequence that comes back to a slot which lost its cache re-decodes its earlier
+    tokens one per step; displaced again in the middle of that, it must take the tokens it had not
+    re-decoded yet with it. It kept only the last one (the rest of its context silently gone), and
+    went on with another text: batch lines under bursts of interactive requests in the fault harness."""
+    long_prompt = " ".join(["The committee met again to discuss the budget for the coming year."] * 4)
+    alone, _ = run(engine, [spec(engine, "r", PROMPTS[1], 40, False), spec(engine, "b", long_prompt, 40, False)])
+    before = engine.preemptions
+    batch = [spec(engine, "r", PROMPTS[1], 40, False), spec(engine, "b", long_prompt, 40, False)]
+    for s in batch:
+        engine.add(s)
+    tokens: dict = defaultdict(list)
+    step = 0
+    while engine.has_work():
+        if 8 <= step <= 60 and step % 3 == 2:  # interactive arrivals, each displacing `r` (fewest tokens)
+            engine.add(spec(engine, ("i", step), "Hello, my name is", 2, True))
+        for ev in engine.step():
+            if isinstance(ev, TokenEvent) and ev.token_id is not None:
+                tokens[ev.key].append(ev.token_id)
+        step += 1
+    assert engine.preemptions - before >= 5, "the interactive arrivals should have displaced r repeatedly"
+    assert tokens["r"] == alone["r"], "the twice-displaced sequence lost part of its context"
+    assert tokens["b"] == alone["b"]

@@ -136,8 +136,12 @@ class _Seq:
     replay: int = 0
 
     def unfed(self) -> list[int]:
-        """Every token this sequence has, in order: what a new slot must decode to continue it."""
-        return self.fed + ([self.last] if self.last is not None else self.pending)
+        """Every token this sequence has, in order: what a new slot must decode to continue it. Its
+        pending tokens while it has any (a sequence displaced again while re-decoding its earlier
+        tokens has a `last` too, and it is the end of `pending`, not all of it); else its last."""
+        if self.pending:
+            return self.fed + self.pending
+        return self.fed + ([self.last] if self.last is not None else [])
 
 
 # The shortest cached prefix worth opening a new run of slots for (see `_Lane.pick_slot`).
