@@ -129,8 +129,9 @@ def test_a_new_job_is_stored_dispatched_only_while_its_tenant_is_under_its_cap(s
     def store(cap: int | None, dispatch: bool = True) -> tuple[str, bool]:
         job = transitions.new_job(tenant_id=t.id, model="m", params={}, prompts=[[1, 2]], stream=False)
         with sessions() as s:
-            state, created_at, dispatched_at = s.execute(*transitions.insert_new(job, cap, dispatch)).one()
+            job_id, state, created_at, dispatched_at = s.execute(*transitions.insert_new(job, cap, dispatch)).one()
             s.commit()
+        assert job_id == job.id  # RETURNING names the row: the group INSERT matches rows to requests by it
         row = session.get(Job, job.id, populate_existing=True)
         assert (row.state, row.created_at, row.dispatched_at, row.prompts) == (
             state,
