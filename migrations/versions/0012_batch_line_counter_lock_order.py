@@ -23,7 +23,9 @@ depends_on: str | Sequence[str] | None = None
 # writer now takes the batch row before the usage row. Row-level BEFORE triggers fire after the row
 # is locked and re-checked (a line another transaction ended meanwhile is skipped and not counted),
 # so each line is still counted once. It must return NEW: NULL would skip the line's update.
-FUNCTION = """
+def _function(returns: str) -> str:
+    """0011's counting function, ending with `RETURN {returns}` (NEW for BEFORE, NULL for AFTER)."""
+    return f"""
 CREATE OR REPLACE FUNCTION spool_batch_line_ended() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     last boolean;
@@ -36,31 +38,15 @@ BEGIN
     IF last THEN
         PERFORM pg_notify('spool_batch_lines_ended', NEW.batch_id);
     END IF;
-    RETURN NEW;
+    RETURN {returns};
 END $$
 """
+
 
 WHEN = (
     "WHEN (NEW.batch_id IS NOT NULL AND OLD.state IN ('queued', 'dispatched', 'running')"
     " AND NEW.state IN ('succeeded', 'failed', 'cancelled', 'expired'))"
 )
-
-PREVIOUS = """
-CREATE OR REPLACE FUNCTION spool_batch_line_ended() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    last boolean;
-BEGIN
-    UPDATE batches SET
-        lines_completed = lines_completed + (NEW.state = 'succeeded')::int,
-        lines_failed = lines_failed + (NEW.state <> 'succeeded')::int
-    WHERE id = NEW.batch_id
-    RETURNING lines_completed + lines_failed >= coalesce((request_counts->>'total')::bigint, 0) INTO last;
-    IF last THEN
-        PERFORM pg_notify('spool_batch_lines_ended', NEW.batch_id);
-    END IF;
-    RETURN NULL;
-END $$
-"""
 
 
 def _trigger(when: str) -> str:
@@ -74,11 +60,11 @@ def upgrade() -> None:
     # One transaction (alembic's): DROP and CREATE lock jobs against writes until the commit, so no
     # line ends uncounted in between.
     op.execute("DROP TRIGGER jobs_batch_line_ended ON jobs")
-    op.execute(FUNCTION)
+    op.execute(_function("NEW"))
     op.execute(_trigger("BEFORE"))
 
 
 def downgrade() -> None:
     op.execute("DROP TRIGGER jobs_batch_line_ended ON jobs")
-    op.execute(PREVIOUS)
+    op.execute(_function("NULL"))
     op.execute(_trigger("AFTER"))
