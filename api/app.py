@@ -61,7 +61,7 @@ async def lifespan(app: FastAPI):
     # What a rendered completion names as its `system_fingerprint`, per model (rendering reads no settings).
     app.state.fingerprints = render.Fingerprints(settings)
     app.state.idempotency = Idempotency(async_sessions(), settings.idempotency_lock_s)
-    sender = AsyncSender(settings.celery_broker_url)
+    sender = AsyncSender(settings.celery_broker_url, settings.interactive_group)
     app.state.completions = Completions(
         async_sessions(), app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
     )

@@ -64,8 +64,9 @@ class JobRunner:
         return self._run_claimed(job)
 
     def run_group(self, pairs: list[tuple[str, int]]) -> list[Outcome]:
-        """Several batch lines from one message: claimed in one statement, then run side by side,
-        each an ordinary attempt (its own lease, fence, events and settlement)."""
+        """Several jobs from one message (batch lines from the dispatcher, a burst of new requests from
+        the API): claimed in one statement, then run side by side, each an ordinary attempt (its own
+        lease, fence, events and settlement)."""
         try:
             jobs = retrying(self.settings, f"claim {len(pairs)} jobs", self._claim_many, pairs)
         except Abandoned:

@@ -17,7 +17,7 @@ from celery import Celery
 from core.config import get_settings
 
 RUN_JOB = "spool.run_job"
-RUN_JOBS = "spool.run_jobs"  # several batch lines in one message: one claim, one Celery round trip
+RUN_JOBS = "spool.run_jobs"  # several jobs of one queue in one message: one claim, one Celery round trip
 DELIVER_WEBHOOK = "spool.deliver_webhook"
 WEBHOOK_QUEUE = "spool.webhooks"  # every worker consumes it after its model's queues
 
@@ -126,34 +126,49 @@ def _send(task: str, args: list[Any], queue: str) -> None:
     _broker().lpush(queue, task_message(task, args, queue))
 
 
-def run_job_message(job_id: str, attempt: int, model: str, kind: str = "interactive") -> tuple[str, str]:
-    """(queue, message) of one `run_job(job_id, attempt)`: what both senders push."""
-    queue = queue_for(model, kind)
-    return queue, task_message(RUN_JOB, [job_id, attempt], queue)
-
-
 def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
     """Publish one `run_job(job_id, attempt)` message to the model's queue (blocking I/O)."""
-    _broker().lpush(*run_job_message(job_id, attempt, model, kind))
+    queue = queue_for(model, kind)
+    _broker().lpush(queue, task_message(RUN_JOB, [job_id, attempt], queue))
+
+
+def run_messages(jobs: Sequence[tuple[str, int, str, str]], per_message: int) -> list[tuple[str, str]]:
+    """(queue, message) for new jobs, each (job id, attempt, model, kind): the jobs of one queue split
+    evenly into `run_jobs` messages of at most `per_message` (a lone job: `run_job`). A worker claims a
+    message's jobs in one statement; smaller messages let several workers share a burst."""
+    by_queue: dict[str, list[list[Any]]] = {}
+    for job_id, attempt, model, kind in jobs:
+        by_queue.setdefault(queue_for(model, kind), []).append([job_id, attempt])
+    out = []
+    for queue, pairs in by_queue.items():
+        parts = -(-len(pairs) // per_message)
+        size = -(-len(pairs) // parts)
+        for i in range(0, len(pairs), size):
+            chunk = pairs[i : i + size]
+            args = chunk[0] if len(chunk) == 1 else [chunk]
+            out.append((queue, task_message(RUN_JOB if len(chunk) == 1 else RUN_JOBS, args, queue)))
+    return out
 
 
 class AsyncSender:
-    """`send_run_job` for the API's event loop: the same messages, pushed with an async client (a thread
-    hop per request to run the blocking one cost more CPU than the push itself), all of a group of new
+    """The API's sender: new jobs' messages (`run_messages`), pushed with an async client (a thread hop
+    per request to run the blocking one cost more CPU than the push itself), all of a group of new
     jobs in one pipeline: (job id, attempt, model, kind) each."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, per_message: int = 8) -> None:
         from core.infra import kv
 
         self._redis = kv.async_client(url)
+        self.per_message = per_message
 
     async def __call__(self, jobs: Sequence[tuple[str, int, str, str]]) -> None:
-        if len(jobs) == 1:
-            await self._redis.lpush(*run_job_message(*jobs[0]))
+        messages = run_messages(jobs, self.per_message)
+        if len(messages) == 1:
+            await self._redis.lpush(*messages[0])
             return
         pipe = self._redis.pipeline(transaction=False)
-        for job in jobs:
-            pipe.lpush(*run_job_message(*job))
+        for queue, message in messages:
+            pipe.lpush(queue, message)
         await pipe.execute()
 
     async def aclose(self) -> None:

@@ -56,17 +56,27 @@ def test_the_message_is_the_one_send_task_writes(it_settings, monkeypatch):
         from_loop = _pushed(rds, queue)
         assert same(from_loop) == same(ours) | {"body": from_loop["body"]}
         assert json.loads(base64.b64decode(from_loop["body"])) == json.loads(base64.b64decode(ours["body"]))
-        # A group's messages, pipelined: one each, each its own.
-        sender = broker.AsyncSender(get_settings().celery_broker_url)
+        # A group's messages, pipelined: its jobs split evenly into run_jobs messages of at most
+        # `per_message`, one queue's jobs never in another's message, each job in exactly one message.
+        sender = broker.AsyncSender(get_settings().celery_broker_url, per_message=8)
+        other = broker.queue_for("broker-message-other")
+        rds.delete(other)
+        group = [(f"job-{i}", 1, "broker-message-test", "interactive") for i in range(17)]
 
         async def push_group() -> None:
             try:
-                await sender([(f"job-{i}", 1, "broker-message-test", "interactive") for i in range(3)])
+                await sender([*group, ("job-x", 4, "broker-message-other", "interactive")])
             finally:
                 await sender.aclose()
 
         asyncio.run(push_group())
-        assert broker.queued_jobs(rds, "broker-message-test") == {(f"job-{i}", 1) for i in range(3)}
+        bodies = [json.loads(base64.b64decode(json.loads(m)["body"]))[0] for m in rds.lrange(queue, 0, -1)]
+        assert sorted(len(b[0]) for b in bodies) == [5, 6, 6]
+        assert {json.loads(m)["headers"]["task"] for m in rds.lrange(queue, 0, -1)} == {broker.RUN_JOBS}
+        assert broker.queued_jobs(rds, "broker-message-test") == {(f"job-{i}", 1) for i in range(17)}
+        assert broker.queued_jobs(rds, "broker-message-other") == {("job-x", 4)}
+        assert json.loads(rds.lindex(other, 0))["headers"]["task"] == broker.RUN_JOB  # a lone job: run_job
+        rds.delete(other)
         rds.delete(queue)
         broker.send_run_jobs([("a", 1), ("b", 3)], "broker-message-test")
         assert broker.queued_jobs(rds, "broker-message-test") == {("a", 1), ("b", 3)}
