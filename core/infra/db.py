@@ -58,10 +58,7 @@ def ping_when_idle(engine: Engine, idle_s: float = PING_IDLE_S) -> Engine:
 @lru_cache
 def sync_engine() -> Engine:
     return ping_when_idle(
-        # At most 30 at once, as before (10 + 20 overflow), but all kept: an overflow connection was closed
-        # on return, so each burst of job ends or claims (64 streams ending on one step) opened and closed
-        # up to 20 Postgres backends (~6 % of a worker's CPU on short jobs, and Postgres's forks).
-        create_engine(get_settings().database_url, pool_size=30, max_overflow=0, connect_args=_CONNECT)
+        create_engine(get_settings().database_url, pool_size=10, max_overflow=20, connect_args=_CONNECT)
     )
 
 

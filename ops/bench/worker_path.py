@@ -35,7 +35,7 @@ def main() -> None:
 
     db = os.environ["SPOOL_TEST_DATABASE_URL"]
     settings = Settings(database_url=db, redis_url=os.environ["SPOOL_TEST_REDIS_URL"], max_attempts=2)
-    engine = ping_when_idle(create_engine(db, pool_size=30, max_overflow=0))  # as core/infra/db.py
+    engine = ping_when_idle(create_engine(db, pool_size=10, max_overflow=20))  # as core/infra/db.py
     sessions = sessionmaker(engine, expire_on_commit=False)
     runner = JobRunner(
         EngineLoop(NullEngine("smollm2-135m-instruct", n_ctx=512, max_batch=64)),
