@@ -705,8 +705,9 @@ def _load_and_faults(
             report.duplicated += len(found) - 1
             report.problems.append(f"keyless {tag}: one request, {len(found)} jobs")
     report.requests = len(outcomes) + reference_jobs
-    # Each client request carries one Idempotency-Key: any extra interactive job is a duplicate.
-    report.duplicated = max(0, len(interactive) - reference_jobs - len({o.job_id for o in client_jobs}))
+    # Each keyed client request carries one Idempotency-Key: any extra interactive job is a duplicate
+    # (added to the keyless duplicates counted above).
+    report.duplicated += max(0, len(interactive) - reference_jobs - len({o.job_id for o in client_jobs}))
     report.reattached_streams = sum(1 for o in outcomes if o.reattached)
     for o in outcomes:
         report.by_client[o.kind] = report.by_client.get(o.kind, 0) + 1
