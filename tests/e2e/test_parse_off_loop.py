@@ -102,6 +102,7 @@ def test_errors_of_big_and_bad_bodies_unchanged(stack: Stack):
         (b'{"model": "m", "prompt": [1, -2]}', "application/json", 400, None),
         (b'{"model": "m", "prompt": [1.5]}', "application/json", 400, None),
         (b'{"prompt": "x"}', "application/json", 400, "missing_parameter"),
+        (b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", 400, "invalid_json"),
     ]
     with stack.http(stack.keys["alpha"]) as c:
         for raw, ctype, status, code in cases:

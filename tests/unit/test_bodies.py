@@ -156,3 +156,41 @@ def test_small_and_big_bodies_get_the_same_errors(monkeypatch, bad):
     assert isinstance(on_loop, RequestValidationError) and isinstance(on_thread, RequestValidationError)
     strip = lambda e: [{k: v for k, v in err.items() if k != "input"} for err in e.errors()]  # noqa: E731
     assert strip(on_loop) == strip(on_thread)
+
+
+# Edges where parsers differ: jiter must give json.loads's value exactly or refuse (then json.loads decides).
+JSON_EDGES = [
+    b'{"a": "x\x01y"}',
+    b"[NaN, Infinity, -Infinity]",
+    b"[1e400, -1e400, 5e-324, 1.7976931348623157e308, 0.1, 1E2, 1.0, -0, -0.0]",
+    b"123456789012345678901234567890",
+    b'{"a": 1, "a": 2}',
+    b'"\\ud800"',
+    b"\xef\xbb\xbf{}",
+    '{"a": "é"}'.encode("utf-16"),
+    b' \t\n{"b": [true, false, null]} ',
+    b"{} x",
+    b"[1,]",
+    b'"\\u0000"',
+    b'"\xff"',
+    b"1" + b"0" * 5000,
+    b"[" * 500 + b"]" * 500,
+]
+
+
+@pytest.mark.parametrize("raw", JSON_EDGES)
+def test_fast_decode_gives_json_loads_answer(raw):
+    def outcome(fn):
+        try:
+            return "ok", repr(fn(raw))
+        except Exception as e:  # the exception's kind is what FastAPI's handler words
+            return "error", type(e).__name__
+
+    assert outcome(bodies._loads) == outcome(json.loads)
+
+
+def test_deeply_nested_body_is_a_400_not_a_crash():
+    deep = b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(RequestValidationError) as e:
+        parse(P, deep, "application/json")
+    assert e.value.errors()[0]["type"] == "json_invalid"
