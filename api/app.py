@@ -32,7 +32,7 @@ from api.routes import admin, batches, completions, files, jobs, models, tokens,
 from core.config import get_settings
 from core.errors import DomainError
 from core.idempotency import Idempotency
-from core.infra import kv, logs, streams
+from core.infra import heap, kv, logs, streams
 from core.infra.broker import AsyncSender
 from core.infra.db import async_engine, async_sessions, sync_sessions
 from core.infra.tokenizers import tokenizer_for
@@ -75,6 +75,7 @@ async def lifespan(app: FastAPI):
             # A registry entry whose weights are not on this host yet (the example registry lists GPU
             # models a CPU-only host never downloads) must not keep the API from serving the others.
             log.warning("model %s: tokenizer not loaded (%s)", model, e)
+    heap.freeze_startup()  # full collections no longer walk the startup heap mid-burst (core/infra/heap.py)
     yield
     await app.state.hub.aclose()
     await sender.aclose()

@@ -22,7 +22,7 @@ from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
 from core.generation.events import ErrorInfo, Failed
-from core.infra import redis_keys
+from core.infra import heap, redis_keys
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.db import Listener
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
@@ -230,6 +230,7 @@ class Dispatcher:
     def run_forever(self) -> None:
         log.info("dispatcher started (every %.1fs)", self.settings.dispatcher_interval_s)
         threading.Thread(target=self.run_batch_keeper, name="batch-keeper", daemon=True).start()
+        heap.freeze_startup()
         woke: Any = None
         sent = 0
         while True:

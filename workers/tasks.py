@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from celery.signals import worker_ready
+
 from core.batches import webhooks
 from core.config import get_settings
+from core.infra import heap
 from core.infra.broker import DELIVER_WEBHOOK, RUN_JOB, RUN_JOBS, celery_app
 from workers.outcome import Outcome
 from workers.runtime import runner
 
 app = celery_app()
+
+
+@worker_ready.connect
+def _serving(**_: object) -> None:
+    """Model loaded, Celery consuming: the startup heap is set aside from full collections (a
+    collection walking the engine's and Celery's objects stalled the thread that feeds the engine)."""
+    heap.freeze_startup()
 
 
 @app.task(name=RUN_JOB)

@@ -3,12 +3,14 @@ stale pooled connection after a restart is retried instead of surfacing as an er
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError, NoScriptError, TimeoutError
 
 TRANSIENT = (ConnectionError, TimeoutError, OSError)
 
@@ -30,3 +32,28 @@ def async_client(url: str, **kw: Any) -> aioredis.Redis:
     from redis.asyncio.retry import Retry
 
     return aioredis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 3), **_OPTIONS, **kw)
+
+
+class Lua:
+    """A Lua script called by its digest (EVALSHA): its text goes over the wire only when the server
+    does not have it (a restarted Redis answers NOSCRIPT; EVAL then caches it again). EVAL sent the
+    whole text on every call, and Redis hashed it every time: the admission script is 3.7 KB, sent
+    twice per request. redis-py's `Script` needs a client bound at creation; these are module-level
+    and called with whichever client (sync or asyncio) the caller holds. In a pipeline a NOSCRIPT
+    would only surface at `execute`, so pipelines send `text` with EVAL."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(self, rds: Any, keys: Sequence[Any], *args: Any) -> Any:
+        try:
+            return rds.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return rds.eval(self.text, len(keys), *keys, *args)
+
+    async def run_async(self, rds: Any, keys: Sequence[Any], *args: Any) -> Any:
+        try:
+            return await rds.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await rds.eval(self.text, len(keys), *keys, *args)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import queue
 import re
@@ -18,9 +17,9 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
-from core.infra.kv import TRANSIENT
+from core.infra.kv import TRANSIENT, Lua
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +128,9 @@ return fence
 """
 
 
+_FENCE = Lua(_RAISE_FENCE)
+
+
 class Fenced(Exception):
     """A newer attempt owns the job's stream: this one must stop."""
 
@@ -143,13 +145,13 @@ class StreamLost(Exception):
 # append itself, so no attempt has to ask Redis whether its stream still exists).
 FENCED = -1
 LOST = 0
-_APPEND_SHA = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
+_APPEND = Lua(_FENCED_APPEND)  # by its digest: 64 jobs' appends would otherwise carry 64 copies of its text
 
 
 def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
     """Called by an attempt right after its claim, before it reads what earlier attempts streamed:
     anything a stale attempt appends later is refused, anything before is in what it reads."""
-    return int(redis.eval(_RAISE_FENCE, 1, fence_key(job_id), attempt, ttl_s))
+    return int(_FENCE(redis, (fence_key(job_id),), attempt, ttl_s))
 
 
 class Append(NamedTuple):
@@ -185,10 +187,7 @@ def append_many(redis: Any, appends: Sequence[Append]) -> list[Appended]:
 
 
 def _call_append(redis: Any, keys: list[str], args: list[Any]) -> Any:
-    try:  # the script by its digest: 64 jobs' appends would otherwise carry 64 copies of its text
-        return redis.evalsha(_APPEND_SHA, len(keys), *keys, *args)
-    except NoScriptError:  # a Redis that restarted or never saw it: EVAL caches it again
-        return redis.eval(_FENCED_APPEND, len(keys), *keys, *args)
+    return _APPEND(redis, keys, *args)
 
 
 def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.infra import redis_keys
+from core.infra.kv import Lua
 
 ADMIT = r"""
 -- KEYS: 1 rpm_tenant 2 tpm_tenant 3 tpd_tenant 4 active_tenant 5 rpm_key 6 tpm_key 7 reservation
@@ -226,7 +227,7 @@ async def admit(
 ) -> Decision:
     """Check and take every limit for one job (asyncio client)."""
     argv, day = _args(limits, cost, job_id, lease_s)
-    return _decode(await rds.eval(ADMIT, 7, *_keys(tenant_id, key_id, job_id, day), *argv))
+    return _decode(await _ADMIT.run_async(rds, _keys(tenant_id, key_id, job_id, day), *argv))
 
 
 def admit_many(rds: Any, jobs: list[tuple[int, int, str, Limits, int]]) -> list[Decision]:
@@ -266,11 +267,14 @@ return out
 """
 
 
+_ADMIT, _REQUESTS, _SETTLE = Lua(ADMIT), Lua(REQUESTS), Lua(SETTLE)
+
+
 async def take_request(rds: Any, tenant_id: int, key_id: int, rpm: int, key_rpm: int) -> Decision:
     """Take one request from the tenant's and the key's requests-per-minute (the same GCRA state
     `admit` uses), or refuse; nothing else is touched. Cheap enough to run before a body is read."""
     keys = _keys(tenant_id, key_id, "-", "-")
-    raw = await rds.eval(REQUESTS, 2, keys[0], keys[4], int(time.time() * 1000), rpm, key_rpm)
+    raw = await _REQUESTS.run_async(rds, (keys[0], keys[4]), int(time.time() * 1000), rpm, key_rpm)
 
     def s(x: Any) -> str:
         return x.decode() if isinstance(x, bytes) else str(x)
@@ -280,9 +284,9 @@ async def take_request(rds: Any, tenant_id: int, key_id: int, rpm: int, key_rpm:
 
 
 async def settle_async(rds: Any, job_id: str, actual_tokens: int) -> None:
-    await rds.eval(SETTLE, 1, reservation_key(job_id), int(time.time() * 1000), actual_tokens)
+    await _SETTLE.run_async(rds, (reservation_key(job_id),), int(time.time() * 1000), actual_tokens)
 
 
 def settle(rds: Any, job_id: str, actual_tokens: int) -> None:
     """Settle a job's reservation to what it really used (0 releases it all). Idempotent."""
-    rds.eval(SETTLE, 1, reservation_key(job_id), int(time.time() * 1000), actual_tokens)
+    _SETTLE(rds, (reservation_key(job_id),), int(time.time() * 1000), actual_tokens)

@@ -131,4 +131,4 @@ def test_the_script_is_loaded_again_after_redis_forgets_it(rds):
     rds.script_flush()
     job = f"job-flush-{time.time_ns()}"
     assert streams.append_fenced(rds, job, 1, [_delta("a")], 60, start=1) == ["0-1"]
-    assert rds.script_exists(streams._APPEND_SHA) == [True]
+    assert rds.script_exists(streams._APPEND.sha) == [True]

@@ -1,0 +1,43 @@
+"""core/infra/kv.Lua: scripts go by their digest, and a Redis that forgot them (a restart, SCRIPT
+FLUSH) gets the text again, for the sync and the asyncio client alike (admission runs on both)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from core.infra import kv
+from core.tenancy import ratelimit
+from tests.integration.conftest import IT_REDIS
+
+ECHO = kv.Lua("return {KEYS[1], ARGV[1]}")
+
+
+def test_a_script_runs_by_digest_and_is_loaded_again_after_a_flush(rds):
+    rds.script_flush()
+    assert rds.script_exists(ECHO.sha) == [False]
+    assert ECHO(rds, ["k"], "v") == [b"k", b"v"]  # NOSCRIPT, then EVAL: cached again
+    assert rds.script_exists(ECHO.sha) == [True]
+    before = rds.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+    assert ECHO(rds, ["k2"], "v2") == [b"k2", b"v2"]
+    assert rds.info("commandstats").get("cmdstat_eval", {}).get("calls", 0) == before  # EVALSHA alone
+
+
+def test_admission_after_redis_forgot_its_scripts(rds):
+    rds.script_flush()
+    limits = ratelimit.Limits(rpm=5, tpm=0, tpd=0, max_queued=0, key_rpm=0, key_tpm=0)
+    job = f"lua-{time.time_ns()}"
+
+    async def main():
+        client = kv.async_client(IT_REDIS)
+        try:
+            taken = await ratelimit.take_request(client, 987654, 1, 5, 0)
+            admitted = await ratelimit.admit(client, 987654, 1, job, limits, 10)
+            await ratelimit.settle_async(client, job, 3)
+            return taken, admitted
+        finally:
+            await client.aclose()
+
+    taken, admitted = asyncio.run(main())
+    assert taken.allowed and admitted.allowed
+    assert not rds.exists(ratelimit.reservation_key(job))  # settled: the reservation record is gone
