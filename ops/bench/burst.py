@@ -81,16 +81,6 @@ async def _stream(
     return t
 
 
-def _row(stamps: dict[str, tuple[float, float | None]], chunk_id: str | None) -> tuple[float | None, float | None]:
-    """The job behind a chunk id (`cmpl-<job id>` or the job id itself)."""
-    if chunk_id is None:
-        return None, None
-    for job_id, row in stamps.items():
-        if chunk_id.endswith(job_id) or job_id.endswith(chunk_id):
-            return row
-    return None, None
-
-
 def _spread(values: list[float]) -> str:
     v = sorted(values)
     return f"{v[0]:7.1f} {statistics.median(v):7.1f} {v[-1]:7.1f}" if v else "      -"
@@ -112,12 +102,13 @@ async def run(root: Path, concurrency: int, waves: int, max_tokens: int) -> list
             timed = await asyncio.gather(
                 *(_stream(c, host, key, PROMPTS[i % len(PROMPTS)], max_tokens) for i, c in enumerate(conns))
             )
-            with psycopg.connect(dsn) as db:
+            with psycopg.connect(dsn) as db:  # a chunk's id is its job's id
                 query = "SELECT id, extract(epoch from created_at), extract(epoch from started_at) FROM jobs"
-                stamps = {r[0]: (float(r[1]), float(r[2]) if r[2] else None) for r in db.execute(query)}
+                rows = db.execute(query + " WHERE id = ANY(%s)", ([t.job_id for t in timed if t.job_id],))
+                stamps = {r[0]: (float(r[1]), float(r[2]) if r[2] else None) for r in rows}
             t0 = min(t.sent for t in timed)
             for t in timed:
-                t.stored, t.claimed = _row(stamps, t.job_id)
+                t.stored, t.claimed = stamps.get(t.job_id or "", (None, None))
 
             def ms(values: list[float | None], t0: float = t0) -> list[float]:
                 return [(v - t0) * 1000 for v in values if v is not None]
