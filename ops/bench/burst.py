@@ -86,7 +86,9 @@ def _spread(values: list[float]) -> str:
     return f"{v[0]:7.1f} {statistics.median(v):7.1f} {v[-1]:7.1f}" if v else "      -"
 
 
-async def run(root: Path, concurrency: int, waves: int, max_tokens: int) -> list[dict[str, float]]:
+async def run(
+    root: Path, concurrency: int, waves: int, max_tokens: int, detail: bool = False
+) -> list[dict[str, float]]:
     out: list[dict[str, float]] = []
     with paced_stack(root, [concurrency], "spool_burst") as (url, key, _, _, _):
         host, port = url.split("//", 1)[1].rsplit(":", 1)
@@ -123,6 +125,11 @@ async def run(root: Path, concurrency: int, waves: int, max_tokens: int) -> list
             print(f"wave {wave + 1}, {concurrency} streams, ms from the first send: min / p50 / max")
             for name, values in stages.items():
                 print(f"  {name:8s} {_spread(values)}")
+            if detail:  # each job in claim order: which engine step took it, and when its token came
+                print(f"    stored claimed  first (ms from {t0:.4f})")
+                for t in sorted(timed, key=lambda t: t.claimed or 0):
+                    row = ms([t.stored, t.claimed, t.first])
+                    print("   " + " ".join(f"{v:7.1f}" for v in row))
             out.append({f"{k}_p50": statistics.median(v) for k, v in stages.items() if v})
     return out
 
@@ -140,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--detail", action="store_true", help="also print each job's stages, in claim order")
     args = ap.parse_args(argv)
-    waves = asyncio.run(run(args.root.resolve(), args.concurrency, args.waves, args.max_tokens))
+    waves = asyncio.run(run(args.root.resolve(), args.concurrency, args.waves, args.max_tokens, args.detail))
     print("medians over waves (ms):", {k: round(statistics.median(w[k] for w in waves), 1) for k in waves[0]})
 
 
