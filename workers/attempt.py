@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 
 
 class Attempt:
-    def __init__(self, runner: JobRunner, job: Claimed) -> None:
+    def __init__(self, runner: JobRunner, job: Claimed, *, fenced: bool = False) -> None:
         self.runner = runner
+        self.fenced = fenced  # a claimed group's fences are raised together (JobRunner.run_group)
+        self._started = False
+        self._start_error: Exception | None = None
         self.loop = runner.loop
         self.engine = runner.loop.engine
         self.settings = runner.settings
@@ -68,9 +71,9 @@ class Attempt:
         job, p, engine, rds = self.job, self.p, self.engine, self.runner.redis
         # Fence older attempts off the stream before reading it: what they wrote before is read here,
         # anything later is refused (a worker that lost its lease may still be generating).
-        retrying(
-            self.settings, f"fence {job.id}", streams.raise_fence, rds, job.id, job.attempt, self.settings.events_ttl_s
-        )
+        if not self.fenced:
+            ttl = self.settings.events_ttl_s
+            retrying(self.settings, f"fence {job.id}", streams.raise_fence, rds, job.id, job.attempt, ttl)
         if job.attempt > 1 and streams.trimmed(rds, job.id):
             raise JobError(
                 "This job's progress log was trimmed, so it cannot resume exactly.",
@@ -132,7 +135,17 @@ class Attempt:
         return m
 
     # -- the attempt ------------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def start(self) -> None:
+        """Build the sequences and hand them to the engine. A claimed group starts each of its
+        attempts this way on one thread before any follows; an error is kept, and `run` raises it
+        on the attempt's own thread, where every outcome is settled."""
+        try:
+            self._start()
+        except Exception as exc:
+            self._start_error = exc
+        self._started = True
+
+    def _start(self) -> None:
         job, every = self.job, self.settings
         if job.started_at is not None and job.created_at is not None:
             QUEUE_WAIT.labels(job.model, job.kind).observe((job.started_at - job.created_at).total_seconds())
@@ -148,6 +161,13 @@ class Attempt:
             self.loop.submit(specs, self.runner.pump.sink(self))
         else:
             self.stop(None)
+
+    def run(self) -> Outcome:
+        job, every = self.job, self.settings
+        if not self._started:
+            self._start()
+        elif self._start_error is not None:
+            raise self._start_error
         next_renew = time.monotonic() + every.lease_s / 3
         watch = self.runner.cancels
         watch.watch(job.id, self._on_cancel)

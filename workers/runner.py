@@ -77,8 +77,35 @@ class JobRunner:
             log.info("%d of %d jobs not claimable (duplicate or stale message); skipped", skipped, len(pairs))
         if len(jobs) <= 1:
             return [self._run_claimed(j) for j in jobs]
+        # This thread fences the whole group in one script call and starts every attempt (its
+        # sequences go to the engine) before any follows on a thread of its own. Eight threads each
+        # fencing and building side by side took turns at the GIL: in a burst of 64, ~11 ms of wall
+        # time from a job's claim to its sequences in the engine, for ~1 ms of CPU.
+        try:
+            retrying(
+                self.settings,
+                f"fence {len(jobs)} jobs",
+                streams.raise_fences,
+                self.redis,
+                [(j.id, j.attempt) for j in jobs],
+                self.settings.events_ttl_s,
+            )
+        except Abandoned:
+            log.warning("could not fence %d claimed jobs; their leases lapse and they resume", len(jobs))
+            return [Outcome.abandoned] * len(jobs)
+        started: list[Attempt | None] = []
+        for job in jobs:
+            try:
+                attempt: Attempt | None = Attempt(self, job, fenced=True)
+            except Exception:  # a stored row it cannot read: its own thread meets it again, and fails it
+                attempt = None
+            if attempt is not None:
+                with self._bound(job):
+                    log.info("job %s attempt %s started", job.id, job.attempt)
+                    attempt.start()
+            started.append(attempt)
         with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="group") as pool:
-            return list(pool.map(self._run_claimed, jobs))
+            return list(pool.map(self._run_claimed, jobs, started))
 
     def _claim_many(self, pairs: list[tuple[str, int]]) -> list[Claimed]:
         stmt = transitions.claim_many(pairs, self.worker_name, self.settings.lease_s)
@@ -89,23 +116,29 @@ class JobRunner:
         found = transitions.claimed(one_statement(self.sessions, *stmt))
         return found[0] if found else None
 
-    def _run_claimed(self, job: Claimed) -> Outcome:
+    @staticmethod
+    def _bound(job: Claimed) -> Any:
+        return logs.bound(
+            request_id=job.request_id, job_id=job.id, tenant_id=job.tenant_id, model=job.model, attempt=job.attempt
+        )
+
+    def _run_claimed(self, job: Claimed, started: Attempt | None = None) -> Outcome:
+        """Run one claimed job's attempt to its outcome; `started`: already started (run_group)."""
         try:
-            with logs.bound(
-                request_id=job.request_id, job_id=job.id, tenant_id=job.tenant_id, model=job.model, attempt=job.attempt
-            ):
-                log.info("job %s attempt %s started", job.id, job.attempt)
-                return self._attempt(job)
+            with self._bound(job):
+                if started is None:
+                    log.info("job %s attempt %s started", job.id, job.attempt)
+                return self._attempt(job, started)
         finally:
             # A batch line's end frees a slot the dispatcher fills at once. Interactive jobs do not
             # wake it: that made it run a full tick per request (a third of a core at 60 requests/s).
             if job.kind == JobKind.batch and self.batch_slot_wake is not None:
                 self.batch_slot_wake()
 
-    def _attempt(self, job: Claimed) -> Outcome:
+    def _attempt(self, job: Claimed, started: Attempt | None = None) -> Outcome:
         job_id, attempt = job.id, job.attempt
         try:
-            return Attempt(self, job).run()
+            return (started or Attempt(self, job)).run()
         except streams.Fenced:
             log.info("job %s attempt %s was superseded by a newer attempt; stopping", job_id, attempt)
             return Outcome.lost

@@ -119,16 +119,22 @@ end
 return out
 """
 
-# Raise the fence to this attempt (never lower it); returns the fence now in force.
-_RAISE_FENCE = """
-local fence = tonumber(redis.call('GET', KEYS[1]) or '0')
-if tonumber(ARGV[1]) > fence then fence = tonumber(ARGV[1]) end
-redis.call('SET', KEYS[1], fence, 'EX', ARGV[2])
-return fence
+# Raise each job's fence to its attempt (never lower it); returns the fences now in force.
+# KEYS: the fence keys; ARGV: the TTL, then one attempt per key.
+_RAISE_FENCES = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local fence = tonumber(redis.call('GET', key) or '0')
+  local mine = tonumber(ARGV[i + 1])
+  if mine > fence then fence = mine end
+  redis.call('SET', key, fence, 'EX', ARGV[1])
+  out[i] = fence
+end
+return out
 """
 
 
-_FENCE = Lua(_RAISE_FENCE)
+_FENCE = Lua(_RAISE_FENCES)
 
 
 class Fenced(Exception):
@@ -151,7 +157,13 @@ _APPEND = Lua(_FENCED_APPEND)  # by its digest: 64 jobs' appends would otherwise
 def raise_fence(redis: Any, job_id: str, attempt: int, ttl_s: int) -> int:
     """Called by an attempt right after its claim, before it reads what earlier attempts streamed:
     anything a stale attempt appends later is refused, anything before is in what it reads."""
-    return int(_FENCE(redis, (fence_key(job_id),), attempt, ttl_s))
+    return raise_fences(redis, [(job_id, attempt)], ttl_s)[0]
+
+
+def raise_fences(redis: Any, attempts: Sequence[tuple[str, int]], ttl_s: int) -> list[int]:
+    """`raise_fence` for several jobs (a claimed group) in one script call; the fences in force."""
+    keys = [fence_key(job_id) for job_id, _ in attempts]
+    return [int(f) for f in _FENCE(redis, keys, ttl_s, *(attempt for _, attempt in attempts))]
 
 
 class Append(NamedTuple):

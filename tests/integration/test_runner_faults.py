@@ -117,3 +117,47 @@ def test_nothing_is_appended_after_a_terminal_event(rds):
         streams.append_fenced(
             rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text="b", token_ids=[2]))], 60, start=2
         )
+
+
+def test_a_group_is_fenced_together_and_each_attempt_keeps_its_own_outcome(
+    session, sessions, rds, it_settings, engine_loop
+):
+    """A claimed group (one `run_jobs` message) is fenced in one script call and started on one
+    thread before its attempts follow; each still ends on its own: a superseded one is lost and
+    writes nothing, one that cannot resume exactly fails alone, and the others stream and succeed."""
+    t = factories.tenant(session)
+    fresh = [
+        factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8)) for _ in range(3)
+    ]
+    stale = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8))
+    streams.raise_fence(rds, stale.id, 2, 60)  # attempt 2 owns its stream already
+    cut = factories.job(session, t, state=JobState.dispatched, attempt=2, params=factories.params(max_tokens=8))
+    for i in range(2):  # attempt 1 streamed two entries, and one was trimmed away: no exact resume
+        rds.xadd(
+            streams.stream_key(cut.id), {streams.FIELD: encode(Delta(attempt=1, choice=0, text="x", token_ids=[i]))}
+        )
+    rds.xtrim(streams.stream_key(cut.id), maxlen=1, approximate=False)
+
+    jobs = [*fresh, stale, cut]
+    outcomes = JobRunner(engine_loop, it_settings, rds, sessions, "w-group").run_group(
+        [(j.id, j.attempt) for j in jobs]
+    )
+
+    assert sorted(map(str, outcomes)) == sorted(["succeeded"] * 3 + ["lost", "failed"]), outcomes
+    for j in fresh:
+        row = session.get(Job, j.id, populate_existing=True)
+        assert row.state == "succeeded" and row.usage["completion_tokens"] == 8
+        assert int(rds.get(streams.fence_key(j.id))) == 1
+        assert streams.entries(rds, j.id)
+    assert streams.entries(rds, stale.id) == []
+    assert int(rds.get(streams.fence_key(stale.id))) == 2  # raised together with the others, never lowered
+    failed = session.get(Job, cut.id, populate_existing=True)
+    assert failed.state == "failed" and failed.error["code"] == "resume_impossible"
+
+
+def test_fences_raised_together_are_each_never_lowered(rds):
+    a, b = "job-fences-a-" + str(time.time_ns()), "job-fences-b-" + str(time.time_ns())
+    streams.raise_fence(rds, b, 3, 60)
+    assert streams.raise_fences(rds, [(a, 1), (b, 2)], 60) == [1, 3]
+    assert (int(rds.get(streams.fence_key(a))), int(rds.get(streams.fence_key(b)))) == (1, 3)
+    assert 0 < rds.ttl(streams.fence_key(a)) <= 60
