@@ -55,7 +55,9 @@ def test_a_request_id_ties_the_api_and_worker_logs_of_a_job(stack):
     def logged() -> tuple[list[dict], list[dict]] | None:
         api = [e for e in _json_lines(stack.log("api")) if e.get("request_id") == rid]
         worker = [e for e in _json_lines(stack.log(stack.worker_name)) if e.get("request_id") == rid]
-        return (api, worker) if api and worker else None
+        # The access line is the request's last: waiting for it (not any line) leaves no race.
+        has_access = any(e.get("logger") == "spool.access" for e in api)
+        return (api, worker) if has_access and worker else None
 
     api, worker = wait_for(logged, 20, "log lines with the request id")
     access = [e for e in api if e.get("logger") == "spool.access"]
