@@ -1,7 +1,7 @@
 """Where a burst's first token waits: simultaneous streams in front of the paced engine, timed by
 stage from the jobs' own rows.
 
-    python -m ops.bench.burst [--concurrency 64] [--waves 3] [--root .]
+    python -m ops.bench.burst [--concurrency 64] [--waves 3] [--root .] [--api-workers 1] [--detail]
 
 Starts the paced stack as `ops.bench.paced --stack` does, opens one keep-alive connection per stream
 (raw sockets: an HTTP client library's own CPU, on the same 2 cores, would be inside the figures),
@@ -87,10 +87,10 @@ def _spread(values: list[float]) -> str:
 
 
 async def run(
-    root: Path, concurrency: int, waves: int, max_tokens: int, detail: bool = False
+    root: Path, concurrency: int, waves: int, max_tokens: int, detail: bool = False, api_workers: int = 1
 ) -> list[dict[str, float]]:
     out: list[dict[str, float]] = []
-    with paced_stack(root, [concurrency], "spool_burst") as (url, key, _, _, _):
+    with paced_stack(root, [concurrency], "spool_burst", api_workers) as (url, key, _, _, _):
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         conns = [await asyncio.open_connection(host, int(port)) for _ in range(concurrency)]
         for r, w in conns:  # each connection up and used once before the clock
@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--detail", action="store_true", help="also print each job's stages, in claim order")
+    ap.add_argument("--api-workers", type=int, default=1, help="the API as this many processes")
     args = ap.parse_args(argv)
-    waves = asyncio.run(run(args.root.resolve(), args.concurrency, args.waves, args.max_tokens, args.detail))
+    root = args.root.resolve()
+    waves = asyncio.run(run(root, args.concurrency, args.waves, args.max_tokens, args.detail, args.api_workers))
     print("medians over waves (ms):", {k: round(statistics.median(w[k] for w in waves), 1) for k in waves[0]})
 
 
