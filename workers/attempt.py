@@ -136,9 +136,9 @@ class Attempt:
 
     # -- the attempt ------------------------------------------------------------------------
     def start(self) -> None:
-        """Build the sequences and hand them to the engine. A claimed group starts each of its
-        attempts this way on one thread before any follows; an error is kept, and `run` raises it
-        on the attempt's own thread, where every outcome is settled."""
+        """Build the sequences and hand them to the engine. A claimed group starts its attempts this
+        way on one thread before any follows (JobRunner.run_group); an error is kept, and `run`
+        raises it on the attempt's own thread, where every outcome is settled."""
         try:
             self._start()
         except Exception as exc:

@@ -190,16 +190,12 @@ def append_many(redis: Any, appends: Sequence[Append]) -> list[Appended]:
         keys += (stream_key(a.job_id), fence_key(a.job_id))
         args += (a.attempt, a.ttl_s, a.start, len(a.payloads), *a.payloads)
     try:
-        raw = _call_append(redis, keys, args)
+        raw = _APPEND(redis, keys, *args)
     except ResponseError as exc:
         if len(appends) == 1:
             return [exc]
         return [append_many(redis, [a])[0] for a in appends]
     return [r if isinstance(r, int) else [_text(i) for i in r] for r in raw]
-
-
-def _call_append(redis: Any, keys: list[str], args: list[Any]) -> Any:
-    return _APPEND(redis, keys, *args)
 
 
 def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
