@@ -19,7 +19,8 @@ from tests.conftest import ROOT, TEST_DB, TEST_REDIS
 # spool_test -> spool_it; spool_test_<name> -> spool_it_<name>: sessions running side by side each drop their own.
 _BASE, _NAME = TEST_DB.rsplit("/", 1)
 IT_DB = f"{_BASE}/{_NAME.replace('spool_test', 'spool_it', 1) if 'spool_test' in _NAME else _NAME + '_it'}"
-IT_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/13"
+# SPOOL_IT_REDIS_URL lets two checkouts (or two sessions) run the integration tests side by side.
+IT_REDIS = os.environ.get("SPOOL_IT_REDIS_URL", TEST_REDIS.rsplit("/", 1)[0] + "/13")
 
 
 @pytest.fixture(scope="session")
