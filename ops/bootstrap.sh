@@ -47,4 +47,5 @@ if [[ ",$EXTRAS," == *,cpu,* ]]; then
 fi
 .venv/bin/python -m pip install --quiet --progress-bar off -e ".[$EXTRAS]"
 
-bash ops/services.sh
+# SPOOL_NO_SERVICES=1 (ops/test.sh unit): the virtualenv only, no Postgres or Redis.
+[ "${SPOOL_NO_SERVICES:-0}" = "1" ] || bash ops/services.sh

@@ -17,9 +17,19 @@ lint() {
 
 if [ "${1:-}" = "unit" ]; then
   shift
-  [ -x .venv/bin/python ] || SPOOL_EXTRAS=cpu,test,bench,eval bash ops/bootstrap.sh
-  lint
-  exec .venv/bin/python -m pytest tests/unit -p no:cacheprovider -q "$@"
+  # The virtualenv only: no Postgres, Redis or other services are installed or started for this loop.
+  [ -x .venv/bin/python ] || SPOOL_EXTRAS=cpu,test,bench,eval SPOOL_NO_SERVICES=1 bash ops/bootstrap.sh
+  .venv/bin/ruff check .
+  .venv/bin/ruff format --check .
+  .venv/bin/lint-imports
+  # mypy (a minute cold) runs beside the unit tests on the second core; both must pass.
+  .venv/bin/mypy >/tmp/spool-unit-mypy.$$ 2>&1 &
+  MYPY=$!
+  rc=0
+  .venv/bin/python -m pytest tests/unit -p no:cacheprovider -q --durations=10 "$@" || rc=$?
+  wait $MYPY || { cat /tmp/spool-unit-mypy.$$; rc=1; }
+  rm -f /tmp/spool-unit-mypy.$$
+  exit $rc
 fi
 
 EXTRAS=cpu,test,bench,eval
@@ -28,4 +38,7 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then EXTRA
 SPOOL_EXTRAS=$EXTRAS bash ops/bootstrap.sh
 bash ops/test-tools.sh
 lint
-exec .venv/bin/python -m pytest tests -p no:cacheprovider -ra "$@"
+# --durations: where the suite's time goes, printed at the end of every run.
+# SPOOL_STRICT_SKIPS: a skip fails the run unless its reason is an allowed one (no GPU; tests/strict_skips.py).
+export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
+exec .venv/bin/python -m pytest tests -p no:cacheprovider -p tests.strict_skips -ra --durations=40 "$@"
