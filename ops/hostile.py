@@ -42,6 +42,7 @@ class Victims:
     gaps: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     errors: list[int] = field(default_factory=list)
+    short_s: list[float] = field(default_factory=list)  # the victims' short non-streamed requests
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def _one(self) -> None:
@@ -64,8 +65,20 @@ class Victims:
                             self.gaps.append(now - last)
                         last = now
 
+    def _short(self) -> None:
+        body = {"model": "default", "prompt": "Hi", "max_tokens": 4}
+        with self.stack.http(self.stack.keys["alpha"]) as http:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                r = http.post("/v1/completions", json=body)
+                self.short_s.append(time.monotonic() - t0)
+                if r.status_code != 200:
+                    self.errors.append(r.status_code)
+                time.sleep(0.5)
+
     def __enter__(self) -> Victims:
         self._threads = [threading.Thread(target=self._one, daemon=True) for _ in range(self.n)]
+        self._threads.append(threading.Thread(target=self._short, daemon=True))
         for t in self._threads:
             t.start()
         return self
@@ -187,7 +200,223 @@ def slow_header_webhook(st: Stack, statuses: list[int]) -> None:
         server.close()
 
 
-SCENARIOS: dict[str, Callable[[Stack, list[int]], None]] = {
+def _wait_batch(http, batch_id: str, statuses: list[int], timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = http.get(f"/v1/batches/{batch_id}")
+        statuses.append(r.status_code)
+        b = r.json()
+        if b["status"] in ("expired", "completed", "failed", "cancelled") or time.monotonic() > deadline:
+            return b
+        time.sleep(0.5)
+
+
+def many_long_batches(st: Stack, statuses: list[int], out: dict) -> None:
+    """21+ long batches from beta stay live; gamma's 1-line batch must still be finalized, with its
+    output file, within 60 s (the keeper once looked only at the 20 oldest live batches)."""
+    gamma = st.new_tenant(f"gamma{int(time.time() * 1000)}")
+    with st.http(st.keys["beta"]) as http:
+        blob = "\n".join(json.dumps(_line(i) | {"body": _line(i)["body"] | {"max_tokens": 64}}) for i in range(40))
+        r = http.post("/v1/files", files={"file": ("long.jsonl", blob.encode())}, data={"purpose": "batch"})
+        statuses.append(r.status_code)
+        fid = r.json()["id"]
+        body = {"input_file_id": fid, "endpoint": "/v1/completions", "completion_window": "24h"}
+        beta_batches = []
+        for _ in range(24):
+            b = http.post("/v1/batches", json=body)
+            statuses.append(b.status_code)
+            beta_batches.append(b.json()["id"])
+        with st.http(gamma) as victim:
+            t0 = time.monotonic()
+            mine = _batch(victim, [_line(0)], "24h")
+            done = _wait_batch(victim, mine, statuses, 120)
+            fid = done.get("output_file_id")
+            content = victim.get(f"/v1/files/{fid}/content") if fid else None
+            out["victim_batch_s"] = round(time.monotonic() - t0, 1)
+            out["victim_batch_ok"] = (
+                done["status"] == "completed" and content is not None and content.status_code == 200
+            )
+        t0 = time.monotonic()
+        for bid in beta_batches:
+            statuses.append(http.post(f"/v1/batches/{bid}/cancel").status_code)
+        for bid in beta_batches:
+            _wait_batch(http, bid, statuses, 120)
+        out["cancel_all_s"] = round(time.monotonic() - t0, 1)
+
+
+def slow_webhooks_300(st: Stack, statuses: list[int], out: dict) -> None:
+    """300 ended batches of beta whose receiver holds every delivery to its deadline; gamma's webhook
+    must still arrive within 30 s (deliveries were claimed 50 oldest first)."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    held: list[socket.socket] = []
+    slow = socket.create_server(("127.0.0.1", 0), backlog=512)
+    slow.settimeout(0.5)
+    stop = threading.Event()
+
+    def hold() -> None:
+        while not stop.is_set():
+            try:
+                held.append(slow.accept()[0])
+            except TimeoutError:
+                continue
+
+    got: list[float] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            got.append(time.monotonic())
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    fast = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threads = [threading.Thread(target=hold, daemon=True), threading.Thread(target=fast.serve_forever, daemon=True)]
+    for t in threads:
+        t.start()
+    gamma = st.new_tenant(f"gamma{int(time.time() * 1000)}")
+    try:
+        with st.http(st.keys["beta"]) as http:
+            line = _line(0) | {"body": _line(0)["body"] | {"max_tokens": 1}}
+            r = http.post(
+                "/v1/files", files={"file": ("one.jsonl", json.dumps(line).encode())}, data={"purpose": "batch"}
+            )
+            fid = r.json()["id"]
+            hook = f"http://127.0.0.1:{slow.getsockname()[1]}/hook"
+            body = {
+                "input_file_id": fid,
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+                "webhook_url": hook,
+            }
+            ids = []
+            for _ in range(300):
+                b = http.post("/v1/batches", json=body)
+                statuses.append(b.status_code)
+                ids.append(b.json()["id"])
+            _wait_batch(http, ids[-1], statuses, 300)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and len(held) < 4:  # beta's deliveries are being held
+                time.sleep(0.5)
+        with st.http(gamma) as victim:
+            mine = _batch(victim, [_line(1)], "24h", f"http://127.0.0.1:{fast.server_address[1]}/hook")
+            done = _wait_batch(victim, mine, statuses, 120)
+            ended = time.monotonic()
+            deadline = ended + 60
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.2)
+            out["victim_batch_status"] = done["status"]
+            out["victim_webhook_s"] = round(got[0] - ended, 1) if got else None
+            out["beta_held"] = len(held)
+    finally:
+        stop.set()
+        fast.shutdown()
+        for c in held:
+            c.close()
+        slow.close()
+
+
+def tokenize_8mib_pieces(st: Stack, statuses: list[int], out: dict) -> None:
+    content = "word " * (8 << 20 // 5)
+    with st.http(st.keys["beta"]) as http:
+        for _ in range(4):
+            statuses.append(http.post("/tokenize", json={"content": content, "with_pieces": True}).status_code)
+
+
+def logprob_job_in_a_loop(st: Stack, statuses: list[int], out: dict) -> None:
+    """A job with tens of thousands of logprob entries, fetched again and again."""
+    body = {
+        "model": "default",
+        "prompt": "Count: " + "one two three " * 60,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "n": 8,
+        "logprobs": 5,
+        "echo": True,
+    }
+    with st.http(st.keys["beta"]) as http:
+        r = http.post("/v1/completions", json=body, timeout=600)
+        statuses.append(r.status_code)
+        job = r.json()["id"]
+        out["logprob_entries"] = sum(len(c["logprobs"]["tokens"]) * 6 for c in r.json()["choices"])
+        for _ in range(30):
+            statuses.append(http.get(f"/v1/jobs/{job}").status_code)
+
+
+def concurrent_replays_200(st: Stack, statuses: list[int], out: dict) -> None:
+    with st.http(st.keys["beta"]) as http:
+        body = {"model": "default", "prompt": "Go", "max_tokens": 600, "ignore_eos": True, "logprobs": 5, "n": 4}
+        job = http.post("/v1/completions", json=body, timeout=600).json()["id"]
+
+    def replay() -> None:
+        with st.http(st.keys["beta"]) as h, h.stream("GET", f"/v1/jobs/{job}/events") as r:
+            statuses.append(r.status_code)
+            for _ in r.iter_bytes():
+                pass
+
+    threads = [threading.Thread(target=replay) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+
+
+def stalled_downloads_30(st: Stack, statuses: list[int], out: dict) -> None:
+    """30 downloads that read nothing while everyone else goes on (each once held two DB sessions)."""
+    import socket
+
+    with st.http(st.keys["beta"]) as http:
+        blob = b'{"custom_id": "x", "body": {}}\n' * (1 << 19)  # ~16 MiB
+        r = http.post("/v1/files", files={"file": ("big.jsonl", blob)}, data={"purpose": "batch"})
+        statuses.append(r.status_code)
+        fid = r.json()["id"]
+    host, port = st.base_url.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(30):
+        s = socket.create_connection((host, int(port)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        req = f"GET /v1/files/{fid}/content HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {st.keys['beta']}\r\n\r\n"
+        s.sendall(req.encode())
+        socks.append(s)
+    try:
+        t0 = time.monotonic()
+        with st.http(st.keys["alpha"]) as victim:
+            for _ in range(10):
+                r = victim.get("/v1/files")
+                statuses.append(r.status_code)
+        out["victim_list_files_s"] = round(time.monotonic() - t0, 2)
+        time.sleep(5)  # the stalled downloads stay stalled while the victims stream
+    finally:
+        for s in socks:
+            s.close()
+
+
+def huge_choice_grammar_n128(st: Stack, statuses: list[int], out: dict) -> None:
+    body = {
+        "model": "default",
+        "prompt": "Pick",
+        "max_tokens": 4,
+        "n": 128,
+        "guided_choice": [f"c{i}" for i in range(50_000)],
+    }
+    with st.http(st.keys["beta"]) as http:
+        for _ in range(3):
+            statuses.append(http.post("/v1/completions", json=body).status_code)
+
+
+def n128_from_a_max_concurrent_1_tenant(st: Stack, statuses: list[int], out: dict) -> None:
+    key = st.new_tenant(f"wide{int(time.time() * 1000)}", max_concurrent=1)
+    body = {"model": "default", "prompt": "Write", "max_tokens": 64, "ignore_eos": True, "n": 128}
+    with st.http(key) as http:
+        for _ in range(2):
+            statuses.append(http.post("/v1/completions", json=body, timeout=600).status_code)
+
+
+SCENARIOS: dict[str, Callable[..., None]] = {
     "poisoned_resume_ids": poisoned_resume_ids,
     "max_penalty_windows": max_penalty_windows,
     "big_bodies_1rpm": big_bodies_from_a_1rpm_key,
@@ -195,15 +424,31 @@ SCENARIOS: dict[str, Callable[[Stack, list[int]], None]] = {
     "huge_batch_one_second_window": huge_batch_one_second_window,
     "slow_header_webhook": slow_header_webhook,
 }
+# Issue 35: each takes (stack, statuses, out) and records what it measured in `out`.
+SCENARIOS_WITH_FIGURES: dict[str, Callable[[Stack, list[int], dict], None]] = {
+    "many_long_batches": many_long_batches,
+    "slow_webhooks_300": slow_webhooks_300,
+    "tokenize_8mib_pieces": tokenize_8mib_pieces,
+    "logprob_job_in_a_loop": logprob_job_in_a_loop,
+    "concurrent_replays_200": concurrent_replays_200,
+    "stalled_downloads_30": stalled_downloads_30,
+    "huge_choice_grammar_n128": huge_choice_grammar_n128,
+    "n128_from_a_max_concurrent_1_tenant": n128_from_a_max_concurrent_1_tenant,
+}
+ALL = [*SCENARIOS, *SCENARIOS_WITH_FIGURES]
 
 
 def run(st: Stack, name: str) -> dict:
     api, worker = st.procs["api"].pid, st.procs["worker"].pid
     idle = (rss_mib(api), rss_mib(worker))
     statuses: list[int] = []
+    figures: dict = {}
     peak = list(idle)
     with Victims(st) as v:
-        attack = threading.Thread(target=SCENARIOS[name], args=(st, statuses))
+        if name in SCENARIOS:
+            attack = threading.Thread(target=SCENARIOS[name], args=(st, statuses))
+        else:
+            attack = threading.Thread(target=SCENARIOS_WITH_FIGURES[name], args=(st, statuses, figures))
         attack.start()
         while attack.is_alive():
             peak = [max(peak[0], rss_mib(api)), max(peak[1], rss_mib(worker))]
@@ -216,20 +461,20 @@ def run(st: Stack, name: str) -> dict:
         "api_rss_growth_mib": round(peak[0] - idle[0], 1),
         "worker_rss_growth_mib": round(peak[1] - idle[1], 1),
         "attacker_statuses": sorted(set(statuses)),
+        "victim_slowest_s": round(max(v.short_s, default=0.0), 2),
         "fivexx": sum(s >= 500 for s in statuses + v.errors),
+        **figures,
     }
 
 
 def main(names: list[str]) -> list[dict]:
     rows = []
     with running_stack(Path(tempfile.mkdtemp(prefix="hostile-")), TEST_DB, TEST_REDIS) as st:
-        for name in names or list(SCENARIOS):
+        for name in names or ALL:
             rows.append(run(st, name))
             print(json.dumps(rows[-1]), flush=True)
-    cols = list(rows[0])
-    print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
+        print(" | ".join(f"{k}={v}" for k, v in r.items()))
     return rows
 
 
