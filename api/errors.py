@@ -8,14 +8,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from sqlalchemy.exc import DataError, InterfaceError, OperationalError, StatementError
+from redis.exceptions import RedisError
+from sqlalchemy.exc import DataError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from core.errors import DomainError, ErrorKind
+from core.infra.transient import is_transient
 from core.protocol.errors import from_validation
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ def _internal() -> JSONResponse:
 
 
 def _unavailable() -> JSONResponse:
-    """Postgres or Redis away for a moment (a restart, a failover): nothing was stored by this
-    request, so the client may simply retry; the `openai` SDK does so on a 503 by itself."""
+    """Postgres or Redis away for a moment (a restart, a failover, a Redis refusing writes): nothing
+    was stored by this request, so the client may simply retry; the `openai` SDK does so on a 503 by
+    itself."""
     return error_response(
         APIError(
             503,
@@ -96,12 +97,9 @@ def _unavailable() -> JSONResponse:
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Postgres or Redis unreachable (or every pooled connection busy): the client may retry."""
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError | PoolTimeout):
-        return True
-    if isinstance(exc, OperationalError | InterfaceError):
-        return True
-    return isinstance(exc, StatementError) and bool(getattr(exc, "connection_invalidated", False))
+    """Postgres or Redis unavailable (core/infra/transient.py: unreachable, every pooled connection
+    busy, or Redis refusing writes for now: MISCONF, OOM, READONLY, ...): the client may retry."""
+    return is_transient(exc)
 
 
 def unavailable_response() -> JSONResponse:
@@ -133,7 +131,7 @@ def install(app: FastAPI) -> None:
             return error_response(
                 APIError(400, f"A value in the request cannot be stored: {detail}", code="invalid_value")
             )
-        if isinstance(exc, OperationalError | InterfaceError) or getattr(exc, "connection_invalidated", False):
+        if is_transient(exc):
             log.warning("database unreachable: %s", type(getattr(exc, "orig", exc)).__name__)
             return _unavailable()
         log.exception("database error")
@@ -145,11 +143,15 @@ def install(app: FastAPI) -> None:
         log.warning("database pool exhausted")
         return _unavailable()
 
-    @app.exception_handler(RedisConnectionError)
-    @app.exception_handler(RedisTimeoutError)
+    @app.exception_handler(RedisError)
     async def _redis(_: Request, exc: Exception) -> JSONResponse:
-        log.warning("redis unreachable: %s", type(exc).__name__)
-        return _unavailable()
+        # Unreachable, or refusing writes for now (MISCONF, OOM, READONLY after a failover, ...): a
+        # 503 the client retries. Any other reply error (WRONGTYPE, a script's error) is a bug: a 500.
+        if is_transient(exc):
+            log.warning("redis unavailable: %s: %s", type(exc).__name__, exc)
+            return _unavailable()
+        log.exception("redis error")
+        return _internal()
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, _: ClientDisconnect) -> Response:
@@ -160,6 +162,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if is_transient(exc):  # an OSError, say, from a connection we do not wrap
+            log.warning("unavailable: %s: %s", type(exc).__name__, exc)
+            return _unavailable()
         # A bug: still answer in OpenAI's shape, and log it for the operator.
         log.exception("unhandled error")
         return _internal()

@@ -61,7 +61,10 @@ redis_up() { redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG; }
 if ! redis_up; then
   command -v redis-server >/dev/null || apt_install redis-server
   mkdir -p /var/lib/redis /var/log/redis 2>/dev/null || true
+  # A memory bound with `noeviction`, as docker-compose.yml: queues and streams are never evicted; past
+  # the bound writes are refused (OOM), which Spool waits out (a 503 + Retry-After, workers retry).
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+    --maxmemory "${REDIS_MAXMEMORY:-1gb}" --maxmemory-policy noeviction \
     --dir /var/lib/redis --logfile /var/log/redis/spool.log
   for _ in $(seq 1 30); do redis_up && break; sleep 0.5; done
   redis_up || { echo "Redis did not come up on 127.0.0.1:6379" >&2; exit 1; }

@@ -7,15 +7,14 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
-
 from core.config import Settings
-from core.infra import kv
+from core.infra import transient
 
 log = logging.getLogger(__name__)
 
-# Postgres or Redis unreachable: a wait, never a failed job.
-TRANSIENT: tuple[type[BaseException], ...] = (*kv.TRANSIENT, OperationalError, InterfaceError, DisconnectionError)
+# Postgres or Redis unavailable (unreachable, or Redis refusing writes for now): a wait, never a
+# failed job. The one definition is core/infra/transient.py.
+TRANSIENT = transient.TRANSIENT
 
 
 class Abandoned(Exception):
@@ -34,11 +33,13 @@ def retrying(settings: Settings, what: str, fn: Any, *args: Any, on_wait: Any = 
     while True:
         try:
             return fn(*args, **kw)
-        except TRANSIENT as exc:
+        except Exception as exc:
+            if not transient.is_transient(exc):
+                raise
             if time.monotonic() + backoff > deadline:
                 raise Abandoned(f"{what}: {type(exc).__name__}") from exc
             log.warning(
-                "%s: %s unreachable (%s); retrying in %.1fs", what, "infrastructure", type(exc).__name__, backoff
+                "%s: infrastructure unavailable (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, backoff
             )
             if on_wait is not None:
                 on_wait()

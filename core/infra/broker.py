@@ -50,6 +50,11 @@ def celery_app() -> Celery:
         accept_content=["json"],
         task_default_queue="spool.default",
         broker_connection_retry_on_startup=True,
+        # A Redis that refuses the consumer's BRPOP for now (MISCONF: it cannot persist; READONLY: a
+        # failover made it a replica) answers a reply error, which kombu counts as a channel error:
+        # without this the worker's consumer stopped for good; with it, it reconnects with the same
+        # backoff as after a lost connection (core/infra/transient.py: an outage, never a failure).
+        broker_channel_error_retry=True,
         worker_hijack_root_logger=False,
         # "priority": a worker always takes from its first queue (interactive) before the next (batch);
         # kombu's default round-robin would alternate between them.

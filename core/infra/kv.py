@@ -12,7 +12,11 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, NoScriptError, TimeoutError
 
-TRANSIENT = (ConnectionError, TimeoutError, OSError)
+from core.infra import transient
+
+# Redis unavailable: unreachable, or refusing writes for now (MISCONF, OOM, READONLY, ...). Defined,
+# with Postgres's, in core/infra/transient.py; importing it registers those refusals with redis-py.
+TRANSIENT = transient.REDIS
 
 _OPTIONS: dict[str, Any] = {
     "socket_timeout": 15.0,  # longer than any XREAD BLOCK we issue (2 s)

@@ -20,7 +20,6 @@ from typing import Any
 
 import redis
 from sqlalchemy import Update
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,7 +39,7 @@ from core.generation.events import (
 )
 from core.generation.prompt import Prompt
 from core.idempotency import Claim
-from core.infra import kv, streams
+from core.infra import kv, streams, transient
 from core.infra.autocommit import one_statement, one_statement_async
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
@@ -52,7 +51,7 @@ from core.tenancy import ratelimit, usage
 log = logging.getLogger(__name__)
 
 # A group INSERT failing for one of these failed for all its rows alike (Postgres away): not retried row by row.
-TRANSIENT_DB = (OperationalError, InterfaceError, DisconnectionError)
+TRANSIENT_DB = transient.DATABASE
 
 # The one wording of each ending that is not the engine's own verdict.
 CANCELLED = ErrorInfo(message="The job was cancelled.", type="cancelled", code="cancelled")
@@ -258,7 +257,8 @@ class Lifecycle:
             pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), int(time.time() * 1000), billable)
             if isinstance(ev, Cancelled):
                 pipe.set(streams.cancel_key(job_id), 1, ex=3600)
-            streams.queue_append(pipe, job_id, [encode(ev)], self.settings.events_ttl_s)
+            s = self.settings
+            streams.queue_end(pipe, job_id, [encode(ev)], s.ended_events_ttl_s, s.events_ttl_s)
             pipe.execute()
 
         self._while_redis_away(once, f"job {job_id}")
@@ -275,7 +275,7 @@ class Lifecycle:
                 pipe = self.redis.pipeline(transaction=False)
                 for job_id, ev in chunk:
                     pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), now_ms, 0)
-                    streams.queue_append(pipe, job_id, [encode(ev)], ttl)
+                    streams.queue_end(pipe, job_id, [encode(ev)], self.settings.ended_events_ttl_s, ttl)
                 pipe.execute()
 
             self._while_redis_away(once, f"{len(chunk)} jobs")

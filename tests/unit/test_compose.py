@@ -121,3 +121,18 @@ def test_the_gpu_default_is_an_entry_an_engine_serves():
 def test_the_cpu_default_is_the_bundled_model():
     assert S["worker"]["environment"]["SPOOL_WORKER_MODELS"] == "${SPOOL_CPU_MODELS:-smollm2-135m-instruct}"
     assert _env_example()["SPOOL_CPU_MODELS"] == "smollm2-135m-instruct"
+
+
+def test_redis_is_bounded_and_never_evicts():
+    """Queues and event streams must never be evicted: past `maxmemory` Redis refuses writes (OOM),
+    which Spool answers with a 503 and waits out (core/infra/transient.py), rather than losing jobs."""
+    command = [str(part) for part in S["redis"]["command"]]
+    assert command[0] == "redis-server"
+    flags = dict(zip(command[1::2], command[2::2], strict=True))
+    assert flags["--maxmemory-policy"] == "noeviction"
+    bound = re.fullmatch(r"\$\{REDIS_MAXMEMORY:-(\d+)(gb|mb)\}", flags["--maxmemory"])
+    assert bound, flags["--maxmemory"]  # a default, overridable from the environment (.env)
+    assert _env_example()["REDIS_MAXMEMORY"] == bound.group(1) + bound.group(2)
+    assert flags["--appendonly"] == "yes"
+    local = (ROOT / "ops/services.sh").read_text()  # the development Redis ops/services.sh starts: the same
+    assert "--maxmemory-policy noeviction" in local and "--maxmemory" in local
