@@ -171,7 +171,13 @@ def create_app() -> FastAPI:
                     models[m] = len(await workers.live_async(request.app.state.redis, m))
         except Exception:
             problems.append("redis unreachable")
-        problems += [f"no live worker for model '{m}'" for m, n in models.items() if n == 0]
+        for m in [m for m, n in models.items() if n == 0]:
+            try:  # a worker that could not start left its reason (workers/__main__.py)
+                failed = await workers.failures_async(request.app.state.redis, m)
+            except Exception:
+                failed = []
+            why = f" (a worker could not start: {failed[0].error})" if failed else ""
+            problems.append(f"no live worker for model '{m}'{why}")
         body = {"status": "ready" if not problems else "not ready", "problems": problems, "live_workers": models}
         return JSONResponse(body, status_code=503 if problems else 200)
 

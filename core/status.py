@@ -26,6 +26,7 @@ class ModelRow:
     queued_batch: int = 0
     running: int = 0
     oldest_queued_s: float | None = None
+    start_failure: str | None = None  # the latest worker start failure (model load, warm-up), its words
 
 
 @dataclass
@@ -57,6 +58,9 @@ class Snapshot:
 def snapshot(session: Session, rds: Any, model_ids: list[str], now: datetime | None = None) -> Snapshot:
     now = now or datetime.now(UTC)
     models = {m: ModelRow(m, len(workers.live(rds, m))) for m in model_ids}
+    for m, model_row in models.items():
+        failed = workers.failures(rds, m)
+        model_row.start_failure = f"{failed[0].name}: {failed[0].error}" if failed else None
     for model, kind, state, n, oldest in session.execute(
         select(Job.model, Job.kind, Job.state, func.count(), func.min(Job.created_at))
         .where(Job.state.in_([JobState.queued.value, JobState.dispatched.value, JobState.running.value]))

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import NoReturn
 
 from core.config import get_settings
 from core.infra.broker import WEBHOOK_QUEUE, queues_for
+
+EXIT_NOT_READY = 78  # EX_CONFIG: the model did not load or could not generate (see the log line before)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,7 +24,10 @@ def main(argv: list[str] | None = None) -> None:
     from workers.runtime import batch_slots, runner
     from workers.tasks import app
 
-    r = runner()  # load the model before taking any message
+    try:
+        r = runner()  # load the model and generate with it before announcing anything
+    except Exception as exc:
+        _could_not_start(s, exc)
     slots = batch_slots(s.worker_model_ids[0], s)
     _heartbeat(r.worker_name, s, r.loop, slots)
     from core.jobs import workers
@@ -49,6 +55,23 @@ def main(argv: list[str] | None = None) -> None:
             *(argv if argv is not None else sys.argv[1:]),
         ]
     )
+
+
+def _could_not_start(s, exc: BaseException) -> NoReturn:
+    """The model did not load or could not generate: say so with the library's words (the log, and the
+    model's worker record that /ready and /ui read), and exit non-zero without taking any message."""
+    from core.infra import kv
+    from core.jobs import workers
+    from workers.runtime import worker_name
+
+    model = s.worker_model_ids[0]
+    message = f"{type(exc).__name__}: {exc}"
+    logging.getLogger(__name__).critical("worker for %s could not start: %s", model, message, exc_info=exc)
+    try:
+        workers.failed(kv.client(s.redis_url), model, worker_name(), message)
+    except Exception:
+        logging.getLogger(__name__).warning("could not record the failure in Redis", exc_info=True)
+    sys.exit(EXIT_NOT_READY)
 
 
 def _heartbeat(name: str, s, loop, slots: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from functools import lru_cache
 
 from core.config import Settings, get_settings
@@ -13,6 +14,7 @@ from core.infra.db import sync_sessions
 from core.registry import model_path, settings_for
 from workers.engine.base import Engine
 from workers.engine.loop import EngineLoop
+from workers.engine.warmup import warm_up
 from workers.runner import JobRunner
 
 log = logging.getLogger(__name__)
@@ -81,11 +83,25 @@ def build_engine(model_id: str) -> Engine:
     raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2`, `exllamav3`, `null` or `paced`")
 
 
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def ready_engine(model_id: str) -> Engine:
+    """The model's engine, loaded and shown to generate (workers/engine/warmup.py): a worker announces
+    itself only after this. Raises WarmupFailed (or the load's own error) with the library's message."""
+    engine = build_engine(model_id)
+    started = time.monotonic()
+    tokens = warm_up(engine)
+    log.info("%s: warm-up generated %d tokens in %.2fs", model_id, len(tokens), time.monotonic() - started)
+    return engine
+
+
 @lru_cache
 def runner() -> JobRunner:
     s = get_settings()
     model_id = s.worker_model_ids[0]
-    loop = EngineLoop(build_engine(model_id))
-    name = f"{socket.gethostname()}:{os.getpid()}"
+    loop = EngineLoop(ready_engine(model_id), stall_s=s.sequence_stall_s)
+    name = worker_name()
     log.info("worker %s serving %s", name, model_id)
     return JobRunner(loop, s, kv.client(s.redis_url), sync_sessions(), name)

@@ -17,4 +17,14 @@ def unsupported(engine: str, p: GenerationParams) -> list[str]:
         bad.append("repeat_last_n")  # its penalty range is not mapped (the whole sequence only)
     if engine == "exllamav3":  # its sampler stack (1.6.5) has no typical-p or Mirostat
         bad += [name for name, on in (("typical_p", p.typical_p != 1.0), ("mirostat", p.mirostat != 0)) if on]
+        # Its generator keeps no prompt logits and the engine has no scoring pass (yet): refused
+        # here, before the job is stored, rather than failing the job in the worker.
+        bad += [
+            name
+            for name, on in (
+                ("prompt_logprobs", p.prompt_logprobs is not None),
+                ("echo", p.echo and p.logprobs is not None),
+            )
+            if on
+        ]
     return bad

@@ -17,6 +17,7 @@ from core.infra import redis_keys
 
 HEARTBEAT_S = 2.0
 LIVE_S = 10.0  # a worker silent this long is taken for gone
+FAILED_S = 600.0  # a worker's start failure is shown this long
 
 
 @dataclass(frozen=True)
@@ -39,22 +40,57 @@ def gone(rds: Any, model: str, name: str) -> None:
     rds.hdel(redis_keys.live_workers(model), name)
 
 
-def _parse(name: Any, raw: Any) -> WorkerInfo:
+def failed(rds: Any, model: str, name: str, error: str) -> None:
+    """A worker that could not start (its model did not load, or its warm-up generation failed) leaves
+    its reason in the model's worker hash, where /ready and the status page read it; it never counts
+    as live. Gone with the hash's expiry once no worker beats for the model (FAILED_S)."""
+    body = json.dumps({"error": error[:2000], "t": time.time()})
+    pipe = rds.pipeline(transaction=False)
+    pipe.hset(redis_keys.live_workers(model), name, body)
+    pipe.expire(redis_keys.live_workers(model), int(FAILED_S))
+    pipe.execute()
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    name: str
+    error: str
+    at: float  # unix time
+
+
+def _parse(name: Any, raw: Any) -> WorkerInfo | WorkerFailure:
     d = json.loads(raw)
     n = name if isinstance(name, str) else name.decode()
+    if "error" in d:
+        return WorkerFailure(n, str(d["error"]), float(d["t"]))
     return WorkerInfo(n, int(d["batch_slots"]), int(d.get("interactive_slots", 0)), float(d["t"]))
 
 
+def _live(raw: dict, now: float) -> list[WorkerInfo]:
+    out = [_parse(n, body) for n, body in raw.items()]
+    return [w for w in out if isinstance(w, WorkerInfo) and now - w.seen <= LIVE_S]
+
+
+def _failures(raw: dict, now: float) -> list[WorkerFailure]:
+    out = [_parse(n, body) for n, body in raw.items()]
+    return sorted((w for w in out if isinstance(w, WorkerFailure) and now - w.at <= FAILED_S), key=lambda w: -w.at)
+
+
 def live(rds: Any, model: str, now: float | None = None) -> list[WorkerInfo]:
-    now = time.time() if now is None else now
-    out = [_parse(n, raw) for n, raw in rds.hgetall(redis_keys.live_workers(model)).items()]
-    return [w for w in out if now - w.seen <= LIVE_S]
+    return _live(rds.hgetall(redis_keys.live_workers(model)), time.time() if now is None else now)
 
 
 async def live_async(rds: Any, model: str) -> list[WorkerInfo]:
-    now = time.time()
-    out = [_parse(n, raw) for n, raw in (await rds.hgetall(redis_keys.live_workers(model))).items()]
-    return [w for w in out if now - w.seen <= LIVE_S]
+    return _live(await rds.hgetall(redis_keys.live_workers(model)), time.time())
+
+
+def failures(rds: Any, model: str, now: float | None = None) -> list[WorkerFailure]:
+    """Workers of this model that could not start lately, newest first (their own words)."""
+    return _failures(rds.hgetall(redis_keys.live_workers(model)), time.time() if now is None else now)
+
+
+async def failures_async(rds: Any, model: str) -> list[WorkerFailure]:
+    return _failures(await rds.hgetall(redis_keys.live_workers(model)), time.time())
 
 
 def batch_capacity(rds: Any, model: str) -> int:

@@ -205,3 +205,29 @@ def test_presence_and_frequency_reach_the_engine_as_output_only_penalties(engine
         assert (a["rep_p"], a["pres_p"], a["freq_p"]) == (1.1, 0.5, 0.25)
         assert exl3_mapping.output_window(p) == exl3_mapping.WHOLE_SEQUENCE
         assert exl3_mapping.output_window(GenerationParams(presence_penalty=0.5, penalty_last_n=64)) == 64
+
+
+# Where engines honour a parameter with a documented difference that is not a 400 (docs/parameters.md
+# says each): the order of the repetition penalty and the output-only presence/frequency penalties.
+# llama.cpp and exllamav3 apply repetition first; exllamav2's job subtracts presence/frequency from the
+# model's row before handing it to the library's sampler, whose one penalty pass (repetition) follows.
+PENALTY_ORDER = {
+    "llamacpp": ("repetition", "presence/frequency"),
+    "exllamav3": ("repetition", "presence/frequency"),
+    "exllamav2": ("presence/frequency", "repetition"),
+}
+
+
+def test_the_penalty_order_of_each_engine_is_the_documented_one() -> None:
+    from workers.engine.exllamav3 import sampler_class  # noqa: F401  (only its docstring is read here)
+
+    p = GenerationParams(temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5)
+    # exllamav3: ComboSampler's stack order is the library's (rep, then pres/freq); the mapping sets both.
+    args = exl3_mapping.sampler_args(p)
+    assert (args["rep_p"], args["pres_p"]) == (1.1, 0.5)
+    # exllamav2: the sampler gets the repetition penalty only; presence/frequency go to the job.
+    settings = exl2_mapping.sampler_settings(p)
+    assert settings["token_repetition_penalty"] == 1.1 and settings["token_presence_penalty"] == 0.0
+    assert exl2_mapping.output_penalties(p) == (0.5, 0.0)
+    doc = (Path(__file__).resolve().parents[2] / "docs/parameters.md").read_text()
+    assert "before the repetition penalty" in doc and PENALTY_ORDER["exllamav2"][0] == "presence/frequency"

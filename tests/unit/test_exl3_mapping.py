@@ -15,7 +15,7 @@ def test_every_sampler_field_is_set_explicitly():
                                presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: -100.0}))  # fmt: skip
     assert args == {
         "rep_p": 1.1, "freq_p": 0.25, "pres_p": 0.5, "rep_sustain_range": WHOLE_SEQUENCE, "rep_decay_range": 0,
-        "temperature": 0.7, "min_p": 0.05, "top_k": 40, "top_p": 0.9, "temp_last": False, "logit_bias": {7: -100.0},
+        "temperature": 0.7, "min_p": 0.05, "top_k": 40, "top_p": 0.9, "temp_last": True, "logit_bias": {7: -100.0},
         "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_range": 0, "dry_sequence_breakers": None,
     }  # fmt: skip
 
@@ -53,5 +53,19 @@ def test_job_arguments():
     assert args["max_new_tokens"] == 10 and args["min_new_tokens"] == 3  # two were made by an earlier attempt
     assert args["stop_conditions"] == [0, 2] and args["return_top_tokens"] == 2 and args["return_logits"] is True
     assert args["seed"] == (2**40 + 5) % 2**31 and args["identifier"] == ("j", 1, 0)
-    ignore = SeqSpec(key="k", prompt_ids=[1], max_new_tokens=1, params=params(ignore_eos=True), seed=1)
-    assert job_args(ignore, eos_ids=[2])["stop_conditions"] == []
+    assert job_args(SeqSpec("k", [1], 4, params(best_of=3), 1), eos_ids=[2])["return_logits"] is True  # ranks by them
+
+
+def test_ignore_eos_blocks_the_eos_tokens_for_the_whole_job():
+    """No stop condition alone let the model sample EOS and go on past it: the job's own block of its
+    stop tokens (min_new_tokens, -inf in its mask) holds for every token instead."""
+    ignore = SeqSpec(key="k", prompt_ids=[1], max_new_tokens=7, params=params(ignore_eos=True, min_tokens=2), seed=1)
+    args = job_args(ignore, eos_ids=[2, 5])
+    assert args["stop_conditions"] == [2, 5] and args["min_new_tokens"] == 7
+
+
+def test_prompt_scores_are_refused_before_the_job_is_stored():
+    assert capabilities.unsupported("exllamav3", params(prompt_logprobs=2)) == ["prompt_logprobs"]
+    assert capabilities.unsupported("exllamav3", params(echo=True, logprobs=1)) == ["echo"]
+    assert capabilities.unsupported("exllamav3", params(echo=True)) == []
+    assert capabilities.unsupported("exllamav2", params(prompt_logprobs=2)) == []

@@ -87,3 +87,16 @@ def test_kv_bytes_per_token_from_config() -> None:
     llama8b = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
     assert kv_bytes_per_token(llama8b) == 2 * 32 * 8 * 128 * 2 == 128 * 1024  # K and V, fp16
     assert kv_bytes_per_token({"text_config": llama8b}, bytes_per_value=1) == 64 * 1024
+
+
+def test_exllamav2_starts_for_any_context():
+    """exllamav2 clamps max_input_len to max_seq_len as it loads, then asserts the chunk (a page
+    multiple) fits in it: n_ctx 1000 gave chunk 1024 over a model configured for 1000 tokens."""
+    from workers.engine.gpu_plan import exl2_lengths
+
+    for n_ctx, model_max, chunk in [(1000, 4096, 2048), (300, 131072, 2048), (8192, 8192, 2048), (5000, 4500, 4096)]:
+        ctx, seq, got = exl2_lengths(n_ctx, model_max, chunk)
+        max_input_len = min(got, seq)  # what ExLlamaV2.load leaves of config.max_input_len = chunk
+        assert got % 256 == 0 and got <= max_input_len, (n_ctx, model_max, chunk, seq, got)
+        assert ctx == min(n_ctx, model_max) and ctx <= seq <= model_max
+    assert exl2_lengths(1000, 4096, 2048) == (1000, 1024, 1024)

@@ -103,6 +103,29 @@ def test_logprobs_of_the_model_row_and_the_eos_token_reported(engine: str, contr
     assert [lp for top in got["top"] for _, lp in top] == pytest.approx(got["raw_logprobs"], abs=1e-5)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_jobs_failure_in_the_library_fails_that_sequence_alone(engine: str, contract_path: Path) -> None:  # noqa: F811
+    """The engine itself (its step, the generator attached by its own `attach`) over the library's
+    generator: a job whose prefill raises (exllamav3 reports it as an "error" result carrying the job
+    but no identifier; exllamav2 raised out of iterate() for the whole batch) and a job whose sampling
+    raises (exllamav3's NonFiniteLogits; a constraint whose mask fails) end with the library's message,
+    and only they: the co-batched job generates every token, and the engine holds nothing after."""
+    got = run_case(f"{engine}:errors", contract_path)
+    assert got["prefill"]["error"] and "illegal memory access (stand-in)" in got["prefill"]["error"]
+    assert got["sampling"]["error"] and got["sampling"]["error"].startswith("engine error (")
+    assert got["good"] == {"tokens": 6, "finish": "length", "error": None}
+    assert got["left"] == {"has_work": False, "generator_jobs": 0}
+
+
+def test_exllamav3_keeps_the_cpu_engines_semantics(contract_path: Path) -> None:  # noqa: F811
+    """On exllamav3's own generator: `ignore_eos` never samples an EOS (with presence 3.0 over the output
+    the stand-in's row puts EOS first after 7 and 9: without a stop condition exllamav3 emitted it and
+    went on), and best_of > n without logprobs gets the logits its ranking needs."""
+    got = run_case("exllamav3:semantics", contract_path)
+    assert got["ignore_eos"] == [7, 9, 7, 7, 7, 7]
+    assert got["best_of_logprobs"] is True
+
+
 # -- the subprocess ---------------------------------------------------------------------------------
 def _child(case: str) -> Any:
     import functools
@@ -218,6 +241,10 @@ def _model_row(width: int, last: int | None = None) -> Any:
     return row
 
 
+POISON = 0  # a prompt holding it fails its prefill (no other case's prompt does: theirs start at 3)
+NAN_AFTER = 1  # the stand-in model's row after this token is not finite
+
+
 def _stand_ins(paged: bool, chain: bool = False) -> tuple[Any, Any, Any]:
     import torch
 
@@ -240,19 +267,28 @@ def _stand_ins(paged: bool, chain: bool = False) -> tuple[Any, Any, Any]:
         loaded_tp = False
 
         def logits(self, ids: Any) -> Any:
+            if ids.shape[-1] > 1 and bool((ids == POISON).any()):
+                raise RuntimeError("CUDA error: an illegal memory access (stand-in)")
+            if bool((ids == NAN_AFTER).any()):
+                out = _model_row(1024).repeat(ids.shape[0], ids.shape[1], 1)
+                out[ids == NAN_AFTER] = float("nan")
+                return out
             if not chain:
                 return _model_row(1024).repeat(ids.shape[0], ids.shape[1], 1)
             rows = [[_model_row(1024, int(t)) for t in seq] for seq in ids]
             return torch.stack([torch.stack(r) for r in rows])
 
         def forward_chunk(self, input_ids: Any, preprocess_only: bool = False, **kw: Any) -> Any:
+            if input_ids.shape[-1] > 1 and bool((input_ids == POISON).any()):  # exllamav2's prefill
+                raise RuntimeError("CUDA error: an illegal memory access (stand-in)")
             return None if preprocess_only else {"logits": self.logits(input_ids)}
 
         def forward(self, input_ids: Any, params: Any = None, **kw: Any) -> Any:
             return self.logits(input_ids)
 
         def prefill(self, input_ids: Any, params: Any) -> None:
-            pass
+            if bool((input_ids == POISON).any()):
+                raise RuntimeError("CUDA error: an illegal memory access (stand-in)")
 
         def get_cache_layers(self) -> list[Any]:
             return []
@@ -335,6 +371,87 @@ def _output(events: list[Any]) -> list[int]:
     return [e.token_id if e.eos_id is None else e.eos_id for e in events if e.token_id is not None or e.eos_id]
 
 
+class BrokenMatcher:
+    """An llguidance matcher whose every call fails: the sequence's constraint breaks mid-step."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"matcher broke in {name}")
+
+
+def _engine(kind: str, gen: Any, tok: Any, model: Any) -> Any:
+    """The engine class itself around the library's generator, through its own `attach`."""
+    if kind == "exllamav3":
+        from workers.engine.exllamav3 import ExLlamaV3Engine
+
+        eng = ExLlamaV3Engine.__new__(ExLlamaV3Engine)
+        eng.attach(gen, tok, [EOS])
+    else:
+        from workers.engine.exllamav2 import ExLlamaV2Engine
+
+        eng = ExLlamaV2Engine.__new__(ExLlamaV2Engine)
+        eng.attach(gen, tok, [EOS], V)
+        eng._model = model
+    eng.model_id, eng.n_ctx, eng.max_batch = "stand-in", 4096, 4
+    return eng
+
+
+def _run_engine(eng: Any, specs: list[Any], steps: int = 200) -> dict[Any, list[Any]]:
+    from workers.engine.base import TokenEvent
+
+    for spec in specs:
+        eng.add(spec)
+    got: dict[Any, list[Any]] = {spec.key: [] for spec in specs}
+    for _ in range(steps):
+        if not eng.has_work():
+            break
+        for ev in eng.step():
+            if isinstance(ev, TokenEvent):
+                got[ev.key].append(ev)
+    return got
+
+
+def _errors(kind: str, gen: Any, tok: Any, model: Any) -> Any:
+    from dataclasses import replace
+
+    eng = _engine(kind, gen, tok, model)
+    sampling = _spec("sampling", "A", [3, 4, NAN_AFTER], 6)
+    if kind == "exllamav2":  # its sampler takes NaN rows without a word: a constraint fails instead
+        sampling = replace(_spec("sampling", "A", [3, 4, 5], 6), matcher=BrokenMatcher())
+    specs = [_spec("good", "A", [5, 6, 7], 6, ignore_eos=True), _spec("prefill", "B", [POISON, 4, 5], 6), sampling]
+    got = _run_engine(eng, specs)
+
+    def last(key: str) -> dict[str, Any]:
+        evs = got[key]
+        return {"tokens": sum(e.token_id is not None for e in evs), "finish": evs[-1].finish_reason if evs else None,
+                "error": evs[-1].error if evs else None}  # fmt: skip
+
+    return {
+        "good": last("good"),
+        "prefill": last("prefill"),
+        "sampling": last("sampling"),
+        "left": {"has_work": eng.has_work(), "generator_jobs": gen.num_remaining_jobs()},
+    }
+
+
+def _semantics(gen: Any, tok: Any, model: Any) -> Any:
+    from workers.engine.base import TokenEvent
+
+    eng = _engine("exllamav3", gen, tok, model)
+    got = _run_engine(eng, [_spec("ignore", "A", [3, 4, 5], 6, ignore_eos=True, presence_penalty=3.0)])
+    _run_engine(eng, [_spec("best", "A", [3, 4, 5], 3, best_of=2)])
+    return {
+        "ignore_eos": [e.token_id for e in got["ignore"] if isinstance(e, TokenEvent) and e.token_id is not None],
+        "best_of_logprobs": _last_job_returned_logits(gen),
+    }
+
+
+LAST_JOBS: list[Any] = []
+
+
+def _last_job_returned_logits(gen: Any) -> bool:
+    return bool(LAST_JOBS) and bool(LAST_JOBS[-1].return_logits)
+
+
 def _exl2(what: str) -> Any:
     from exllamav2 import attn
 
@@ -355,6 +472,8 @@ def _exl2(what: str) -> Any:
         max_sampling_threads=1,
         filter_background_eval=False,
     )
+    if what == "errors":
+        return _errors("exllamav2", gen, tok, model)
     serial = iter(range(1000))
 
     def run(tenant: str, ids: list[int], n: int = 4, **params: Any) -> tuple[int, list[Any]]:
@@ -373,6 +492,17 @@ def _exl3(what: str) -> Any:
 
     model, cache, tok = _stand_ins(paged=True, chain=what == "logprobs")
     gen = Generator(model=model, cache=cache, tokenizer=tok, max_batch_size=4, max_chunk_size=512)
+    if what == "errors":
+        return _errors("exllamav3", gen, tok, model)
+    if what == "semantics":
+        enqueue = gen.enqueue
+
+        def remember(job: Any) -> Any:
+            LAST_JOBS.append(job)
+            return enqueue(job)
+
+        gen.enqueue = remember
+        return _semantics(gen, tok, model)
     serial = iter(range(1000))
 
     def run(tenant: str, ids: list[int], n: int = 4, **params: Any) -> tuple[int, list[Any]]:

@@ -61,3 +61,23 @@ def test_the_runtime_stage_checks_the_extensions_were_compiled():
     text = SCRIPT.read_text()
     assert 'find_spec("exllamav2_ext") and u.find_spec("exllamav3_ext")' in text
     assert "--no-build-isolation" in text  # setup.py must see torch, or it skips the extension
+
+
+def _runtime_stage_packages() -> tuple[str, set[str]]:
+    """The runtime stage's Python (its `pythonX.Y` package) and every package its apt-get installs."""
+    stage = DOCKERFILE.split("-runtime-ubuntu22.04", 1)[1].split("\nFROM ", 1)[0]
+    installs = re.findall(r"apt-get install ((?:[^\n]*\\\n)*[^\n&]*)", stage)
+    words = {w for line in installs for w in line.replace("\\\n", " ").split() if not w.startswith("-")}
+    (python,) = [w for w in words if re.fullmatch(r"python3\.\d+", w)]
+    return python, words
+
+
+def test_the_runtime_stage_can_build_tritons_launchers():
+    """exllamav3 compiles its Triton kernels at first use, and Triton builds each launcher with a C
+    compiler and the image's Python headers: without them the first generation fails on the GPU."""
+    python, packages = _runtime_stage_packages()
+    assert python == "python3.11"
+    assert packages & {"gcc", "build-essential", "clang"}, f"no C compiler in the runtime stage: {sorted(packages)}"
+    assert f"{python}-dev" in packages, f"no Python headers ({python}-dev) in the runtime stage: {sorted(packages)}"
+    if "gcc" in packages and "build-essential" not in packages:
+        assert "libc6-dev" in packages  # gcc links against libc's headers and crt files

@@ -10,7 +10,9 @@ Names and semantics are those of exllamav2 0.3.2 (`exllamav2/generator/sampler.p
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,8 @@ from core.generation import capabilities
 from core.generation.params import GenerationParams
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, TopList
 from workers.engine.logits import log_softmax, top_logprobs
+
+log = logging.getLogger(__name__)
 
 EXLLAMAV2_VERSION = "0.3.2"
 PAGE_SIZE = 256  # exllamav2's PAGED_PAGE_SIZE: cache and prefill chunks come in whole pages
@@ -327,15 +331,35 @@ def _tokens_and_logits(result: Mapping[str, Any]) -> tuple[list[int], np.ndarray
     return ids, logits, eos
 
 
+def result_key(result: Mapping[str, Any]) -> Hashable:
+    """The sequence a result belongs to: its `identifier`, or the identifier of its `job` (exllamav3's
+    error results, `Generator.reap_failed_job`, carry only the job)."""
+    key = result.get("identifier")
+    if key is None:
+        key = getattr(result.get("job"), "identifier", None)
+    return key
+
+
+def failure_text(error: Any) -> str:
+    """What the client is told when the library failed one sequence: the library's own words."""
+    if isinstance(error, BaseException):
+        return f"engine error: {type(error).__name__}: {error}"
+    return f"engine error: {error}" if error else "engine error"
+
+
 def events_from_result(
     result: Mapping[str, Any], states: Mapping[Hashable, SeqState], *, n_vocab: int, now: float = 0.0
 ) -> list[TokenEvent | PromptEvent]:
     """One `iterate()` result -> our events. "started" and "prefill" results say nothing to us; the
     first "streaming" one means the prompt is in the cache (PromptEvent), then one TokenEvent per
     released token, the last carrying the finish reason (or a token-less TokenEvent carries it)."""
-    key = result.get("identifier")
+    key = result_key(result)
     state = states.get(key) if key is not None else None
-    if state is None or result.get("stage") != "streaming":
+    if state is None:
+        return []
+    if result.get("stage") == "error":  # exllamav3: its prefill or page allocation raised
+        return [TokenEvent.failed(key, failure_text(result.get("error")), now)]
+    if result.get("stage") != "streaming":
         return []
     out: list[TokenEvent | PromptEvent] = []
     if not state.prompt_sent:
@@ -359,6 +383,30 @@ def events_from_result(
         out.append(TokenEvent(key, None, lp, finish, top, now, error=error, eos_id=eos[0]))
     elif (finish or error) and not ids:
         out.append(TokenEvent(key, None, None, finish, t=now, error=error))
+    return out
+
+
+def collect(results: list[Any], live: dict[Hashable, tuple[Any, SeqState]], gen: Any, n_vocab: int) -> list[Any]:
+    """One `iterate()`'s results as events, and the sequences that ended taken out of `live`. A job
+    the library failed (an "error" result: prefill or page allocation raised; it carries the job but
+    no identifier) or that failed in our job class (`spool_error`: sampling, its constraint) ends
+    alone with the library's message; the other jobs of the batch step on."""
+    now = time.monotonic()
+    states = {key: state for key, (_, state) in live.items()}
+    out: list[Any] = []
+    for result in results:
+        out.extend(events_from_result(result, states, n_vocab=n_vocab, now=now))
+        if result.get("eos"):
+            live.pop(result_key(result), None)
+    for key, (job, _) in list(live.items()):
+        error = getattr(job, "spool_error", None)
+        if error:
+            del live[key]
+            try:
+                gen.cancel(job)  # already out of the generator when it ended as an EOS: a no-op then
+            except Exception:
+                log.exception("the generator could not cancel %s", key)
+            out.append(TokenEvent.failed(key, error, now))
     return out
 
 

@@ -4,8 +4,9 @@ installed; the adapter that drives `exllamav3.Generator` with them needs a CUDA 
 
 Names and semantics are those of exllamav3's `generator/sampler/presets.py: ComboSampler` (logit
 bias, then repetition penalty, then presence/frequency penalties over the last `rep_sustain_range`
-tokens, prompt included, which the engine narrows to the output (`output_window`), then temperature,
-min-p, top-k, top-p, sample; `temperature == 0` or `top_k == 1` is argmax) and `generator/job.py:
+tokens, prompt included, which the engine narrows to the output (`output_window`), then min-p, top-k,
+top-p, and the temperature last (`temp_last`: truncation before temperature, as llama.cpp and the
+ExLlamaV2 engine do), sample; `temperature == 0` or `top_k == 1` is argmax) and `generator/job.py:
 Job` (`max_new_tokens`, `min_new_tokens`, `seed`, `stop_conditions`, `return_top_tokens`,
 `identifier`). DRY is its `SS_DRY` step (1.6.5; breakers as token ids, range 0 =
 the whole context). Its sampler has no typical-p or Mirostat: those are refused
@@ -48,7 +49,7 @@ def sampler_args(p: GenerationParams, dry_breakers: frozenset[int] | None = None
         "min_p": p.min_p,
         "top_k": p.top_k,
         "top_p": p.top_p,
-        "temp_last": False,
+        "temp_last": True,  # truncation (min-p, top-k, top-p) on the untempered row, as llama.cpp does
         "logit_bias": dict(p.logit_bias) or None,
         "dry_multiplier": p.dry_multiplier,
         "dry_base": p.dry_base,
@@ -68,13 +69,18 @@ def output_window(p: GenerationParams) -> int:
 def job_args(spec: SeqSpec, eos_ids: Iterable[int], filters: list[Any] | None = None) -> dict[str, Any]:
     """Keyword arguments of `exllamav3.Job`, except `input_ids` and `sampler` (torch objects)."""
     p = spec.params
+    # The job blocks its stop tokens (-inf in its logit mask) until `min_new_tokens` exist; `ignore_eos`
+    # is that block for the whole job, so no EOS is ever sampled (no stop conditions alone would let
+    # the model emit EOS tokens and go on past them).
+    min_new = spec.max_new_tokens if p.ignore_eos else min(max(p.min_tokens - spec.prior, 0), spec.max_new_tokens)
     return {
         "max_new_tokens": spec.max_new_tokens,
-        "min_new_tokens": max(p.min_tokens - spec.prior, 0),
+        "min_new_tokens": min_new,
         "seed": spec.seed % 2**31,  # torch generator seeds are 64-bit, exllamav3 stores them in 32
-        "stop_conditions": [] if p.ignore_eos else sorted(set(eos_ids)),
+        "stop_conditions": sorted(set(eos_ids)),
         "return_top_tokens": p.logprobs or 0,
-        "return_logits": p.logprobs is not None,  # our logprobs are of the raw distribution
+        # Our logprobs are of the raw distribution; best_of > n ranks its candidates by them too.
+        "return_logits": p.needs_token_logprobs,
         "identifier": spec.key,
         "filters": filters or [],
         "decode_special_tokens": False,

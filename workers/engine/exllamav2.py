@@ -32,13 +32,12 @@ from workers.engine.exl2_mapping import (
     SeqState,
     cache_tokens,
     chunk_size,
+    collect,
     dry_breaker_ids,
-    events_from_result,
     job_arguments,
     logit_bias_pairs,
     output_penalties,
     prompt_entries,
-    round_up,
     sampler_settings,
     stop_token_ids,
     unsupported,
@@ -47,7 +46,7 @@ from workers.engine.gpu_plan import (
     UNCLAIMED,
     cache_salt,
     claim_pages,
-    clamp_chunk,
+    exl2_lengths,
     hashing_for,
     kv_bytes_per_token,
     own_first_pages_only,
@@ -176,6 +175,12 @@ def job_class() -> type:
         spool_salt: bytes | None = None
         spool_output_from: int = 0  # where this sequence's output starts in sequence_ids
         spool_penalties: tuple[float, float] = (0.0, 0.0)  # presence, frequency over the output
+        spool_error: str | None = None  # this job's own failure inside iterate(): it alone ends
+
+        def spool_fail(self, where: str, exc: BaseException) -> None:
+            if self.spool_error is None:
+                log.error("exllamav2 job %r failed in %s", self.identifier, where, exc_info=exc)
+                self.spool_error = f"engine error ({where}): {type(exc).__name__}: {exc}"
 
         def prepare_for_queue(self, generator: Any, serial_number: int) -> Any:
             with hashing_for(self.spool_salt):
@@ -200,12 +205,28 @@ def job_class() -> type:
             return super().deallocate_pages()
 
         def prefill(self, results: list[Any]) -> Any:
-            if not self.generator.paged:
-                return super().prefill(results)
-            with own_first_pages_only(self.generator.all_pages, self.spool_salt):
-                return super().prefill(results)
+            # exllamav2 contains no job's failure: one raising here lost the whole batch's step. It
+            # ends alone (the engine cancels it after the step); its prefill stays undone meanwhile.
+            if self.spool_error is not None:
+                return None
+            try:
+                if not self.generator.paged:
+                    return super().prefill(results)
+                with own_first_pages_only(self.generator.all_pages, self.spool_salt):
+                    return super().prefill(results)
+            except Exception as exc:
+                self.spool_fail("prefill", exc)
+                return None
 
         def receive_logits(self, logits: Any) -> Any:
+            if self.spool_error is None:
+                try:
+                    return self._spool_receive_logits(logits)
+                except Exception as exc:  # its sampler, its grammar's mask: this job's fault alone
+                    self.spool_fail("sampling", exc)
+            return torch.zeros((1, 1), dtype=torch.long), None, None, None, False  # ended unread below
+
+        def _spool_receive_logits(self, logits: Any) -> Any:
             row = logits.clone() if self.return_logits else logits
             presence, frequency = self.spool_penalties
             if presence or frequency:
@@ -215,9 +236,16 @@ def job_class() -> type:
                     row[..., :] -= counts * frequency + (counts > 0).to(row.dtype) * presence
             return super().receive_logits(row)
 
-        def receive_sample(self, *args: Any, **kwargs: Any) -> Any:
-            with hashing_for(self.spool_salt):
-                return super().receive_sample(*args, **kwargs)
+        def receive_sample(self, logits: Any, next_token: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.spool_error is None:
+                try:
+                    with hashing_for(self.spool_salt):
+                        return super().receive_sample(logits, next_token, *args, **kwargs)
+                except Exception as exc:
+                    self.spool_fail("accepting a token", exc)
+            # (eos, token): the generator ends the job and frees its pages as for any EOS; no result
+            # is emitted for it, the engine reports `spool_error` instead.
+            return True, next_token
 
     return ScopedJob
 
@@ -305,11 +333,7 @@ class ExLlamaV2Engine(ExLlamaTokens):
         if warmup:
             self._gen.warmup()  # kernel autotuning happens here rather than in the first request
         self._load_vocabulary(config, Path(path))
-        self._waiting: collections.deque[SeqSpec] = collections.deque()
-        self._ready: list[TokenEvent | PromptEvent] = []  # events owed without running the model
-        self._live: dict[Hashable, tuple[Any, SeqState]] = {}
-        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}
-        self._bytes: dict[int, bytes] = {}
+        self.attach(self._gen, self._tok, self._stop_ids, self.n_vocab)
         log.info(
             "exllamav2 engine: %s, ctx %d/seq, batch %d, cache %d tokens (%s), chunk %d, %s",
             Path(path).name,
@@ -326,10 +350,8 @@ class ExLlamaV2Engine(ExLlamaTokens):
 
         config = ExLlamaV2Config(str(path))
         config.arch_compat_overrides()
-        self.n_ctx = min(n_ctx, config.max_seq_len)
-        # A chunk beyond the context would trip the generator's assert at start (n_ctx < 2048).
-        self._chunk = clamp_chunk(self._chunk, self.n_ctx, round_up(self.n_ctx))
-        config.max_seq_len = self.n_ctx
+        # Any n_ctx starts: the model is configured for whole pages, the chunk fits in them.
+        self.n_ctx, config.max_seq_len, self._chunk = exl2_lengths(n_ctx, config.max_seq_len, self._chunk)
         config.max_input_len = self._chunk  # the generator's prefill chunk may not exceed it
         config.max_attention_size = self._chunk**2
         return config
@@ -361,6 +383,16 @@ class ExLlamaV2Engine(ExLlamaTokens):
         self._add_bos = bool((self._tok.tokenizer_config_dict or {}).get("add_bos_token", False))
         self._ll = load_ll_tokenizer(path, self.n_vocab, self._stop_ids)
 
+    def attach(self, gen: Any, tok: Any, stop_ids: list[int], n_vocab: int) -> None:
+        """The engine's state around a built generator (the constructor's last step; the CI tests build
+        the library's own generator over a stand-in model and attach it here)."""
+        self._gen, self._tok, self._stop_ids, self.n_vocab = gen, tok, stop_ids, n_vocab
+        self._waiting: collections.deque[SeqSpec] = collections.deque()
+        self._ready: list[TokenEvent | PromptEvent] = []  # events owed without running the model
+        self._live: dict[Hashable, tuple[Any, SeqState]] = {}
+        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}
+        self._bytes: dict[int, bytes] = {}
+
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
         check_spec(spec, self.n_ctx, self.n_vocab)
@@ -383,6 +415,12 @@ class ExLlamaV2Engine(ExLlamaTokens):
     def has_work(self) -> bool:
         return bool(self._waiting or self._ready or self._live)
 
+    def waiting_keys(self) -> set[Hashable]:
+        """Sequences waiting for a slot (here, or in the generator's queue for cache pages): the
+        engine loop's watchdog does not count their wait as a stall."""
+        pending = {id(job) for job in self._gen.pending_jobs}
+        return {s.key for s in self._waiting} | {k for k, (job, _) in self._live.items() if id(job) in pending}
+
     def step(self) -> list[TokenEvent | PromptEvent]:
         out = self._ready + self._admit()
         self._ready = []
@@ -393,13 +431,7 @@ class ExLlamaV2Engine(ExLlamaTokens):
         except Exception:
             self._drop_all()
             raise
-        now = time.monotonic()
-        states = {key: state for key, (_, state) in self._live.items()}
-        for result in results:
-            out.extend(events_from_result(result, states, n_vocab=self.n_vocab, now=now))
-            if result.get("eos"):
-                self._live.pop(result.get("identifier"), None)
-        return out
+        return out + collect(results, self._live, self._gen, self.n_vocab)
 
     def _drop_all(self) -> None:
         """After a failed iterate() the generator's jobs are in an unknown state: forget them all."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.engine.base import ExLlamaTokens, PromptEvent, SeqSpec, TokenEvent, check_spec
-from workers.engine.exl2_mapping import SeqState, dry_breaker_ids, events_from_result, stop_token_ids
+from workers.engine.exl2_mapping import SeqState, collect, dry_breaker_ids, stop_token_ids
 from workers.engine.exl3_mapping import Unsupported, job_args, output_window, sampler_args
 from workers.engine.gpu_plan import (
     cache_salt,
@@ -55,7 +55,9 @@ def grammar_filter_class() -> type:
 
     class MatcherFilter(Filter):
         def __init__(self, tokenizer: Any, matcher: Any, n_vocab: int) -> None:
-            super().__init__(tokenizer, None, None, False)
+            # eos_after_completed: the job ends when the grammar does (TabbyAPI passes it too); with
+            # False the filter switched itself off and sampling went on unconstrained (`x` -> `x7777`).
+            super().__init__(tokenizer, None, None, True)
             self.matcher = matcher
             self.bits = np.empty(((n_vocab + 31) // 32,), dtype=np.int32)
             self.bits_torch = torch.from_numpy(self.bits).unsqueeze(0)
@@ -96,6 +98,7 @@ def job_class() -> type:
     predecessor None) sees only first pages its scope held. First pages keep the library's None
     predecessor, so eviction and defragmentation still see them as the roots of their chains.
     `Job.__init__` runs again on a requeue (same object), which keeps these attributes."""
+    import torch
     from exllamav3 import Job
     from exllamav3.generator import job as job_module
     from exllamav3.generator import pagetable
@@ -105,6 +108,38 @@ def job_class() -> type:
 
     class ScopedJob(Job):
         spool_salt: bytes | None = None
+        spool_error: str | None = None  # this job's own failure inside iterate(): it alone ends
+
+        def spool_fail(self, where: str, exc: BaseException) -> None:
+            if self.spool_error is None:
+                log.error("exllamav3 job %r failed in %s", self.identifier, where, exc_info=exc)
+                self.spool_error = f"engine error ({where}): {type(exc).__name__}: {exc}"
+
+        def prepare_logit_mask(self, *args: Any, **kwargs: Any) -> Any:
+            if self.spool_error is None:
+                try:
+                    return super().prepare_logit_mask(*args, **kwargs)
+                except Exception as exc:  # its grammar's mask: this job's fault, not the batch's
+                    self.spool_fail("constraint mask", exc)
+            return None
+
+        def receive_logits(self, logits: Any) -> Any:
+            if self.spool_error is None:
+                try:
+                    return super().receive_logits(logits)
+                except Exception as exc:  # e.g. the library's NonFiniteLogits, a sampler step
+                    self.spool_fail("sampling", exc)
+            return torch.zeros((1, 1), dtype=torch.long), None, None, None  # ended unread below
+
+        def receive_sample(self, logits: Any, next_token: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.spool_error is None:
+                try:
+                    return super().receive_sample(logits, next_token, *args, **kwargs)
+                except Exception as exc:
+                    self.spool_fail("accepting a token", exc)
+            # (eos, token, requeue): the generator ends the job and frees its pages as for any EOS;
+            # no result is emitted for it, the engine reports `spool_error` instead.
+            return True, next_token, False
 
         def prepare_for_queue(self, *args: Any, **kwargs: Any) -> Any:
             with hashing_for(self.spool_salt):
@@ -215,26 +250,20 @@ class ExLlamaV3Engine(ExLlamaTokens):
         self._model = Model.from_config(config)
         kv = Cache(self._model, max_num_tokens=plan.cache_tokens)
         self._model.load(progressbar=False, max_chunk_size=self._chunk)
-        self._tok = Tokenizer.from_config(config)
-        self._gen = Generator(
+        tok = Tokenizer.from_config(config)
+        gen = Generator(
             model=self._model,
             cache=kv,
-            tokenizer=self._tok,
+            tokenizer=tok,
             max_batch_size=self.max_batch,
             max_chunk_size=self._chunk,
         )
-        self.n_vocab = int(self._tok.actual_vocab_size)
         eos_list = getattr(config, "eos_token_id_list", None) or []
-        self._stop_ids = stop_token_ids(self._tok.eos_token_id, eos_list)
+        self.attach(gen, tok, stop_token_ids(tok.eos_token_id, eos_list))
         from workers.engine.exllamav2 import load_ll_tokenizer
 
         self._ll = load_ll_tokenizer(path, self.n_vocab, self._stop_ids)
         self._add_bos = bool(getattr(self._tok, "add_bos", False))
-        self._waiting: collections.deque[SeqSpec] = collections.deque()
-        self._ready: list[TokenEvent | PromptEvent] = []
-        self._live: dict[Hashable, tuple[Any, SeqState]] = {}
-        self._bytes: dict[int, bytes] = {}
-        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}
         log.info(
             "exllamav3 engine: %s, ctx %d/seq, batch %d, cache %d tokens, chunk %d",
             path.name,
@@ -243,6 +272,17 @@ class ExLlamaV3Engine(ExLlamaTokens):
             plan.cache_tokens,
             self._chunk,
         )
+
+    def attach(self, gen: Any, tok: Any, stop_ids: list[int]) -> None:
+        """The engine's state around a built `Generator` (the constructor's last step; the CI tests
+        build the library's own generator over a stand-in model and attach it here)."""
+        self._gen, self._tok, self._stop_ids = gen, tok, stop_ids
+        self.n_vocab = int(tok.actual_vocab_size)
+        self._waiting: collections.deque[SeqSpec] = collections.deque()
+        self._ready: list[TokenEvent | PromptEvent] = []
+        self._live: dict[Hashable, tuple[Any, SeqState]] = {}
+        self._bytes: dict[int, bytes] = {}
+        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}
 
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
@@ -268,6 +308,12 @@ class ExLlamaV3Engine(ExLlamaTokens):
     def has_work(self) -> bool:
         return bool(self._waiting or self._ready or self._live)
 
+    def waiting_keys(self) -> set[Hashable]:
+        """Sequences waiting for a slot (here, or in the generator's queue for cache pages): the
+        engine loop's watchdog does not count their wait as a stall."""
+        pending = {id(job) for job in self._gen.pending_jobs}
+        return {s.key for s in self._waiting} | {k for k, (job, _) in self._live.items() if id(job) in pending}
+
     def step(self) -> list[TokenEvent | PromptEvent]:
         out = self._ready + self._admit()
         self._ready = []
@@ -282,13 +328,7 @@ class ExLlamaV3Engine(ExLlamaTokens):
             except Exception:
                 log.exception("exllamav3 could not clear its queue")
             raise
-        now = time.monotonic()
-        states = {key: state for key, (_, state) in self._live.items()}
-        for result in results:
-            out.extend(events_from_result(result, states, n_vocab=self.n_vocab, now=now))
-            if result.get("eos"):
-                self._live.pop(result.get("identifier"), None)
-        return out
+        return out + collect(results, self._live, self._gen, self.n_vocab)
 
     def _admit(self) -> list[TokenEvent | PromptEvent]:
         out: list[TokenEvent | PromptEvent] = []

@@ -147,6 +147,18 @@ def clamp_chunk(requested: int, n_ctx: int, cache_tokens: int, page_size: int = 
     return max(page_size, min(requested - requested % page_size, ceiling))
 
 
+def exl2_lengths(n_ctx: int, model_max: int, chunk: int, page_size: int = PAGE_SIZE) -> tuple[int, int, int]:
+    """(context per sequence, the model's configured max_seq_len, prefill chunk) for exllamav2, which
+    asserts at start that the chunk (a page multiple) is at most `max_input_len`, and clamps
+    `max_input_len` to `max_seq_len` as it loads: a context that is not a page multiple and below the
+    chunk (n_ctx 1000: chunk 1024 > max_seq_len 1000) stopped the worker. The model is configured for
+    the context rounded up to a page (capped by its own maximum); sequences keep the asked context."""
+    n_ctx = min(n_ctx, model_max)
+    seq = min(_round_up(n_ctx, page_size), model_max)
+    ceiling = max(seq - seq % page_size, page_size)
+    return n_ctx, seq, clamp_chunk(chunk, n_ctx, ceiling, page_size)
+
+
 def _round_up(n: int, page_size: int = PAGE_SIZE) -> int:
     return -(-n // page_size) * page_size
 

@@ -329,6 +329,11 @@ class LlamaCppEngine(VocabEngine):
         """Sequences waiting for a slot (never started, or displaced by interactive work)."""
         return len(self._lane.waiting) + len(self._lane.paused)
 
+    def waiting_keys(self) -> set[Hashable]:
+        """The sequences `waiting_count` counts (the loop's watchdog does not take a wait for a stall)."""
+        lane = self._lane
+        return {s.key for s in lane.waiting} | {p.spec.key for p in lane.paused}
+
     @property
     def preemptions(self) -> int:
         return self._lane.preemptions

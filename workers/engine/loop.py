@@ -3,6 +3,12 @@
 Celery task threads `submit` sequences and get their TokenEvents through a callback (usually a
 queue.SimpleQueue.put); `cancel` removes them. Commands cross into the loop through one inbox, so
 the engine itself needs no locking.
+
+The loop is also every engine's watchdog: a sequence that gets no event for `stall_s` seconds
+(SPOOL_SEQUENCE_STALL_S) while it is not waiting for a slot (the engine's `waiting_keys()`) is taken
+out of the engine and failed with an error its client sees, so a sequence an engine lost track of
+(a library result it could not map back, a job that never advances) cannot hold its attempt, its
+lease renewals and its client forever.
 """
 
 from __future__ import annotations
@@ -21,9 +27,23 @@ log = logging.getLogger(__name__)
 Sink = Callable[[TokenEvent | PromptEvent], None]
 
 
+STALL_S = 120.0  # core.config's sequence_stall_s default
+
+
+def stall_message(seconds: float) -> str:
+    return (
+        f"the engine made no progress on this sequence for {seconds:.0f}s "
+        "(SPOOL_SEQUENCE_STALL_S): it was stopped; the request failed"
+    )
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, stall_s: float = STALL_S) -> None:
         self.engine = engine
+        self.stall_s = stall_s
+        self._progress: dict[Hashable, float] = {}  # monotonic time of each live sequence's last event
+        self._next_watch = 0.0
+        self.stalled = 0  # sequences the watchdog failed
         self._inbox: queue.SimpleQueue[tuple[str, object, Sink | None]] = queue.SimpleQueue()
         self._sinks: dict[Hashable, Sink] = {}
         self.max_live = 0  # most sequences live at once: concurrency evidence for tests and metrics
@@ -72,20 +92,24 @@ class EngineLoop:
         if cmd == "add":
             assert isinstance(arg, SeqSpec) and sink is not None
             self._sinks[arg.key] = sink
+            self._progress[arg.key] = time.monotonic()
             try:
                 self.engine.add(arg)
             except Exception as exc:  # a bad sequence must not take the loop down
                 log.exception("engine refused sequence %s", arg.key)
                 self._sinks.pop(arg.key, None)
+                self._progress.pop(arg.key, None)
                 sink(TokenEvent.failed(arg.key, str(exc)))
         elif cmd == "cancel":
             if self._sinks.pop(arg, None) is not None:
                 self.engine.cancel(arg)
                 self._busy.pop(arg, None)
+                self._progress.pop(arg, None)
 
     def _drop(self, key: Hashable, ev: TokenEvent) -> None:
         sink = self._sinks.pop(key, None)
         self._busy.pop(key, None)
+        self._progress.pop(key, None)
         try:
             self.engine.cancel(key)
         except Exception:
@@ -93,17 +117,40 @@ class EngineLoop:
         if sink is not None:
             sink(ev)
 
+    def _watch(self, now: float) -> None:
+        """Fail the sequences that made no progress for `stall_s` (checked a few times per period)."""
+        if now < self._next_watch or not self._progress:
+            return
+        self._next_watch = now + min(max(self.stall_s / 4, 0.01), 1.0)
+        waiting_keys = getattr(self.engine, "waiting_keys", None)
+        waiting = waiting_keys() if callable(waiting_keys) else ()
+        for key in waiting:  # waiting for a slot is not a stall: its clock starts when it gets one
+            if key in self._progress:
+                self._progress[key] = now
+        for key, last in list(self._progress.items()):
+            if now - last > self.stall_s:
+                log.error("sequence %s made no progress for %.0fs: failing it", key, now - last)
+                self.stalled += 1
+                self._drop(key, TokenEvent.failed(key, stall_message(now - last), now))
+
     def _run(self) -> None:
         while True:
-            # Block only when idle; otherwise take whatever arrived and keep stepping.
+            # Block only when idle; otherwise take whatever arrived and keep stepping. With sequences
+            # in hand but no engine work (an engine that lost them) wake up to watch them.
             if not self.engine.has_work():
                 self._returned = None  # idle: not the host's time between steps
-                self._apply(*self._inbox.get())
+                try:
+                    self._apply(
+                        *self._inbox.get(timeout=min(max(self.stall_s / 4, 0.01), 1.0) if self._sinks else None)
+                    )
+                except queue.Empty:
+                    pass
             while True:
                 try:
                     self._apply(*self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            self._watch(time.monotonic())
             if not self.engine.has_work():
                 continue
             self.max_live = max(self.max_live, len(self._sinks))
@@ -136,7 +183,9 @@ class EngineLoop:
                 target = self._sinks.get(ev.key)
                 if target is None:
                     continue
+                self._progress[ev.key] = returned
                 if isinstance(ev, TokenEvent) and ev.ended:
                     del self._sinks[ev.key]
+                    del self._progress[ev.key]
                     ev = dataclasses.replace(ev, engine_s=self._busy.pop(ev.key, 0.0))
                 target(ev)

@@ -101,6 +101,9 @@ class PacedEngine(VocabEngine):
     def waiting_count(self) -> int:
         return len(self.waiting)
 
+    def waiting_keys(self) -> set[Hashable]:
+        return {s.spec.key for s in self.waiting}
+
     def _admit(self) -> None:
         """Fill free slots, interactive first; an interactive sequence with no slot displaces a batch one.
 
