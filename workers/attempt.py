@@ -84,6 +84,9 @@ class Attempt:
         self.log = streams.entries(rds, job.id) if job.attempt > 1 else []
         prior = {} if self.buffered else resume.prior_progress(decode(raw) for _, raw in self.log)
         wants_scores = p.prompt_logprobs is not None or (p.echo and p.logprobs is not None)
+        # The constraint is compiled once for the job; each sequence gets a copy of the compiled
+        # matcher (a copy costs well under a millisecond; a compile, for a big grammar, seconds).
+        compiled = self._compile() if p.grammar else None
         specs: list[SeqSpec] = []
         for pi, ids in enumerate(self.prompts):
             total = resume.budget(engine.n_ctx, len(ids), p.max_tokens, pi)
@@ -107,7 +110,7 @@ class Attempt:
                         params=p,
                         seed=resume.seed_for(p.seed, c, len(done)),
                         prior=len(done),
-                        matcher=self._matcher(done) if p.grammar else None,
+                        matcher=self._matcher(compiled, done) if compiled is not None else None,
                         prompt_logprobs=(p.logprobs if p.prompt_logprobs is None else p.prompt_logprobs)
                         if wants_scores and not before.prefix_sent
                         else None,
@@ -124,10 +127,19 @@ class Attempt:
             return given
         return b"".join(self.engine.token_bytes(t) for t in self.prompts[pi]).decode(errors="replace")
 
-    def _matcher(self, done_ids: list[int]) -> Any:
-        from llguidance import LLMatcher
+    def _compile(self) -> Any:
+        """The job's grammar compiled for this engine's vocabulary: once per attempt."""
+        import llguidance
 
-        m = LLMatcher(self.engine.ll_tokenizer(), self.p.grammar or "", log_level=0)
+        m = llguidance.LLMatcher(self.engine.ll_tokenizer(), self.p.grammar or "", log_level=0)
+        if m.is_error():
+            raise JobError(f"Invalid grammar: {m.get_error()}", param="grammar", code="invalid_grammar")
+        return m
+
+    @staticmethod
+    def _matcher(compiled: Any, done_ids: list[int]) -> Any:
+        """A sequence's own matcher: a copy of the compiled one, advanced past its earlier tokens."""
+        m = compiled.deep_copy()
         if done_ids:
             m.consume_tokens(done_ids)
         if m.is_error():
@@ -158,14 +170,23 @@ class Attempt:
         self._by_key = {ch.key: ch for ch in self.choices.values()}
         self._publish_every = every.batch_publish_s if job.kind == JobKind.batch else 0.0
         if self.live:
-            self.loop.submit(specs, self.runner.pump.sink(self))
+            # Through the tenant's share of the engine's slots (workers/runner.SequenceShare).
+            self.runner.share.submit(job.tenant_id, specs, self.runner.pump.sink(self))
         else:
             self.stop(None)
 
     def run(self) -> Outcome:
         job, every = self.job, self.settings
         if not self._started:
-            self._start()
+            # The lease is renewed from here on, while the sequences are built (a grammar compiles),
+            # not only once they run: a long compile must not let the job be handed to another attempt.
+            with self.runner.keeper.holding(job) as held:
+                self._start()
+            if held[2]:
+                log.info("job %s attempt %s lost its lease while starting", job.id, job.attempt)
+                if self.live:
+                    self.runner.share.cancel(list(self.live))
+                return Outcome.lost
         elif self._start_error is not None:
             raise self._start_error
         next_renew = time.monotonic() + every.lease_s / 3
@@ -194,7 +215,7 @@ class Attempt:
             watch.unwatch(job.id, self._on_cancel)
             self.stopped = True  # the pump drops whatever else arrives for it
             if self.live:
-                self.loop.cancel(list(self.live))
+                self.runner.share.cancel(list(self.live))
         final = choices.best_of(self.choices, len(self.prompts), self.p.n, self.p.candidates)
         if self.buffered:
             self._publish(list(final.values()), index_of={ch: i for i, ch in final.items()})
@@ -248,9 +269,10 @@ class Attempt:
         if ev.token_id is not None:
             self._time_token(ch)
         if choices.take_token(ch, ev, self.engine.token_text):
-            self.loop.cancel([ch.key])
+            self.runner.share.cancel([ch.key])
         if ch.done:
             live.discard(ch.key)
+            self.runner.share.release([ch.key])  # the tenant's next sequence may take its place
         return ch
 
     def _time_token(self, ch: Choice) -> None:

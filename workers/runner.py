@@ -4,12 +4,28 @@ job as failed when the attempt could not succeed; its outcome is typed (workers/
 The Celery task is a thin entrypoint over `JobRunner.run`. Every state change goes through
 core/jobs (transitions, and the lifecycle that ends jobs); the worker produces engine-neutral events
 and results only (core/generation/events.py): core/protocol renders them for clients.
+
+Two things here are shared by every attempt on the worker:
+
+- `SequenceShare`: sequences, not jobs, count against a tenant's share of the engine's slots. One
+  tenant's sequences in the engine at once (live, or waiting there for a slot) are capped at
+  `tenant_max_sequences` (default: all the slots but the `interactive_slots` reserved ones, at least
+  one slot always left); a job's further sequences wait here, in order, and enter the engine as the
+  tenant's earlier ones end. So an `n=128` job of one tenant never holds every slot: another
+  tenant's sequence finds one at once.
+- `LeaseKeeper`: an attempt's lease is renewed from the moment it starts, while its sequences are
+  built (a grammar compiling, an earlier attempt's stream being read), not only once they run.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
+import time
+from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -25,12 +41,151 @@ from core.jobs.states import JobKind
 from core.jobs.transitions import Claimed
 from workers.attempt import Attempt
 from workers.cancels import CancelWatch
-from workers.engine.loop import EngineLoop
+from workers.engine.base import SeqSpec
+from workers.engine.loop import EngineLoop, Sink
 from workers.outcome import EngineError, JobError, Outcome
 from workers.pump import StreamPump
-from workers.retry import LETTING_GO, Abandoned, retrying
+from workers.retry import LETTING_GO, TRANSIENT, Abandoned, retrying
 
 log = logging.getLogger(__name__)
+
+
+def tenant_cap(settings: Settings, max_batch: int) -> int:
+    """Sequences of one tenant a worker's engine holds at once: `tenant_max_sequences`, or every slot
+    but the `interactive_slots` reserved ones (the CPU and paced engines have `max_batch` +
+    `interactive_slots` slots; the GPU engines `max_batch`), and never all of them."""
+    if settings.tenant_max_sequences:
+        return settings.tenant_max_sequences
+    reserved = settings.interactive_slots if settings.engine in ("llamacpp", "paced") else 0
+    return max(1, max_batch + reserved - max(1, settings.interactive_slots))
+
+
+class SequenceShare:
+    """Hands attempts' sequences to the engine loop, at most `cap` of one tenant's at once (see the
+    module's docstring). Thread-safe: attempts submit and cancel from their own threads, the stream
+    pump releases ended sequences from its thread."""
+
+    def __init__(self, loop: EngineLoop, cap: int) -> None:
+        self.loop, self.cap = loop, max(1, cap)
+        self._lock = threading.Lock()
+        self._in: dict[int, set[Hashable]] = {}  # tenant -> its sequences in the engine
+        # tenant -> its sequences waiting here: interactive ones first, each kind in arrival order
+        self._held: dict[int, tuple[collections.deque, collections.deque]] = {}
+        self._tenant: dict[Hashable, int] = {}
+        self.most: dict[int, int] = {}  # most sequences of a tenant in the engine at once (tests, metrics)
+
+    def held_count(self) -> int:
+        with self._lock:
+            return sum(len(a) + len(b) for a, b in self._held.values())
+
+    def submit(self, tenant: int, specs: list[SeqSpec], sink: Sink) -> None:
+        with self._lock:
+            self._in.setdefault(tenant, set())
+            held = self._held.setdefault(tenant, (collections.deque(), collections.deque()))
+            for spec in specs:
+                self._tenant[spec.key] = tenant
+                held[0 if spec.interactive else 1].append((spec, sink))
+            go = self._fill(tenant)
+        self._send(go)
+
+    def release(self, keys: list[Hashable]) -> None:
+        """These sequences ended in the engine (or never need to start): the tenant's next may go."""
+        self._drop(keys, cancel=False)
+
+    def cancel(self, keys: list[Hashable]) -> None:
+        """Stop these sequences: those in the engine are cancelled there, those waiting here dropped."""
+        self._drop(keys, cancel=True)
+
+    def _drop(self, keys: list[Hashable], cancel: bool) -> None:
+        stop: list[Hashable] = []
+        go: list[tuple[SeqSpec, Sink]] = []
+        with self._lock:
+            touched: set[int] = set()
+            for key in keys:
+                tenant = self._tenant.pop(key, None)
+                if tenant is None:
+                    continue
+                touched.add(tenant)
+                inside = self._in.get(tenant, set())
+                if key in inside:
+                    inside.discard(key)
+                    stop.append(key)
+                else:
+                    for q in self._held.get(tenant, ()):
+                        for item in q:
+                            if item[0].key == key:
+                                q.remove(item)
+                                break
+            for tenant in touched:
+                go += self._fill(tenant)
+        if cancel and stop:
+            self.loop.cancel(stop)
+        self._send(go)
+
+    def _fill(self, tenant: int) -> list[tuple[SeqSpec, Sink]]:
+        """Under the lock: the tenant's waiting sequences that fit its share now."""
+        inside = self._in.setdefault(tenant, set())
+        inter, bulk = self._held.setdefault(tenant, (collections.deque(), collections.deque()))
+        go = []
+        while len(inside) < self.cap and (inter or bulk):
+            spec, sink = (inter or bulk).popleft()
+            inside.add(spec.key)
+            go.append((spec, sink))
+        if len(inside) > self.most.get(tenant, 0):
+            self.most[tenant] = len(inside)
+        if not inside and not inter and not bulk:  # nothing of this tenant left here
+            self._in.pop(tenant, None)
+            self._held.pop(tenant, None)
+        return go
+
+    def _send(self, go: list[tuple[SeqSpec, Sink]]) -> None:
+        for spec, sink in go:  # in order: the loop's inbox keeps it
+            self.loop.submit([spec], sink)
+
+
+class LeaseKeeper:
+    """Renews the leases of attempts that are still starting, every `lease_s / 3`, on one thread
+    (started at the first use): a big grammar compiling or a long stream being read must not let the
+    lease lapse, which would hand the job to a second attempt that starts the same work over."""
+
+    def __init__(self, renew: Any, lease_s: float) -> None:
+        self.renew, self.every = renew, lease_s / 3
+        self._lock = threading.Lock()
+        self._starting: dict[int, list[Any]] = {}  # id -> [job, next renewal due, lost]
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def holding(self, job: Claimed) -> Iterator[list[Any]]:
+        """While the block runs, `job`'s lease is renewed; the yielded entry's [2] says whether a
+        renewal found the lease gone (cancelled or reassigned)."""
+        entry: list[Any] = [job, time.monotonic() + self.every, False]
+        with self._lock:
+            self._starting[id(entry)] = entry
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+                self._thread.start()
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                self._starting.pop(id(entry), None)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(min(1.0, self.every / 2))
+            now = time.monotonic()
+            with self._lock:
+                due = [e for e in self._starting.values() if e[1] <= now]
+            for entry in due:
+                entry[1] = now + self.every
+                try:
+                    if not self.renew(entry[0]):
+                        entry[2] = True
+                except TRANSIENT:
+                    pass  # Postgres away: the next try may reach it; the lease may lapse meanwhile
+                except Exception:
+                    log.exception("renewing job %s's lease failed", entry[0].id)
 
 
 class JobRunner:
@@ -49,6 +204,10 @@ class JobRunner:
         self.pump = StreamPump(redis_client, settings)
         # Every running job's cancel key asked in one round trip, not one EXISTS per job per 0.5 s.
         self.cancels = CancelWatch(redis_client)
+        # Sequences, not jobs, count against a tenant's share of the engine's slots.
+        self.share = SequenceShare(loop, tenant_cap(settings, loop.engine.max_batch))
+        # Leases are renewed from the moment an attempt starts (a grammar compiling).
+        self.keeper = LeaseKeeper(self.renew, settings.lease_s)
         self.batch_slot_wake: Any = None  # set by the worker process: called when an attempt ends
 
     # -- entrypoint -------------------------------------------------------------------------

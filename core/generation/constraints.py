@@ -1,14 +1,21 @@
 """Constrained decoding requests -> one llguidance grammar, validated at the edge.
 
+Compiling a constraint costs more than linear time in its size (50k `guided_choice` strings took
+7 s, 200k four minutes), so `check` bounds every constraint's size first, from the request's values
+alone, before anything is compiled: the count and bytes of choices, the bytes of a grammar or a
+regex, the bytes and nesting depth of a JSON schema (`Limits`; docs/parameters.md, "Limits on
+constraints"). `build` checks them again before it compiles.
+
 Every form the seed documents accept (`grammar` as GBNF or mistral.rs's {type, value}, `json_schema`,
 `response_format`, `regex`, `guided_choice`) becomes an llguidance grammar string here. Engines
 then build an `LLMatcher` from it with their own tokenizer and mask each step's logits; that part
-is shared too: workers/attempt.py builds one `LLMatcher` per sequence for every engine.
+is shared too: workers/attempt.py compiles one `LLMatcher` per job and gives each sequence a copy.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from llguidance import LLMatcher
@@ -17,10 +24,143 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 JSON_STYLE: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# llguidance's Earley parser refuses a row of more than 2,000 items (`LLParserLimits.max_items_in_row`);
+# `start: "a" | "b" | ...` puts the start item and one item per choice in its first row, so 2,000
+# choices pass validation and then fail in the worker at the first token ("max is 2000"): 1,999 is
+# the most llguidance accepts.
+LLGUIDANCE_MAX_CHOICES = 1999
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The largest constraint a request may carry (the settings `max_guided_choices`, ...)."""
+
+    choices: int = LLGUIDANCE_MAX_CHOICES  # entries of `guided_choice`
+    choice_bytes: int = 64 * 1024  # UTF-8 bytes of all `guided_choice` entries together
+    grammar_bytes: int = 64 * 1024  # a `grammar`'s text (GBNF or lark)
+    regex_bytes: int = 4 * 1024  # a `regex` (or grammar {type: regex})
+    schema_bytes: int = 64 * 1024  # a JSON schema, as compact JSON (also a forced tool call's schemas)
+    schema_depth: int = 32  # nested objects and arrays in a JSON schema document
+
+
+DEFAULT_LIMITS = Limits()
+
+
 class ConstraintError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))  # lone surrogates are refused later, by name
+
+
+def _too_large(param: str, what: str, size: int, limit: int, unit: str = "bytes") -> ConstraintError:
+    return ConstraintError(
+        param, f"'{param}' is too large: {what} is {size} {unit}; the limit is {limit}. Use a smaller constraint."
+    )
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether `value` nests objects and arrays deeper than `limit` (iterative: no recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            children: Any = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        if d > limit:
+            return True
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _json_depth_over(text: str, limit: int) -> bool:
+    """`_depth_over` of a JSON document's text, without parsing it (json.loads recurses)."""
+    depth, in_str, esc = 0, False, False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
+def check_schema(schema: Any, param: str, limits: Limits) -> None:
+    """A JSON schema (an object, or its JSON text) within `schema_depth` and `schema_bytes`."""
+    if isinstance(schema, str):
+        if _nbytes(schema) > limits.schema_bytes:
+            raise _too_large(param, "the JSON schema", _nbytes(schema), limits.schema_bytes)
+        if _json_depth_over(schema, limits.schema_depth):
+            raise _too_large(param, "the JSON schema's nesting", limits.schema_depth + 1, limits.schema_depth, "levels")
+        return
+    if _depth_over(schema, limits.schema_depth):
+        raise _too_large(param, "the JSON schema's nesting", limits.schema_depth + 1, limits.schema_depth, "levels")
+    try:
+        size = _nbytes(json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+    except (TypeError, ValueError):
+        return  # not JSON: `build` names it
+    if size > limits.schema_bytes:
+        raise _too_large(param, "the JSON schema", size, limits.schema_bytes)
+
+
+def check_choices(choices: Any, limits: Limits) -> None:
+    if not isinstance(choices, list):
+        return
+    if len(choices) > limits.choices:
+        raise ConstraintError(
+            "guided_choice",
+            f"'guided_choice' has {len(choices)} entries; the limit is {limits.choices}"
+            + (" (what llguidance accepts)." if limits.choices >= LLGUIDANCE_MAX_CHOICES else "."),
+        )
+    size = sum(_nbytes(c) for c in choices if isinstance(c, str))
+    if size > limits.choice_bytes:
+        raise _too_large("guided_choice", "the total of its entries", size, limits.choice_bytes)
+
+
+def _check_text(param: str, what: str, text: Any, limit: int) -> None:
+    if isinstance(text, str) and _nbytes(text) > limit:
+        raise _too_large(param, what, _nbytes(text), limit)
+
+
+def _check_one(param: str, value: Any, limits: Limits) -> None:
+    if param == "guided_choice":
+        check_choices(value, limits)
+    elif param == "regex":
+        _check_text(param, "the regex", value, limits.regex_bytes)
+    elif param == "json_schema":
+        check_schema(value, param, limits)
+    elif param == "grammar":
+        if isinstance(value, str):
+            _check_text(param, "the grammar", value, limits.grammar_bytes)
+        elif isinstance(value, dict):
+            kind, body = value.get("type"), value.get("value")
+            if kind == "json_schema":
+                check_schema(body, param, limits)
+            elif kind == "regex":
+                _check_text(param, "the regex", body, limits.regex_bytes)
+            else:
+                _check_text(param, "the grammar", body, limits.grammar_bytes)
+    elif param == "response_format" and isinstance(value, dict):
+        inner = value.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else value.get("schema")
+        if schema is not None:
+            check_schema(schema, param, limits)
 
 
 def _single_to_double_quotes(gbnf: str) -> str:
@@ -89,15 +229,10 @@ def from_choices(choices: list[str]) -> str:
     return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
-def build(
-    *,
-    grammar: Any = None,
-    json_schema: Any = None,
-    response_format: dict[str, Any] | None = None,
-    regex: str | None = None,
-    guided_choice: list[str] | None = None,
-) -> str | None:
-    """The llguidance grammar for whichever one constraint the request carries (None: no constraint)."""
+def _given(
+    grammar: Any, json_schema: Any, response_format: dict[str, Any] | None, regex: str | None, guided_choice: Any
+) -> tuple[str, Any] | None:
+    """The one constraint a request carries, as (parameter, value); None: none."""
     given = {
         k: v
         for k, v in {
@@ -115,6 +250,42 @@ def build(
     if not given:
         return None
     ((param, value),) = given.items()
+    return param, value
+
+
+def check(
+    *,
+    grammar: Any = None,
+    json_schema: Any = None,
+    response_format: dict[str, Any] | None = None,
+    regex: str | None = None,
+    guided_choice: list[str] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> tuple[str, Any] | None:
+    """Refuse, naming the parameter, a request with more than one constraint or one over `limits`;
+    cheap (nothing is compiled). Returns the constraint, (parameter, value); None: there is none."""
+    given = _given(grammar, json_schema, response_format, regex, guided_choice)
+    if given is not None:
+        _check_one(*given, limits)
+    return given
+
+
+def build(
+    *,
+    grammar: Any = None,
+    json_schema: Any = None,
+    response_format: dict[str, Any] | None = None,
+    regex: str | None = None,
+    guided_choice: list[str] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> str | None:
+    """The llguidance grammar for whichever one constraint the request carries (None: no constraint),
+    its size checked (`check`) before it is compiled."""
+    given = _given(grammar, json_schema, response_format, regex, guided_choice)
+    if given is None:
+        return None
+    param, value = given
+    _check_one(param, value, limits)
     try:
         # Every string of the value must be encodable: a lone surrogate ("\ud800") cannot cross into
         # llguidance's Rust strings, and json.dumps' ASCII escapes would otherwise smuggle one through.
@@ -172,12 +343,25 @@ def _response_format(value: dict[str, Any]) -> str:
     raise ConstraintError("response_format", f"Unknown response_format type '{kind}' (text, json_object, json_schema).")
 
 
-def tool_calls(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+def tool_calls(
+    tools: list[tuple[str, dict[str, Any]]], parallel: bool, limits: Limits = DEFAULT_LIMITS, validate: bool = True
+) -> str:
     """Lark source that forces Hermes-style calls to the given functions (`tool_choice` required or
     named): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the arguments valid
-    against the function's JSON schema; one call, or several when parallel calls are allowed."""
+    against the function's JSON schema; one call, or several when parallel calls are allowed. The
+    functions' schemas are held to the JSON schema limits (together) before anything is compiled;
+    `validate=False` leaves compiling to whoever compiles the grammar next."""
     if not tools:
         raise ConstraintError("tools", "No function to call.")
+    size = 0
+    for _, schema in tools:
+        check_schema(schema, "tools", limits)
+        try:
+            size += _nbytes(json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+        except (TypeError, ValueError):
+            pass
+        if size > limits.schema_bytes:
+            raise _too_large("tools", "the functions' parameter schemas", size, limits.schema_bytes)
     variants = []
     for name, schema in tools:
         if not isinstance(schema, dict):
@@ -194,7 +378,7 @@ def tool_calls(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
     body = {**body, "x-guidance": JSON_STYLE}
     start = r'start: call ("\n" call)*' if parallel else "start: call"
     lark = "\n".join([start, r'call: "<tool_call>\n" body "\n</tool_call>"', "body: %json " + json.dumps(body), ""])
-    error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark))
+    error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark)) if validate else None
     if error:
         raise ConstraintError("tools", f"A function's parameters cannot be enforced: {error.strip()}")
     return lark

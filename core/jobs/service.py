@@ -16,7 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import redis.asyncio as aioredis
-from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from core.config import Settings
@@ -31,12 +30,13 @@ from core.infra.autocommit import one_statement_async
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
 from core.infra.tokenizers import context_length, tokenizer_for
+from core.infra.transient import DATABASE
 from core.jobs import transitions, workers
 from core.jobs.lifecycle import Send, Submitter
 from core.jobs.states import JobState
 from core.jobs.stream import HEARTBEAT, follow
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
-from core.protocol.translate import chat_to_generation, reservation, to_generation
+from core.protocol.translate import chat_to_generation, compile_constraint, reservation, to_generation
 from core.registry import chat_template_for, resolve, settings_for
 from core.tenancy import ratelimit
 from core.tenancy.admission import admit
@@ -147,7 +147,8 @@ class Completions:
                 code="model_not_loaded",
                 headers={"retry-after": "5"},
             )
-        if small and body.model in self._warm and not body.constrained():
+        constrained = body.constrained()
+        if small and body.model in self._warm and not constrained:
             tok, ms, (params, prompts, chat) = self._prepare(body)
         else:
             tok, ms, (params, prompts, chat) = await threads.run("prepare", self._prepare, body)
@@ -168,6 +169,11 @@ class Completions:
         )
         headers |= await admit(rds, principal, job.id, job.reserved_tokens)
         try:
+            if constrained:
+                # Compiled only now, once the tenant's limits have taken the request: a tenant over its
+                # quota is refused before any grammar is built (its size was checked in `_prepare`).
+                grammar = await threads.run("prepare", compile_constraint, body, ms)
+                job.params = params.model_copy(update={"grammar": grammar}).to_json()
             await self.submit(job, cap=tenant.max_concurrent, claim=claim)
         except BaseException:
             await ratelimit.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
@@ -180,7 +186,7 @@ class Completions:
         context, batch) and the translated request."""
         tok = self.tokenizers(body.model)
         ms = settings_for(body.model, self.settings)
-        return tok, ms, translate(body, ms, tok)
+        return tok, ms, translate(body, ms, tok, compile=False)
 
     async def get(self, job_id: str, tenant_id: int) -> Job | None:
         async with self.sessions() as session:
@@ -202,7 +208,7 @@ class Completions:
         async def ended() -> Any:
             try:
                 row = await ending()
-            except (OperationalError, InterfaceError):
+            except DATABASE:
                 return None  # Postgres is restarting: keep following the stream, ask again later
             return row if row is not None and transitions.is_terminal(row.state) else None
 
@@ -220,7 +226,7 @@ class Completions:
                     try:
                         row = await ending()
                         break
-                    except (OperationalError, InterfaceError):
+                    except DATABASE:
                         await asyncio.sleep(1.0)
         except TimeoutError:
             return None
@@ -241,11 +247,12 @@ def _with_ending(job: Job, row: Any) -> Job:
 
 
 def translate(
-    body: CompletionRequest | ChatCompletionRequest, settings: Settings, tok: Tokenizer
+    body: CompletionRequest | ChatCompletionRequest, settings: Settings, tok: Tokenizer, compile: bool = True
 ) -> tuple[GenerationParams, list[Prompt], dict[str, Any] | None]:
     """Either endpoint's request -> (params, prompts, how a chat job renders; None for completions).
-    The API and the batch validator both call this."""
+    The API and the batch validator both call this. `compile=False`: a constraint is size-checked but
+    not compiled (the API compiles it after admission: `compile_constraint`)."""
     if isinstance(body, ChatCompletionRequest):
-        return chat_to_generation(body, settings, tok, chat_template_for(body.model, settings, tok))
-    params, prompts = to_generation(body, settings, tok)
+        return chat_to_generation(body, settings, tok, chat_template_for(body.model, settings, tok), compile)
+    params, prompts = to_generation(body, settings, tok, compile)
     return params, prompts, None

@@ -2,7 +2,12 @@
 
 Everything a request could get wrong that we can know before storing it is refused here with a
 400 naming the parameter: prompt shapes and token ids, the context window, parameter combinations,
-constraints that do not compile. Nothing is stored for a refused request.
+constraints too large to compile or that do not compile. Nothing is stored for a refused request.
+
+A constraint's size is checked first, before anything is compiled (core/generation/constraints.py,
+`Limits`). Compiling it may be deferred (`compile=False`): the API admits the request against the
+tenant's limits first, so a tenant over its quota never costs a compile, and then compiles it with
+`compile_constraint`.
 """
 
 from __future__ import annotations
@@ -129,7 +134,133 @@ def _bound_logprobs(
         )
 
 
-def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) -> tuple[GenerationParams, list[Prompt]]:
+# A `logit_bias` names each token of the vocabulary at most once, and the texts it names are tokenized
+# here, on the request's thread: bounded like the rest of a request (docs/parameters.md).
+LOGIT_BIAS_TEXT_BYTES = 64 * 1024  # UTF-8 bytes of all text keys together
+
+
+def logit_bias(value: dict[str, Any] | list[list[Any]] | None, tok: Tokenizer) -> dict[int, float]:
+    """`logit_bias` in every form llama.cpp's server documents, as {token id: bias}.
+
+    - OpenAI's `{"token id": bias}`;
+    - `{"text": bias}`: a key that is not an integer is a text, tokenized by the model's tokenizer
+      (no BOS), and every token of it gets the bias (llama.cpp: `common_tokenize(vocab, key, false)`);
+    - `[[token id, bias], ["text", bias], ...]`: in the array form a string is always a text;
+    - a bias of `false` bans the token(s): -inf, not merely -100 (llama.cpp's -INFINITY).
+
+    A token named more than once takes its last bias. Out-of-range ids, empty texts, `true` and
+    biases outside -100..100 are 400s naming `logit_bias` (llama.cpp skips them silently)."""
+    if not value:
+        return {}
+    entries: list[tuple[Any, Any, bool]]  # (key, bias, whether a string key may be a token id)
+    if isinstance(value, dict):
+        entries = [(k, v, True) for k, v in value.items()]
+    else:
+        entries = [(pair[0], pair[1], False) for pair in value]
+    if len(entries) > tok.n_vocab:
+        raise bad(
+            "logit_bias",
+            f"logit_bias has {len(entries)} entries; the model has {tok.n_vocab} tokens, so at most {tok.n_vocab}.",
+        )
+    text_bytes = 0
+    out: dict[int, float] = {}
+    for key, raw, ids_as_text in entries:
+        shown = str(key)[:100]
+        if raw is False:
+            b = float("-inf")
+        elif isinstance(raw, bool) or not isinstance(raw, (int, float)) or not -100 <= raw <= 100:
+            raise bad(
+                "logit_bias",
+                f"The logit_bias of '{shown}' must be a number from -100 to 100, or false to ban it; got {raw!r}.",
+            )
+        else:
+            b = float(raw)
+        # ASCII digits only: str.isdigit() also accepts "²", which is a text (as llama.cpp's strtol reads it).
+        if (isinstance(key, int) and not isinstance(key, bool)) or (ids_as_text and _TOKEN_ID.fullmatch(key)):
+            t = int(key)
+            if not 0 <= t < tok.n_vocab:
+                raise bad("logit_bias", f"logit_bias key '{shown}' is not a token id (0..{tok.n_vocab - 1}).")
+            out[t] = b
+            continue
+        if not isinstance(key, str):
+            raise bad("logit_bias", f"A logit_bias entry must start with a token id or a text; got {key!r}.")
+        if not key:
+            raise bad("logit_bias", "A logit_bias text must not be empty.")
+        text_bytes += len(key.encode("utf-8", "surrogatepass"))
+        if text_bytes > LOGIT_BIAS_TEXT_BYTES:
+            raise bad(
+                "logit_bias",
+                f"logit_bias's texts are too long together: the limit is {LOGIT_BIAS_TEXT_BYTES} bytes (UTF-8).",
+            )
+        try:
+            ids = tok.encode(key, add_special=False)
+        except UnicodeEncodeError as exc:
+            raise bad("logit_bias", f"The logit_bias text '{shown}' is not valid Unicode: {exc.reason}.") from exc
+        for t in ids:
+            out[t] = b
+    return out
+
+
+def limits_of(settings: Settings) -> constraints.Limits:
+    return constraints.Limits(
+        choices=settings.max_guided_choices,
+        choice_bytes=settings.max_guided_choice_bytes,
+        grammar_bytes=settings.max_grammar_bytes,
+        regex_bytes=settings.max_regex_bytes,
+        schema_bytes=settings.max_json_schema_bytes,
+        schema_depth=settings.max_json_schema_depth,
+    )
+
+
+def _constraint_args(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    return {
+        "grammar": req.grammar.model_dump() if isinstance(req.grammar, GrammarSpec) else req.grammar,
+        "json_schema": req.json_schema,
+        "response_format": req.response_format,
+        "regex": req.regex,
+        "guided_choice": req.guided_choice,
+    }
+
+
+def _constraint(req: CompletionRequest, settings: Settings, compile: bool) -> tuple[str | None, bool]:
+    """(the compiled grammar, or None when there is none or `compile` is False; whether the request
+    carries a constraint). Its size is checked either way, before anything is compiled."""
+    args, limits = _constraint_args(req), limits_of(settings)
+    try:
+        given = constraints.check(**args, limits=limits)
+        if given is None:
+            return None, False
+        # An empty value (`guided_choice: []`, `json_schema: {}`) costs nothing to build: built now,
+        # so the caller's `body.constrained()` (which counts only non-empty ones) never misses one.
+        return (constraints.build(**args, limits=limits) if compile or not given[1] else None), True
+    except constraints.ConstraintError as exc:
+        raise bad(exc.param, str(exc), code="invalid_constraint") from exc
+
+
+def compile_constraint(req: CompletionRequest | ChatCompletionRequest, settings: Settings) -> str | None:
+    """The grammar of a request translated with `compile=False` (None: it has no constraint); the
+    same 400s a compiling translation gives."""
+    if isinstance(req, ChatCompletionRequest):
+        forced, _, _ = _tool_constraint(req, settings)
+        if forced is not None:
+            try:
+                return constraints.build(grammar={"type": "lark", "value": forced}, limits=limits_of(settings))
+            except constraints.ConstraintError as exc:
+                raise _tools_error(exc) from exc
+    grammar, _ = _constraint(req, settings, compile=True)  # type: ignore[arg-type]
+    return grammar
+
+
+def _tools_error(exc: Exception) -> DomainError:
+    why = exc.message if isinstance(exc, DomainError) else str(exc)
+    return bad("tools", f"A function's parameters cannot be enforced: {why}", code="invalid_constraint")
+
+
+def to_generation(
+    req: CompletionRequest, settings: Settings, tok: Tokenizer, compile: bool = True
+) -> tuple[GenerationParams, list[Prompt]]:
+    """`compile=False`: the constraint is checked (its size, one per request) but not compiled, and
+    `params.grammar` is left None for `compile_constraint` to fill in."""
     native = sorted(LLAMACPP_UNSUPPORTED & set(req.model_extra or {}))
     if native:
         raise bad(native[0], f"llama.cpp's '{native[0]}' is not supported by Spool.", "unsupported_parameter")
@@ -164,23 +295,9 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
     if isinstance(logprobs, bool):
         logprobs = 1 if logprobs else None
 
-    bias: dict[int, float] = {}
-    for key, value in (req.logit_bias or {}).items():
-        # ASCII digits only: str.isdigit() also accepts "²", which int() then refuses.
-        if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < tok.n_vocab:
-            raise bad("logit_bias", f"logit_bias key '{key}' is not a token id (0..{tok.n_vocab - 1}).")
-        bias[int(key)] = value
+    bias = logit_bias(req.logit_bias, tok)
 
-    try:
-        grammar = constraints.build(
-            grammar=req.grammar.model_dump() if isinstance(req.grammar, GrammarSpec) else req.grammar,
-            json_schema=req.json_schema,
-            response_format=req.response_format,
-            regex=req.regex,
-            guided_choice=req.guided_choice,
-        )
-    except constraints.ConstraintError as exc:
-        raise bad(exc.param, str(exc), code="invalid_constraint") from exc
+    grammar, constrained = _constraint(req, settings, compile)
 
     try:
         prompts = prompts_of(req, tok)
@@ -236,7 +353,9 @@ def to_generation(req: CompletionRequest, settings: Settings, tok: Tokenizer) ->
         grammar=grammar,
         cache_prompt=True if req.cache_prompt is None else req.cache_prompt,
     )
-    for name in capabilities.unsupported(settings.engine, params):
+    # A constraint not compiled yet still asks the engine whether it can honour one.
+    asked = params.model_copy(update={"grammar": "pending"}) if constrained and grammar is None else params
+    for name in capabilities.unsupported(settings.engine, asked):
         raise bad(
             name,
             f"The '{settings.engine}' engine serving '{req.model}' cannot honour '{name}' with this value.",
@@ -293,9 +412,9 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_constraint(req: ChatCompletionRequest) -> tuple[str | None, bool, list[str]]:
-    """(the grammar that forces a valid call, whether calls are parsed out of the text, the
-    functions it forces)."""
+def _tool_constraint(req: ChatCompletionRequest, settings: Settings) -> tuple[str | None, bool, list[str]]:
+    """(the lark source of the grammar that forces a valid call, not compiled yet; whether calls are
+    parsed out of the text; the functions it forces). The functions' schemas are size-checked here."""
     tools = req.tools or []
     choice = req.tool_choice
     if not tools:
@@ -318,6 +437,8 @@ def _tool_constraint(req: ChatCompletionRequest) -> tuple[str | None, bool, list
             constraints.tool_calls(
                 [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen],
                 parallel=req.parallel_tool_calls is not False and len(chosen) > 1,
+                limits=limits_of(settings),
+                validate=False,  # compiled once, with the request's grammar (to_generation / compile_constraint)
             ),
             True,
             names,
@@ -366,11 +487,12 @@ def _chat_param(exc: DomainError, req: ChatCompletionRequest) -> DomainError:
 
 
 def chat_to_generation(
-    req: ChatCompletionRequest, settings: Settings, tok: Tokenizer, template: str | None
+    req: ChatCompletionRequest, settings: Settings, tok: Tokenizer, template: str | None, compile: bool = True
 ) -> tuple[GenerationParams, list[Prompt], dict[str, Any]]:
     """A chat request -> (params, prompts, how to render it). The conversation becomes one token-id
-    prompt; every other field goes through the completions translation, so bounds and errors agree."""
-    forced, parse_tools, forced_names = _tool_constraint(req)
+    prompt; every other field goes through the completions translation, so bounds and errors agree.
+    `compile=False`: as in `to_generation`."""
+    forced, parse_tools, forced_names = _tool_constraint(req, settings)
     ids = chat_prompt(req, tok, template)
     shared = {f: getattr(req, f) for f in req.model_fields_set - _CHAT_ONLY if f in type(req).model_fields}
     shared = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in shared.items()}
@@ -395,8 +517,10 @@ def chat_to_generation(
         # Chat's range (top_logprobs 0..20) is not completions' (logprobs 0..5): set after validation.
         completion = completion.model_copy(update={"logprobs": req.top_logprobs or 0})
     try:
-        params, prompts = to_generation(completion, settings, tok)
+        params, prompts = to_generation(completion, settings, tok, compile)
     except DomainError as exc:
+        if forced is not None and exc.param == "grammar":  # the forced call's grammar: the tools' schemas
+            raise _tools_error(exc) from exc
         _chat_param(exc, req)
         raise
     meta: dict[str, Any] = {"tools": parse_tools, "top_logprobs": req.top_logprobs or 0 if req.logprobs else None}
