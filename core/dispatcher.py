@@ -22,7 +22,7 @@ from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
 from core.generation.events import ErrorInfo, Failed
-from core.infra import heap, redis_keys
+from core.infra import heap, redis_keys, transient
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.db import Listener
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
@@ -47,6 +47,7 @@ class Dispatcher:
         self._next_sweep = 0.0
         self._next_upkeep = 0.0
         self.batches_pending = False  # the last batch pass stopped at a full slice
+        self.batch_rotation = batches.Rotation()  # where each tenant's last keeper pass stopped
         # Free batch slots a woken pass waits for: a message's worth, but no more than a worker
         # holds in reserve (its prefetched lines are what keeps its engine full until then).
         self.refill_at = max(1, min(settings.batch_group, settings.prefetch_for(settings.max_batch)))
@@ -101,7 +102,7 @@ class Dispatcher:
         expiring or finalizing a huge batch must not hold up dispatch, reaping and re-sends."""
         s = self.settings
         counts: dict[str, int] = {}
-        done = batches.advance(self.sessions, self.lifecycle)
+        done = batches.advance(self.sessions, self.lifecycle, rotation=self.batch_rotation)
         counts["batches_ended"] = done.ended
         self.batches_pending = done.more
         with self.sessions() as session:
@@ -139,8 +140,11 @@ class Dispatcher:
             started = time.monotonic()
             try:
                 self.keep_batches()
-            except Exception:
-                log.exception("batch bookkeeping failed; retrying")
+            except Exception as exc:
+                if not transient.is_transient(exc):
+                    log.exception("batch bookkeeping failed; retrying")
+                else:
+                    log.warning("batch bookkeeping: Postgres/Redis unavailable (%r); retrying", exc)
             if self.batches_pending:
                 # A batch stopped at a full slice: go on with it soon, but rest as long as the pass
                 # took, so working through a huge batch takes at most half a core from the others.
@@ -241,8 +245,11 @@ class Dispatcher:
             sent = 0
             try:
                 sent = self.tick(woken=eager).get("sent", 0)
-            except Exception:
-                log.exception("dispatcher tick failed; retrying")
+            except Exception as exc:  # Postgres/Redis unavailable: the next tick tries again, nothing fails
+                if not transient.is_transient(exc):
+                    log.exception("dispatcher tick failed; retrying")
+                else:
+                    log.warning("dispatcher tick: Postgres/Redis unavailable (%r); retrying", exc)
             # While it has work to hand out, refill the queues as soon as workers drain them: a
             # fixed period would cap short batch lines at queue_depth per period.
             pause = 0.02 if sent else self.settings.dispatcher_interval_s - (time.monotonic() - started)

@@ -3,6 +3,8 @@
 - files past `expires_at` (uploads: 30 days; batch outputs: like OpenAI's, 30 days): content
   deleted, the row kept as `deleted` for batches that name it;
 - finished jobs older than `SPOOL_RETENTION_JOBS_DAYS` (batch lines once their batch has ended);
+- batches that ended (completed, failed, expired, cancelled) more than `SPOOL_RETENTION_BATCHES_DAYS`
+  ago, once none of their lines is left (so a line is never left without the batch that lets it go);
 - Idempotency-Keys older than `SPOOL_IDEMPOTENCY_TTL_H`.
 Event streams expire in Redis by themselves (`SPOOL_EVENTS_TTL_S`). Each step deletes in slices, so
 a large backlog never holds long locks.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
@@ -27,7 +29,7 @@ TERMINAL = [JobState.succeeded.value, JobState.failed.value, JobState.cancelled.
 
 
 def sweep(sessions: sessionmaker[Session], settings: Settings, slice_rows: int = 5000) -> dict[str, int]:
-    counts = {"files": 0, "jobs": 0, "keys": 0}
+    counts = {"files": 0, "jobs": 0, "batches": 0, "keys": 0}
     with sessions() as s:
         expired = s.scalars(
             select(File.id)
@@ -45,11 +47,25 @@ def sweep(sessions: sessionmaker[Session], settings: Settings, slice_rows: int =
             .where(
                 Job.state.in_(TERMINAL),
                 Job.finished_at < cutoff,
-                or_(Job.batch_id.is_(None), and_(Batch.status.in_([b.value for b in FINAL]))),
+                # A line goes once its batch has ended (or is gone: nothing could end it any more).
+                or_(Job.batch_id.is_(None), Batch.id.is_(None), Batch.status.in_([b.value for b in FINAL])),
             )
             .limit(slice_rows)
         )
         counts["jobs"] = len(s.execute(delete(Job).where(Job.id.in_(old.scalar_subquery())).returning(Job.id)).all())
+        # Batches after their lines (this sweep's deletions included): one probe of ix_jobs_batch_state each.
+        ended_at = func.coalesce(Batch.completed_at, Batch.failed_at, Batch.expired_at, Batch.cancelled_at)
+        ended = (
+            select(Batch.id)
+            .where(
+                Batch.status.in_([b.value for b in FINAL]),
+                ended_at < func.now() - timedelta(days=settings.retention_batches_days),
+                ~exists().where(Job.batch_id == Batch.id),
+            )
+            .limit(slice_rows)
+        )
+        gone = s.execute(delete(Batch).where(Batch.id.in_(ended.scalar_subquery())).returning(Batch.id)).all()
+        counts["batches"] = len(gone)
         keys = idempotency.expired(settings.idempotency_ttl_h).returning(idempotency.IdempotencyKey.key)
         counts["keys"] = len(s.execute(keys).all())
         s.commit()

@@ -20,7 +20,6 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import select, update
-from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches.status import BatchStatus, cancelled, rejected, validated
@@ -28,9 +27,9 @@ from core.config import Settings
 from core.errors import DomainError
 from core.files import storage as files
 from core.infra import redis_keys
-from core.infra.kv import TRANSIENT as REDIS_DOWN
 from core.infra.orm import Batch
 from core.infra.tokenizers import context_length, tokenizer_for
+from core.infra.transient import TRANSIENT
 from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.service import translate
@@ -42,7 +41,6 @@ from core.protocol.translate import reservation
 from core.registry import resolve, settings_for
 
 log = logging.getLogger(__name__)
-TRANSIENT = (*REDIS_DOWN, OperationalError, InterfaceError)
 
 # One request type per batch endpoint (a batch has one endpoint; a line naming another is an error).
 REQUESTS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
@@ -51,10 +49,35 @@ REQUESTS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
 }
 
 
+# What an error message quotes of a client's own strings (a custom_id, a model name, a field name):
+# enough to find it, never the whole of it (`batches.errors` lists up to SPOOL_BATCH_MAX_ERRORS entries).
+QUOTE_CHARS = 100
+# A whole message or param built by shared validation (pydantic's paths, translate's wording), clipped
+# the same way as a last resort: a long dict key or path still cannot blow an entry up.
+MESSAGE_CHARS = 500
+
+
+def clip(text: object, limit: int = QUOTE_CHARS) -> str:
+    """`text` cut to `limit` characters, with an ellipsis when cut."""
+    s = str(text)
+    return s if len(s) <= limit else s[:limit] + "…"
+
+
+def _unquote_long(message: str, param: str | None) -> str:
+    """A message written by shared validation that quotes a client's path (a dict key in it) in full."""
+    if param and len(param) > QUOTE_CHARS:
+        return message.replace(param, clip(param))
+    return message
+
+
 class _LineError(Exception):
     def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.entry = {"code": code, "message": message, "param": param}
+        self.entry = {
+            "code": code,
+            "message": clip(message, MESSAGE_CHARS),
+            "param": None if param is None else clip(param),
+        }
 
 
 def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str, Any]:
@@ -78,7 +101,9 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         raise _LineError("mismatched_url", f"'url' must be the batch's endpoint, {b.endpoint}.", "url")
     extra = set(obj) - {"custom_id", "method", "url", "body"}
     if extra:
-        raise _LineError("invalid_request", f"Unknown fields on the line: {sorted(extra)}.")
+        names = sorted(extra)
+        shown = ", ".join(repr(clip(n)) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise _LineError("invalid_request", f"Unknown fields on the line: {shown}.")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise _LineError("invalid_request", "'body' must be a JSON object.", "body")
@@ -86,23 +111,25 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         req = REQUESTS[b.endpoint].model_validate(body)
     except ValidationError as exc:
         err = from_validation(exc.errors())  # the same wording an interactive request would get
-        raise _LineError(err.code or "invalid_request", err.message, err.param and f"body.{err.param}") from exc
+        message = _unquote_long(err.message, err.param)
+        raise _LineError(err.code or "invalid_request", message, err.param and f"body.{err.param}") from exc
     unknown = req.unknown_fields()
     if unknown and settings.unknown_params != "ignore":
         raise _LineError(
-            "unknown_parameter", f"Unrecognized request argument supplied: {unknown[0]}", f"body.{unknown[0]}"
+            "unknown_parameter", f"Unrecognized request argument supplied: {clip(unknown[0])}", f"body.{unknown[0]}"
         )
     if req.stream:
         raise _LineError("invalid_request", "'stream' is not supported in a batch.", "body.stream")
     served = resolve(req.model, settings)
     if served is None:
-        raise _LineError("model_not_found", f"The model '{req.model}' does not exist.", "body.model")
+        raise _LineError("model_not_found", f"The model '{clip(req.model)}' does not exist.", "body.model")
     req.model = served
     ms, tok = settings_for(req.model, settings), tokenizer_for(req.model)
     try:
         params, prompts, chat = translate(req, ms, tok)
     except DomainError as exc:
-        raise _LineError(exc.code or "invalid_request", exc.message, exc.param and f"body.{exc.param}") from exc
+        message = _unquote_long(exc.message, exc.param)
+        raise _LineError(exc.code or "invalid_request", message, exc.param and f"body.{exc.param}") from exc
     # A plain row for COPY (no ORM object): the columns jobs.new_job fills.
     return {
         "id": jobs.new_job_id(),
@@ -281,7 +308,7 @@ def validate(sessions: sessionmaker[Session], batch_id: str, settings: Settings)
                         {
                             "code": "duplicate_custom_id",
                             "param": "custom_id",
-                            "message": f"custom_id '{custom_id}' appears on an earlier line.",
+                            "message": f"custom_id '{clip(custom_id)}' appears on an earlier line.",
                         },
                     )
             if total and not errors:
@@ -387,7 +414,7 @@ def _wake_dispatcher(rds: Any) -> None:
     """The lines start now rather than at the dispatcher's next tick; without Redis they start then."""
     try:
         workers.wake_dispatcher(rds)
-    except REDIS_DOWN:
+    except TRANSIENT:
         log.warning("batch validated; could not wake the dispatcher: its lines start at its next tick")
 
 

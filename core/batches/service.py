@@ -11,6 +11,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
 from core.batches import progress, webhooks
@@ -21,6 +22,8 @@ from core.files import storage as files
 from core.idempotency import Claim
 from core.infra import redis_keys, threads
 from core.infra.orm import Batch
+from core.protocol import render
+from core.protocol.schemas import metadata_problem
 from core.tenancy.keys import Principal
 
 log = logging.getLogger(__name__)
@@ -61,8 +64,12 @@ async def create(
 ) -> Batch:
     if endpoint not in ENDPOINTS:
         raise invalid("endpoint", f"Unsupported endpoint '{endpoint}': Spool batches {sorted(ENDPOINTS)}.")
-    if progress.window_seconds(completion_window) is None:
-        raise invalid("completion_window", "completion_window must be '24h' (or a duration like '30m', '2h').")
+    window_problem = progress.window_problem(completion_window)  # 1 s to progress.MAX_WINDOW_S
+    if window_problem is not None:
+        raise invalid("completion_window", window_problem)
+    meta_problem = metadata_problem(metadata)  # OpenAI's limits: 16 pairs, keys 64, values 512 characters
+    if meta_problem is not None:
+        raise invalid("metadata", meta_problem)
     if webhook_url:
         try:
             await threads.run("dns", webhooks.check_url, webhook_url, settings)  # a DNS lookup, on its own threads
@@ -107,16 +114,27 @@ async def _wake_validator(rds: aioredis.Redis, batch_id: str) -> None:
         log.warning("batch %s stored; could not wake a validator (%s): it starts at the next poll", batch_id, exc)
 
 
-async def list_page(
-    session: AsyncSession, tenant_id: int, limit: int, after: str | None
-) -> tuple[list[dict[str, Any]], bool]:
-    stmt = select(Batch).where(Batch.tenant_id == tenant_id)
-    if after:
-        cursor = (await session.execute(select(Batch).where(Batch.id == after, Batch.tenant_id == tenant_id))).scalar()
-        if cursor is not None:
-            stmt = stmt.where(Batch.created_at < cursor.created_at)
-    rows = (await session.execute(stmt.order_by(Batch.created_at.desc()).limit(limit + 1))).scalars().all()
-    return [await view(session, b) for b in rows[:limit]], len(rows) > limit
+# Reads whose answer's size the client controls (metadata): synchronous, for a thread
+# (api/bodies.json_response), so the rows are decoded and rendered off the API's event loop.
+def list_page(sessions: sessionmaker[Session], tenant_id: int, limit: int, after: str | None) -> dict[str, Any]:
+    """A page of the tenant's batches, newest first, as OpenAI's list object."""
+    with sessions() as s:
+        stmt = select(Batch).where(Batch.tenant_id == tenant_id)
+        if after:
+            cursor = s.scalar(select(Batch.created_at).where(Batch.id == after, Batch.tenant_id == tenant_id))
+            if cursor is not None:
+                stmt = stmt.where(Batch.created_at < cursor)
+        rows = s.scalars(stmt.order_by(Batch.created_at.desc()).limit(limit + 1)).all()
+        return render.page([progress.batch_json(b) for b in rows[:limit]], len(rows) > limit)
+
+
+def retrieve(sessions: sessionmaker[Session], batch_id: str, tenant_id: int) -> dict[str, Any]:
+    """One batch object of the tenant's (a 404 for anyone else's)."""
+    with sessions() as s:
+        b = s.scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id))
+        if b is None:
+            raise _not_found(batch_id)
+        return progress.batch_json(b)
 
 
 async def cancel(session: AsyncSession, batch_id: str, tenant_id: int) -> Batch:

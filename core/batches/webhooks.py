@@ -1,13 +1,17 @@
 """Batch webhooks: the ledger decides when, a Celery task delivers (never the dispatcher loop).
 
-- The dispatcher only *schedules*: `claim_due` stamps each due delivery with a lease (`next_at` in
-  the future) and the caller sends one `spool.deliver_webhook` task per batch. A lost message or a
-  worker killed mid-delivery costs one lease; a slow receiver holds one worker thread for at most
-  `SPOOL_WEBHOOK_TIMEOUT_S`, never dispatching or crash recovery.
+- The dispatcher only *schedules*: `claim_due` stamps each due delivery with a lease (`next_at` and
+  `lease` in the future) and the caller sends one `spool.deliver_webhook` task per batch. A lost
+  message or a worker killed mid-delivery costs one lease; a slow receiver holds one worker thread
+  for at most `SPOOL_WEBHOOK_TIMEOUT_S`, never dispatching or crash recovery.
+- Claiming is fair across tenants: at most `PER_TENANT_IN_FLIGHT` deliveries of one tenant are leased
+  at once, and every tenant's oldest due delivery is claimed before any tenant's next, so one tenant
+  with hundreds of ended batches and a slow receiver never keeps another tenant's webhook waiting.
 - `deliver` makes one attempt: the address guard (loopback, private, link-local, metadata and other
   non-global addresses refused unless `SPOOL_WEBHOOK_ALLOW` lists them) on the *resolved* address,
   which is then the one connected to (no second lookup to rebind); no redirects; one deadline for the
-  whole exchange. Failures back off (doubling, 10 tries).
+  whole exchange, the DNS lookup included. Hosts are ASCII (an internationalized name is given in
+  its punycode `xn--` form). Failures back off (doubling, 10 tries).
 - Signatures follow Standard Webhooks (`webhook-id`, `webhook-timestamp`, `webhook-signature`), so a
   receiver verifies with off-the-shelf code; each tenant has its own `whsec_` secret.
 """
@@ -22,12 +26,13 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
@@ -38,6 +43,9 @@ from core.infra.orm import Batch, Tenant
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 10
 MAX_RESPONSE_BYTES = 64 * 1024  # what a receiver's answer may cost us to read
+# Deliveries of one tenant leased at once (claim_due) and running at once in one process (Pool).
+PER_TENANT_IN_FLIGHT = 2
+CLAIM_LIMIT = 200  # deliveries one claim hands out, all tenants together (in fair order)
 
 
 class RefusedAddress(ValueError):
@@ -135,13 +143,19 @@ def resolve(url: str, allow: list[str]) -> tuple[str, str]:
         raise RefusedAddress("webhook_url must be an http(s) URL with a host.")
     if parts.username or parts.password:
         raise RefusedAddress("webhook_url may not carry credentials.")
+    if not parts.netloc.isascii():
+        # IDNA 2003 (Python's codec) and 2008 (browsers) map some names differently, and httpx sends
+        # ASCII headers only: the client says which name it means, in its punycode form.
+        raise RefusedAddress(
+            "webhook_url's host must be ASCII: give an internationalized domain name in its punycode form (xn--...)."
+        )
     host = parts.hostname
     if host in allow:
         return host, host
     try:
         infos = socket.getaddrinfo(host, port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise RefusedAddress(f"webhook_url's host '{host}' does not resolve.") from exc
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise RefusedAddress(f"webhook_url's host '{host[:100]}' does not resolve.") from exc
     addrs = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     for ip in addrs:
         if not _allowed(ip, allow):
@@ -163,25 +177,70 @@ def backoff_s(attempts: int, base: float) -> float:
     return min(base * 2 ** (attempts - 1), 3600.0)
 
 
-def claim_due(session: Session, lease_s: float, limit: int = 50) -> list[Batch]:
+def _with_webhook() -> ColumnElement[bool]:
+    return and_(Batch.status.in_([s.value for s in FINAL]), Batch.webhook_url.isnot(None))
+
+
+def _is_due(now: datetime) -> ColumnElement[bool]:
+    """Never tried, or a retry (or a lapsed lease) is due. Delivered or abandoned: no next_at."""
+    next_at = Batch.webhook_state["next_at"].astext.cast(Batch.created_at.type)
+    return and_(_with_webhook(), or_(Batch.webhook_state.is_(None), next_at <= now))
+
+
+def _in_flight(now: datetime) -> ColumnElement[bool]:
+    """Claimed, neither reported back (`deliver` drops the lease) nor past its lease."""
+    lease = Batch.webhook_state["lease"].astext.cast(Batch.created_at.type)
+    next_at = Batch.webhook_state["next_at"].astext.cast(Batch.created_at.type)
+    return and_(_with_webhook(), lease > now, next_at > now)
+
+
+def claim_due(
+    session: Session, lease_s: float, limit: int = CLAIM_LIMIT, per_tenant: int = PER_TENANT_IN_FLIGHT
+) -> list[Batch]:
     """Ended batches whose webhook is due, each leased for `lease_s` so that a lost task is re-sent
     once the lease passes and a delivered one is never sent twice at once. The caller renders each
-    batch's final state into the task (workers never render the wire protocol)."""
+    batch's final state into the task (workers never render the wire protocol).
+
+    Fair across tenants: a tenant gets at most `per_tenant` deliveries in flight (those leased and
+    not yet reported count), and the claim takes every tenant's oldest due delivery before any
+    tenant's second, so a tenant with hundreds due (and a slow receiver) never holds another's back.
+    Claims are serialized (a transaction-scoped advisory lock): two dispatchers never both fill a
+    tenant's room."""
     now = datetime.now(UTC)
-    due = session.scalars(
-        select(Batch)
-        .where(
-            Batch.status.in_([s.value for s in FINAL]),
-            Batch.webhook_url.isnot(None),
-            # Never tried, or a retry (or a lapsed lease) is due. Delivered or abandoned: no next_at.
-            or_(
-                Batch.webhook_state.is_(None), Batch.webhook_state["next_at"].astext.cast(Batch.created_at.type) <= now
-            ),
-        )
-        .order_by(Batch.created_at)
-        .limit(limit)
-        .with_for_update(skip_locked=True)
+    session.execute(text("SELECT pg_advisory_xact_lock(hashtext('spool:webhook-claim'))"))
+    flying: dict[int, int] = {
+        tenant_id: n
+        for tenant_id, n in session.execute(
+            select(Batch.tenant_id, func.count()).where(_in_flight(now)).group_by(Batch.tenant_id)
+        ).all()
+    }
+    rank = func.row_number().over(partition_by=Batch.tenant_id, order_by=(Batch.created_at, Batch.id))
+    ranked = select(Batch.id, Batch.tenant_id, rank.label("rank")).where(_is_due(now)).subquery()
+    candidates = session.execute(
+        select(ranked.c.id, ranked.c.tenant_id)
+        .where(ranked.c.rank <= per_tenant)
+        .order_by(ranked.c.rank, ranked.c.tenant_id)  # each tenant's first, then each one's second
     ).all()
+    room: dict[int, int] = {}
+    order: dict[str, int] = {}
+    for batch_id, tenant_id in candidates:
+        left = room.setdefault(tenant_id, per_tenant - flying.get(tenant_id, 0))
+        if left <= 0:
+            continue
+        room[tenant_id] = left - 1
+        order[batch_id] = len(order)
+        if len(order) >= limit:
+            break
+    if not order:
+        session.commit()
+        return []
+    # Locked and checked again: a delivery reported back or claimed meanwhile is not taken twice.
+    due = sorted(
+        session.scalars(
+            select(Batch).where(Batch.id.in_(list(order)), _is_due(now)).with_for_update(skip_locked=True)
+        ).all(),
+        key=lambda b: order[b.id],
+    )
     sent = []
     for b in due:
         # The attempt is counted here, when it is claimed: a delivery whose task never reports back
@@ -193,26 +252,42 @@ def claim_due(session: Session, lease_s: float, limit: int = 50) -> list[Batch]:
             state["gave_up"] = now.isoformat()
             log.warning("webhook for %s given up after %d attempts", b.id, MAX_ATTEMPTS)
         else:
-            state["next_at"] = (now + timedelta(seconds=lease_s)).isoformat()
+            state["next_at"] = state["lease"] = (now + timedelta(seconds=lease_s)).isoformat()
             sent.append(b)
         b.webhook_state = state
     session.commit()
     return sent
 
 
+# DNS lookups of deliveries: the system resolver has no deadline of its own, so a lookup runs here and
+# the delivery waits for it only until its deadline (a hung lookup then holds a thread of this pool,
+# never a delivery thread past its deadline).
+_DNS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="webhook-dns")
+
+
 def _post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
-    """One POST to the guarded address, no redirects, within one deadline for the whole exchange."""
-    host, addr = resolve(url, settings.webhook_allow_list)
-    return asyncio.run(_post_pinned(url, host, addr, body, headers, settings))
+    """One POST to the guarded address, no redirects, within one deadline for the whole exchange,
+    the DNS lookup included (TimeoutError past it)."""
+    limit = settings.webhook_timeout_s
+    deadline = time.monotonic() + limit
+    lookup = _DNS.submit(resolve, url, settings.webhook_allow_list)
+    try:
+        host, addr = lookup.result(timeout=limit)
+    except TimeoutError:  # concurrent.futures' TimeoutError is the builtin one (3.11+)
+        lookup.cancel()
+        raise
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return asyncio.run(_post_pinned(url, host, addr, body, headers, left))
 
 
-async def _post_pinned(url: str, host: str, addr: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
+async def _post_pinned(url: str, host: str, addr: str, body: bytes, headers: dict[str, str], limit: float) -> int:
     # httpx's timeouts are per network operation: a receiver that drips its status line or headers one
     # byte at a time would hold this thread for ever. One asyncio deadline covers connect, headers and body.
     parts = urlsplit(url)
     netloc = (f"[{addr}]" if ":" in addr else addr) + (f":{parts.port}" if parts.port else "")
     pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
-    limit = settings.webhook_timeout_s
     timeout = httpx.Timeout(limit, connect=min(5.0, limit))
     ext = {"sni_hostname": host} if parts.scheme == "https" else {}
     status: int | None = None
@@ -253,7 +328,7 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
         if b is None or b.webhook_url is None or (b.webhook_state or {}).get("next_at") is None:
             return "nothing"  # delivered, abandoned, or deleted meanwhile
         secret = secret_for(s, b.tenant_id)
-        state = {k: v for k, v in (b.webhook_state or {}).items() if k not in ("next_at", "last_error")}
+        state = {k: v for k, v in (b.webhook_state or {}).items() if k not in ("next_at", "lease", "last_error")}
         msg_id, url, rid = f"msg_{batch_id}_{b.status}", b.webhook_url, b.request_id
     state["attempts"] = max(1, state.get("attempts", 0))  # counted by claim_due
     ok = False
@@ -270,6 +345,9 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
         state["last_error"] = type(exc).__name__
     except TimeoutError:
         state["last_error"] = f"no answer within {settings.webhook_timeout_s:g} s"
+    except Exception as exc:  # anything else one attempt meets is a failed attempt, never a lost delivery
+        log.warning("webhook for %s: attempt failed (%s)", batch_id, type(exc).__name__, exc_info=True)
+        state["last_error"] = type(exc).__name__
     now = datetime.now(UTC)
     if ok:
         state["delivered"] = now.isoformat()
@@ -293,7 +371,7 @@ class Pool:
     most `per_tenant` deliveries of one tenant are in flight in this process; one more is deferred
     (its claim and its attempt given back), so one tenant's slow receivers cannot take every thread."""
 
-    def __init__(self, threads: int = 4, per_tenant: int = 2) -> None:
+    def __init__(self, threads: int = 4, per_tenant: int = PER_TENANT_IN_FLIGHT) -> None:
         self._exec = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="webhook")
         self._lock = threading.Lock()
         self._flight: dict[int, int] = {}
@@ -335,5 +413,6 @@ def _defer(sessions: sessionmaker[Session], batch_id: str, delay_s: float) -> No
         if b is not None and b.webhook_state and b.webhook_state.get("next_at"):
             due = datetime.now(UTC) + timedelta(seconds=max(delay_s, 0.5))
             attempts = max(0, b.webhook_state.get("attempts", 1) - 1)
-            b.webhook_state = {**b.webhook_state, "attempts": attempts, "next_at": due.isoformat()}
+            state = {k: v for k, v in b.webhook_state.items() if k != "lease"}  # no longer in flight
+            b.webhook_state = {**state, "attempts": attempts, "next_at": due.isoformat()}
             s.commit()

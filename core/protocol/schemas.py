@@ -60,6 +60,11 @@ def _integral(v: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_integral)]
 
+# One `logit_bias` value: a number added to the logit, or llama.cpp's `false` (the token is banned).
+LogitBias = Annotated[Float, Field(ge=-100, le=100)] | Literal[False]
+# llama.cpp's array form: [token id or text, bias]; its parts are checked in translate.py (by position).
+LogitBiasPair = Annotated[list[int | str | Float | bool], Field(min_length=2, max_length=2)]
+
 # llama.cpp's native names its clients send to /v1/completions that Spool cannot honour: refused by
 # name whatever SPOOL_UNKNOWN_PARAMS says (the ones it can honour are aliases above).
 LLAMACPP_UNSUPPORTED = frozenset(
@@ -129,7 +134,9 @@ class _GenerationRequest(BaseModel):
     mirostat_eta: Annotated[Float, Field(ge=0)] | None = Field(
         None, validation_alias=AliasChoices("mirostat_eta", "mirostat_lr")
     )
-    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None
+    # OpenAI's {"token id": bias} and llama.cpp's forms: {"text": bias}, [[id, bias]], [["text", bias]],
+    # and `false` as a bias that bans the token(s). Ids, texts and bounds are read in translate.py.
+    logit_bias: dict[str, LogitBias] | list[LogitBiasPair] | None = None
     seed: Annotated[Int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # negative: no seed (llama.cpp's -1)
     # Stopping and choices
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # OpenAI says 4; llama.cpp takes more
@@ -226,8 +233,15 @@ class ChatMessage(BaseModel):
     refusal: str | None = None
 
     def text(self) -> str | None:
+        """The content as one string. Text parts are joined by a newline, as llama.cpp's server
+        (`common_chat_msg::to_json_oaicompat`: a "\\n" before each part once some text exists) and
+        vLLM (`"\\n".join`) do: `["What is", "the best book"]` is "What is\\nthe best book", never
+        "What isthe best book"."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            text = ""
+            for p in self.content:
+                text += ("\n" if text else "") + p.text
+            return text
         return self.content
 
 
@@ -384,6 +398,34 @@ class _Page(_Response):
 
 class FileList(_Page):
     data: list[FileObject]
+
+
+# A batch's `metadata`: OpenAI's limits (a 400 naming `metadata` past them, core/batches/service.py).
+METADATA_MAX_PAIRS = 16
+METADATA_KEY_MAX_CHARS = 64
+METADATA_VALUE_MAX_CHARS = 512
+
+
+def metadata_problem(meta: Any) -> str | None:
+    """Why a `metadata` object is refused, or None: at most 16 pairs, string keys of at most 64
+    characters, string values of at most 512 (OpenAI's limits)."""
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        return "metadata must be an object of string keys and string values."
+    if len(meta) > METADATA_MAX_PAIRS:
+        return f"metadata may have at most {METADATA_MAX_PAIRS} key-value pairs; it has {len(meta)}."
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            return "metadata's keys and values must be strings."
+        if len(k) > METADATA_KEY_MAX_CHARS:
+            return f"metadata keys may be at most {METADATA_KEY_MAX_CHARS} characters; one has {len(k)}."
+        if len(v) > METADATA_VALUE_MAX_CHARS:
+            return (
+                f"metadata values may be at most {METADATA_VALUE_MAX_CHARS} characters; "
+                f"the value of '{k}' has {len(v)}."
+            )
+    return None
 
 
 class BatchObject(_Response):

@@ -17,17 +17,17 @@ def test_claims_count_attempts_and_end_in_giving_up(session):
     b = factories.batch(session, t, status=BatchStatus.completed, webhook_url="http://127.0.0.1:9/hook")
     now = datetime.now(UTC)
     for n in range(1, webhooks.MAX_ATTEMPTS + 1):
-        claimed = webhooks.claim_due(session, lease_s=60)
+        claimed = [x for x in webhooks.claim_due(session, lease_s=60) if x.tenant_id == t.id]
         assert [x.id for x in claimed] == [b.id]
         session.refresh(b)
         assert b.webhook_state["attempts"] == n
         # Its task never reports back; the lease lapses.
         b.webhook_state = {**b.webhook_state, "next_at": (now - timedelta(seconds=1)).isoformat()}
         session.commit()
-    assert webhooks.claim_due(session, lease_s=60) == []  # no eleventh send
+    assert [x for x in webhooks.claim_due(session, lease_s=60) if x.tenant_id == t.id] == []  # no eleventh send
     session.refresh(b)
     assert b.webhook_state["attempts"] == webhooks.MAX_ATTEMPTS + 1 and "gave_up" in b.webhook_state
-    assert webhooks.claim_due(session, lease_s=60) == []
+    assert [x for x in webhooks.claim_due(session, lease_s=60) if x.tenant_id == t.id] == []
 
 
 def test_deliveries_leave_from_their_own_pool_capped_per_tenant(session, sessions, it_settings):
@@ -64,7 +64,7 @@ def test_deliveries_leave_from_their_own_pool_capped_per_tenant(session, session
     t = factories.tenant(session)
     hook = f"http://127.0.0.1:{srv.getsockname()[1]}/hook"
     ids = [factories.batch(session, t, status=BatchStatus.completed, webhook_url=hook).id for _ in range(2)]
-    assert len(webhooks.claim_due(session, lease_s=60)) == 2
+    assert len([b for b in webhooks.claim_due(session, lease_s=60) if b.tenant_id == t.id]) == 2
     pool = webhooks.Pool(threads=2, per_tenant=1)
     try:
         assert pool.submit(sessions, ids[0], "{}", settings) == "handed over"
@@ -79,3 +79,41 @@ def test_deliveries_leave_from_their_own_pool_capped_per_tenant(session, session
     finally:
         release.set()
         srv.close()
+
+
+def test_a_deferred_delivery_is_no_longer_in_flight(session, sessions, it_settings):
+    """A delivery the pool defers gives its claim back: the tenant's room opens again at once."""
+    t = factories.tenant(session)
+    ids = [
+        factories.batch(session, t, status=BatchStatus.completed, webhook_url="http://127.0.0.1:9/hook").id
+        for _ in range(3)
+    ]
+    first = [b.id for b in webhooks.claim_due(session, lease_s=60) if b.tenant_id == t.id]
+    assert len(first) == webhooks.PER_TENANT_IN_FLIGHT
+    webhooks._defer(sessions, first[0], delay_s=60)  # due again in a minute, and no longer leased
+    session.expire_all()
+    assert "lease" not in session.get(Batch, first[0]).webhook_state
+    more = [b.id for b in webhooks.claim_due(session, lease_s=60) if b.tenant_id == t.id]
+    assert more == [next(i for i in ids if i not in first)]
+
+
+def test_an_idn_webhook_host_is_a_failed_attempt_never_an_exception(session, sessions, it_settings, monkeypatch):
+    """Before: a non-ASCII host that resolved (here: to an allowed address) went on to httpx, whose
+    ASCII-only headers raised UnicodeEncodeError out of `deliver`: no attempt recorded, re-sent at
+    every lease. Now it is refused like any address Spool will not call, and backs off."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def resolves(host, *a, **k):
+        return real("127.0.0.1" if host == "bücher.example" else host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolves)
+    settings = it_settings.model_copy(update={"webhook_allow": "127.0.0.1/32", "webhook_timeout_s": 2.0})
+    t = factories.tenant(session)
+    b = factories.batch(session, t, status=BatchStatus.completed, webhook_url="http://bücher.example:9/hook")
+    assert [x.id for x in webhooks.claim_due(session, lease_s=60) if x.tenant_id == t.id] == [b.id]
+    assert webhooks.deliver(sessions, b.id, "{}", settings) == "retry"
+    session.expire_all()
+    state = session.get(Batch, b.id).webhook_state
+    assert state["attempts"] == 1 and "punycode" in state["last_error"] and "lease" not in state, state

@@ -124,3 +124,60 @@ def test_a_receiver_that_drips_its_headers_is_cut_at_the_deadline():
         t.join(5)
         srv.close()
     assert 0 < len(sent) < 100  # cut while the receiver was still dripping its headers
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://bücher.example/hook",
+        "https://例え.テスト/hook",
+        "http://\uff11\uff12\uff17.0.0.1/hook",  # fullwidth digits: IDNA would fold them to 127.0.0.1
+        "http://example.com:\uff18\uff10/hook",
+    ],
+)
+def test_non_ascii_hosts_are_refused_before_any_lookup(url, monkeypatch):
+    """Before: a non-ASCII host went to getaddrinfo's IDNA codec and, if it resolved, on to httpx,
+    whose ASCII-only headers raised outside the handled errors (an exception in every delivery)."""
+    import socket
+
+    def no_lookup(*_a, **_k):
+        raise AssertionError("looked up")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_lookup)
+    with pytest.raises(RefusedAddress, match=r"punycode|not a valid URL"):
+        resolve(url, [])
+
+
+def test_a_punycode_host_is_an_ordinary_name():
+    assert resolve("http://xn--bcher-kva.example/x", ["xn--bcher-kva.example"]) == (
+        "xn--bcher-kva.example",
+        "xn--bcher-kva.example",
+    )
+
+
+def test_the_dns_lookup_is_inside_the_deliverys_deadline(monkeypatch):
+    """Before: the lookup ran before the deadline started, on the delivery's thread: a resolver that
+    hangs held it for as long as the system resolver liked. Now the attempt ends at its deadline."""
+    import socket
+    import threading
+    import time
+
+    from core.batches.webhooks import _post
+    from core.config import Settings
+
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def hanging(host, *a, **k):
+        if host == "slow-dns.example":
+            release.wait(30)  # a resolver that does not answer
+            raise socket.gaierror("no answer")
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            _post("http://slow-dns.example/hook", b"{}", {}, Settings(webhook_timeout_s=1.0))
+        assert time.monotonic() - started < 3
+    finally:
+        release.set()
