@@ -27,10 +27,10 @@ from contextlib import contextmanager
 from functools import cache
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, ValidationError, create_model
-from pydantic_core import from_json
+from pydantic_core import from_json, to_json
 from starlette.exceptions import HTTPException
 
 from core.infra import threads
@@ -235,3 +235,55 @@ def openapi_answers(model: type[BaseModel], chunk: type[BaseModel], job: type[Ba
         422: {"model": error, "description": "The job failed"},
         429: {"model": error, "description": "A rate limit or quota refused it (see `retry-after`)"},
     }
+
+
+# -- responses: built and encoded off the event loop (issue 35) --------------------------------------
+# FastAPI validates a returned dict against the route's `response_model` and encodes it on the loop:
+# 2M token ids, or 40 batches of big metadata, held every other request for seconds. A route whose
+# answer's size the client controls builds it on a thread and returns these bytes instead (the
+# `response_model` still documents them).
+
+_SLICE_BYTES = 1 << 18  # about what one uninterruptible encoding call may produce
+
+
+def _put(out: bytearray, value: Any, depth: int) -> None:
+    if depth < 4 and isinstance(value, dict):
+        out += b"{"
+        for i, (k, v) in enumerate(value.items()):
+            out += b"," if i else b""
+            out += to_json(str(k))
+            out += b":"
+            _put(out, v, depth + 1)
+        out += b"}"
+    elif depth < 4 and isinstance(value, list | tuple):
+        out += b"["
+        i, n = 0, 1
+        while i < len(value):  # slices that grow while each encodes small, and shrink when one does not
+            part = to_json(value[i : i + n])
+            out += b"," if i else b""
+            out += memoryview(part)[1:-1]
+            i += n
+            n = n * 2 if len(part) < _SLICE_BYTES else max(1, n // 2)
+        out += b"]"
+    else:
+        out += to_json(value)
+
+
+def encode(value: Any) -> bytes:
+    """`value` as compact UTF-8 JSON, encoded a slice at a time: each call into the encoder holds the
+    GIL for what one slice costs (about 256 KiB of output), so the loop thread runs between them.
+    Blocking: call it on a thread (`json_response`)."""
+    out = bytearray()
+    with _gc_paused():
+        _put(out, value, 0)
+    return bytes(out)
+
+
+async def json_response(build: Callable[..., Any], *args: Any, status: int = 200) -> Response:
+    """`build(*args)` (blocking: a query on a sync session, a tokenizer...) run and encoded on the
+    `prepare` threads; the answer is sent as those bytes, with nothing left to do on the loop."""
+
+    def work() -> bytes:
+        return encode(build(*args))
+
+    return Response(await threads.run("prepare", work), status_code=status, media_type="application/json")

@@ -8,6 +8,8 @@ Starlette's `request.form()` would first spool the whole file to a temporary fil
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from dataclasses import dataclass, field
 
 import anyio
@@ -110,6 +112,31 @@ class _Form:
             raise _bad(f"Form field '{self.part.name}' is not UTF-8.", "invalid_form", self.part.name) from None
 
 
+# A chunk is stored under its tenant's storage lock (`Upload.write`, core/files/service.py): while one of a
+# tenant's chunks is being stored, its others would wait for that lock on upload threads, and a tenant
+# with as many uploads as threads held every one of them. Here they wait on the event loop instead, for
+# a lock of their tenant's: in each API process at most one upload thread waits for a tenant's storage
+# lock, whatever it sends (per loop: tests run several).
+_TENANT_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakValueDictionary[int, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _tenant_lock(tenant_id: int) -> asyncio.Lock:
+    locks = _TENANT_LOCKS.setdefault(asyncio.get_running_loop(), weakref.WeakValueDictionary())
+    lock = locks.get(tenant_id)
+    if lock is None:
+        lock = locks[tenant_id] = asyncio.Lock()
+    return lock
+
+
+async def _store(upload: Upload, chunk: bytes) -> None:
+    """`upload.write(chunk)` on an upload thread, taken only once no other chunk of the tenant's is
+    being stored by this process."""
+    async with _tenant_lock(upload.tenant_id):
+        await threads.run("upload", upload.write, chunk)
+
+
 async def receive(
     request: Request, sessions: sessionmaker[Session], tenant_id: int, settings: Settings, check_fields=None
 ) -> Received:
@@ -151,12 +178,12 @@ async def receive(
             while len(form.pending) >= storage.CHUNK:
                 chunk = bytes(form.pending[: storage.CHUNK])
                 del form.pending[: storage.CHUNK]
-                await threads.run("upload", upload.write, chunk)
+                await _store(upload, chunk)
         parser.finalize()
         if not begun:
             raise _bad("The form has no file: send it in the field 'file'.", "missing_file", "file")
         if form.pending:
-            await threads.run("upload", upload.write, bytes(form.pending))
+            await _store(upload, bytes(form.pending))
             form.pending.clear()
         if check_fields is not None:
             check_fields(form.fields)

@@ -23,6 +23,13 @@ class Settings(BaseSettings):
         "readers). Open event streams do not hold one each: one blocking XREAD per process follows them all.",
     )
     broker_url: str | None = Field(None, description="Celery broker URL; defaults to `redis_url`.")
+    db_idle_transaction_s: float = Field(
+        60.0,
+        ge=0,
+        description="Postgres ends a session of Spool's left idle inside a transaction this long "
+        "(`idle_in_transaction_session_timeout`; 0 = never), so a stuck caller never holds a transaction, "
+        "its locks or its connection for long.",
+    )
 
     models: str = Field(
         "smollm2-135m-instruct",
@@ -97,6 +104,27 @@ class Settings(BaseSettings):
         "context: `error` (OpenAI) or `truncate` (lower max_tokens to fit).",
     )
     max_sequences_per_job: int = Field(128, description="Most prompts x best_of sequences one request may ask for.")
+    max_guided_choices: int = Field(
+        1999,
+        ge=1,
+        le=1999,
+        description="Most entries of a `guided_choice` (400 past it, before anything is compiled); 1,999 is the "
+        "most llguidance accepts (its parser's 2,000 items per row).",
+    )
+    max_guided_choice_bytes: int = Field(
+        64 * 1024, ge=1, description="Most UTF-8 bytes of all `guided_choice` entries together (400 past it)."
+    )
+    max_grammar_bytes: int = Field(64 * 1024, ge=1, description="Most bytes of a `grammar`'s text (400 past it).")
+    max_regex_bytes: int = Field(4 * 1024, ge=1, description="Most bytes of a `regex` constraint (400 past it).")
+    max_json_schema_bytes: int = Field(
+        64 * 1024,
+        ge=1,
+        description="Most bytes of a JSON schema constraint (`json_schema`, `response_format`, a forced tool "
+        "call's parameter schemas together), as compact JSON (400 past it).",
+    )
+    max_json_schema_depth: int = Field(
+        32, ge=1, description="Most nested objects and arrays in a JSON schema constraint (400 past it)."
+    )
     max_logprob_entries: int = Field(
         200_000,
         description="Most log-probabilities one response may carry (sequences x tokens x (alternatives + 1), "
@@ -124,6 +152,11 @@ class Settings(BaseSettings):
     )
     retention_jobs_days: float = Field(
         30.0, description="Finished jobs older than this are deleted by the retention sweeper (usage rows stay)."
+    )
+    retention_batches_days: float = Field(
+        30.0,
+        description="Batches that ended (completed, failed, expired, cancelled) this long ago are deleted by the "
+        "retention sweeper once none of their lines is left (their result files expire on their own).",
     )
 
     worker_concurrency: int | None = Field(
@@ -168,6 +201,14 @@ class Settings(BaseSettings):
         description="CPU engine: slots beyond `max_batch` only interactive sequences may take; with all of them "
         "busy too, an interactive sequence displaces a batch one, which continues later with the same output.",
     )
+    tenant_max_sequences: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences of one tenant a worker's engine holds at once (decoding or waiting for a slot); a "
+        "job's further sequences (`n`, `best_of`, prompts) wait in the worker and start as the tenant's earlier ones "
+        "end, so one tenant's `n=128` never takes every slot. Default: every slot but the `interactive_slots` "
+        "reserved ones (at least one slot always left to other tenants).",
+    )
     n_ctx: int = Field(2048, description="Context length per sequence (both engines; capped by the model's).")
     n_threads: int | None = Field(None, description="CPU threads for llama.cpp (default: all cores).")
     exl2_cache_tokens: int | None = Field(
@@ -196,6 +237,12 @@ class Settings(BaseSettings):
         description="A worker whose engine has been inside one step this long is wedged: it stops renewing its "
         "jobs' leases (they move to another worker), drops out of the live workers, and exits so its supervisor "
         "restarts it.",
+    )
+    sequence_stall_s: float = Field(
+        120.0,
+        description="A sequence the engine has made no progress on this long (no token, while not waiting for a "
+        "slot) is stopped and its request fails with an error saying so, so a sequence an engine lost never "
+        "holds its client, its lease or its slot.",
     )
     lease_s: float = Field(30.0, description="A running job's lease; its worker renews it every third.")
     max_attempts: int = Field(3, description="Attempts before a job whose worker keeps dying fails.")
@@ -270,10 +317,28 @@ class Settings(BaseSettings):
         description="API threads that parse, validate and tokenize request bodies off the event loop (bodies over "
         "4 KiB, and any that build a grammar; smaller ones cost less than the hop and stay on the loop).",
     )
+    download_concurrency: int = Field(
+        4,
+        ge=0,
+        description="Downloads of file content (`/v1/files/{id}/content`) one tenant may have in progress at "
+        "once, on all API replicas together (429 with `retry-after` past it; 0 = no cap).",
+    )
     dns_threads: int = Field(
         4, ge=1, description="API threads for webhook URLs' DNS lookups (an unresolvable host waits on these alone)."
     )
     events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
+    ended_events_ttl_s: int = Field(
+        300,
+        ge=1,
+        description="Lifetime of a job's Redis event stream once the job has ended (Postgres answers afterwards; "
+        "where each entry left off is kept for `events_ttl_s`, so a resume from any event id stays exact).",
+    )
+    replays_per_tenant: int = Field(
+        8,
+        ge=1,
+        description="Event streams (`GET /v1/jobs/{id}/events`) one tenant may have open at once on one API "
+        "process, large job objects being built included; beyond it a 429 with `retry-after`.",
+    )
 
     @property
     def model_ids(self) -> list[str]:
@@ -309,7 +374,15 @@ class Settings(BaseSettings):
 # The README's configuration table, by concern (`spool settings` prints it; tests/unit/test_docs.py
 # checks that every setting is in exactly one group and that the README shows what it prints).
 GROUPS: dict[str, tuple[str, ...]] = {
-    "Connections": ("database_url", "redis_url", "redis_max_connections", "broker_url", "api_host", "api_port"),
+    "Connections": (
+        "database_url",
+        "redis_url",
+        "redis_max_connections",
+        "broker_url",
+        "db_idle_transaction_s",
+        "api_host",
+        "api_port",
+    ),
     "Models and engines": (
         "models",
         "models_file",
@@ -334,6 +407,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "unknown_params",
         "context_overflow",
         "max_sequences_per_job",
+        "max_guided_choices",
+        "max_guided_choice_bytes",
+        "max_grammar_bytes",
+        "max_regex_bytes",
+        "max_json_schema_bytes",
+        "max_json_schema_depth",
         "max_logprob_entries",
         "wait_timeout_s",
         "cancel_on_disconnect",
@@ -346,18 +425,23 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "upload_max_field_bytes",
         "upload_threads",
         "prepare_threads",
+        "download_concurrency",
         "interactive_group",
+        "replays_per_tenant",
     ),
     "Worker": (
         "worker_concurrency",
         "max_batch",
         "interactive_slots",
+        "tenant_max_sequences",
         "batch_prefetch",
         "lease_s",
         "max_attempts",
         "infra_retry_s",
         "engine_stall_s",
+        "sequence_stall_s",
         "events_ttl_s",
+        "ended_events_ttl_s",
     ),
     "Dispatcher": (
         "dispatcher_interval_s",
@@ -366,6 +450,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "dispatch_timeout_s",
         "batch_group",
         "retention_jobs_days",
+        "retention_batches_days",
     ),
     "Batches": (
         "max_file_lines",

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import IdempotencyDep, PrincipalDep, RedisDep, SessionDep, SettingsDep, TenantDep
+from api.bodies import json_response
+from api.deps import (
+    IdempotencyDep,
+    PrincipalDep,
+    RedisDep,
+    SessionDep,
+    SettingsDep,
+    SyncSessionsDep,
+    TenantDep,
+)
 from core.batches import service
-from core.protocol import render
 from core.protocol.schemas import BatchList, BatchObject
 
 router = APIRouter(prefix="/v1/batches")
@@ -43,15 +51,18 @@ async def create_batch(
     return await service.view(session, b)
 
 
+# Lists and retrievals are read, rendered and encoded on the prepare threads (api/bodies.json_response):
+# metadata the client sent is decoded and encoded there, never on the event loop.
 @router.get("", response_model=BatchList)
-async def list_batches(tenant: TenantDep, session: SessionDep, limit: int = 20, after: str | None = None) -> dict:
-    data, more = await service.list_page(session, tenant.id, max(1, min(limit, 100)), after)
-    return render.page(data, more)
+async def list_batches(
+    tenant: TenantDep, sessions: SyncSessionsDep, limit: int = 20, after: str | None = None
+) -> Response:
+    return await json_response(service.list_page, sessions, tenant.id, max(1, min(limit, 100)), after)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-async def get_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dict:
-    return await service.view(session, await service.get(session, batch_id, tenant.id))
+async def get_batch(batch_id: str, tenant: TenantDep, sessions: SyncSessionsDep) -> Response:
+    return await json_response(service.retrieve, sessions, batch_id, tenant.id)
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)

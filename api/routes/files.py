@@ -5,27 +5,24 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from fastapi import APIRouter, Request
+import anyio
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from sqlalchemy import delete, select
+from starlette.types import Receive, Scope, Send
 
 from api import uploads
-from api.deps import IdempotencyDep, SessionDep, SettingsDep, SyncSessionsDep, TenantDep
+from api.bodies import json_response
+from api.deps import IdempotencyDep, RedisDep, SessionDep, SettingsDep, SyncSessionsDep, TenantDep
 from api.errors import APIError
 from core import idempotency
-from core.files import storage as files
+from core.files import service
 from core.infra import threads
 from core.infra.db import async_sessions
-from core.infra.orm import File
 from core.protocol import render
 from core.protocol.schemas import FileDeleted, FileList, FileObject
 
 router = APIRouter(prefix="/v1/files")
 PURPOSES = {"batch"}
-
-
-def _not_found(file_id: str) -> APIError:
-    return APIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
 
 
 # The form is read by api/uploads.py, not declared as parameters: FastAPI would parse (and spool) the
@@ -81,7 +78,7 @@ async def upload(
         payload = {"purpose": purpose, "filename": got.filename, "bytes": up.bytes, "sha256": up.sha256}
         async with keys.held(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload) as claim:
             if claim is not None and claim.replay is not None:
-                f = (await session.execute(files.get_for_tenant(claim.replay, tenant.id))).scalar()
+                f = await service.find(session, claim.replay, tenant.id)
                 if f is not None:
                     await uploads.abort(up)  # the first request's file is the answer: this copy goes
                     return render.file(f)
@@ -93,65 +90,54 @@ async def upload(
     return render.file(stored)
 
 
+# Lists and lookups are read, rendered and encoded on the prepare threads (api/bodies.json_response).
 @router.get("", response_model=FileList)
 async def list_files(
     tenant: TenantDep,
-    session: SessionDep,
+    sessions: SyncSessionsDep,
     purpose: str | None = None,
     limit: int = 100,
     after: str | None = None,
     order: str = "desc",
-) -> dict:
+) -> Response:
     limit = max(1, min(limit, 10_000))
-    stmt = select(File).where(File.tenant_id == tenant.id, File.deleted.is_(False))
-    if purpose:
-        stmt = stmt.where(File.purpose == purpose)
-    if after:
-        cursor = (await session.execute(files.get_for_tenant(after, tenant.id))).scalar()
-        if cursor is not None:
-            stmt = stmt.where(
-                File.created_at < cursor.created_at if order == "desc" else File.created_at > cursor.created_at
-            )
-    stmt = stmt.order_by(File.created_at.desc() if order == "desc" else File.created_at).limit(limit + 1)
-    rows = (await session.execute(stmt)).scalars().all()
-    data = [render.file(f) for f in rows[:limit]]
-    return render.page(data, len(rows) > limit)
+    return await json_response(service.list_page, sessions, tenant.id, purpose, limit, after, order)
 
 
 @router.get("/{file_id}", response_model=FileObject)
-async def get_file(file_id: str, tenant: TenantDep, session: SessionDep) -> dict:
-    f = (await session.execute(files.get_for_tenant(file_id, tenant.id))).scalar()
-    if f is None:
-        raise _not_found(file_id)
-    return render.file(f)
+async def get_file(file_id: str, tenant: TenantDep, sessions: SyncSessionsDep) -> Response:
+    return await json_response(service.retrieve, sessions, file_id, tenant.id)
+
+
+class _Download(StreamingResponse):
+    """A download's bytes, its slot held (and renewed) from the first byte to the last, given back
+    however the response ends. No database session is held here: each chunk is read in one of its own."""
+
+    def __init__(self, d: service.Download) -> None:
+        headers = {"content-length": str(d.file.bytes), "content-disposition": _disposition(d.file.filename)}
+        super().__init__(d.chunks(), media_type="application/jsonl", headers=headers)
+        self.download = d
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.download.hold)
+                await super().__call__(scope, receive, send)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.download.close()
 
 
 @router.get("/{file_id}/content")
-async def file_content(file_id: str, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
-    f = (await session.execute(files.get_for_tenant(file_id, tenant.id))).scalar()
-    if f is None:
-        raise _not_found(file_id)
-
-    async def stream():
-        async with async_sessions()() as s:
-            async for chunk in files.read_chunks(s, file_id):
-                yield chunk
-
-    return StreamingResponse(
-        stream(),
-        media_type="application/jsonl",
-        headers={"content-length": str(f.bytes), "content-disposition": _disposition(f.filename)},
-    )
+async def file_content(file_id: str, tenant: TenantDep, redis: RedisDep, settings: SettingsDep) -> StreamingResponse:
+    """The file's bytes; at most SPOOL_DOWNLOAD_CONCURRENCY of a tenant's at once (429 past it)."""
+    most = settings.download_concurrency
+    return _Download(await service.open_download(async_sessions(), redis, file_id, tenant.id, most))
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
 async def delete_file(file_id: str, tenant: TenantDep, session: SessionDep) -> dict:
-    f = (await session.execute(files.get_for_tenant(file_id, tenant.id))).scalar()
-    if f is None:
-        raise _not_found(file_id)
-    f.deleted = True  # the row stays for batches that name it; its content goes
-    await session.execute(delete(files.FileChunk).where(files.FileChunk.file_id == file_id))
-    await session.commit()
+    await service.delete_file(session, file_id, tenant.id)
     return render.file_deleted(file_id)
 
 

@@ -12,16 +12,29 @@ removed by the tenant's next upload.
 from __future__ import annotations
 
 import hashlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import anyio
 from sqlalchemy import Update, and_, delete, func, or_, select, text, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
 from core.config import Settings
-from core.errors import DomainError, ErrorKind, invalid
+from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import storage
+from core.infra import redis_keys
+from core.infra.kv import TRANSIENT, Lua
 from core.infra.orm import File, Tenant
+from core.protocol import render
+
+log = logging.getLogger(__name__)
 
 # What tenants upload counts against their quota; the files Spool writes (batch output) do not.
 WRITTEN_BY_SPOOL = "batch_output"
@@ -163,3 +176,148 @@ class Upload:
         with self.sessions() as s:
             s.execute(delete(File).where(File.id == self.file_id, File.status == UPLOADING))
             s.commit()
+
+
+# -- reading: lists, lookups, deletion, downloads ----------------------------------------------------
+
+
+def file_not_found(file_id: str) -> DomainError:
+    return not_found(f"No such File object: {file_id}", param="id", code="file_not_found")
+
+
+# Lists and lookups are synchronous, for a thread (api/bodies.json_response): rows decoded and rendered
+# off the API's event loop.
+def list_page(
+    sessions: sessionmaker[Session], tenant_id: int, purpose: str | None, limit: int, after: str | None, order: str
+) -> dict[str, Any]:
+    """A page of the tenant's files as OpenAI's list object (`order`: "desc", newest first, or "asc")."""
+    newest_first = order == "desc"
+    with sessions() as s:
+        stmt = select(File).where(File.tenant_id == tenant_id, File.deleted.is_(False))
+        if purpose:
+            stmt = stmt.where(File.purpose == purpose)
+        if after:
+            cursor = s.scalar(
+                select(File.created_at).where(File.id == after, File.tenant_id == tenant_id, File.deleted.is_(False))
+            )
+            if cursor is not None:
+                stmt = stmt.where(File.created_at < cursor if newest_first else File.created_at > cursor)
+        stmt = stmt.order_by(File.created_at.desc() if newest_first else File.created_at).limit(limit + 1)
+        rows = s.scalars(stmt).all()
+    return render.page([render.file(f) for f in rows[:limit]], len(rows) > limit)
+
+
+def retrieve(sessions: sessionmaker[Session], file_id: str, tenant_id: int) -> dict[str, Any]:
+    """The tenant's file object (a 404 for anyone else's, or a deleted one)."""
+    with sessions() as s:
+        f = s.scalar(storage.get_for_tenant(file_id, tenant_id))
+    if f is None:
+        raise file_not_found(file_id)
+    return render.file(f)
+
+
+async def find(session: AsyncSession, file_id: str, tenant_id: int) -> File | None:
+    return (await session.execute(storage.get_for_tenant(file_id, tenant_id))).scalar()
+
+
+async def delete_file(session: AsyncSession, file_id: str, tenant_id: int) -> None:
+    """Mark the file deleted and remove its content; the row stays for batches that name it."""
+    f = await find(session, file_id, tenant_id)
+    if f is None:
+        raise file_not_found(file_id)
+    f.deleted = True
+    await session.execute(delete(storage.FileChunk).where(storage.FileChunk.file_id == file_id))
+    await session.commit()
+
+
+# A download holds a slot of its tenant's (a leased member of a Redis sorted set, shared by every API
+# replica) from its first byte to its last, renewed while it lasts, so one tenant's slow or stalled
+# readers are bounded; a slot of a process that died is free once its lease has passed.
+DOWNLOAD_LEASE_S = 60.0
+_TAKE_SLOT = Lua(
+    r"""
+-- KEYS: 1 the tenant's downloads (member: slot, score: lease end in ms). ARGV: 1 now_ms 2 most 3 slot 4 lease_ms
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[4]), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+)
+
+
+def too_many_downloads(most: int) -> DomainError:
+    return DomainError(
+        ErrorKind.rate_limited,
+        f"Too many downloads at once: this organization may have {most} in progress "
+        "(SPOOL_DOWNLOAD_CONCURRENCY). Please try again in 1s.",
+        type_="requests",
+        code="rate_limit_exceeded",
+        headers={"retry-after": "1"},
+    )
+
+
+@dataclass
+class Download:
+    """One file's content on its way to a client: `chunks()` reads each chunk in a short session of its
+    own, so nothing of the database is held while bytes flow (a client that stops reading holds a
+    socket and a slot, never a connection or a transaction). `hold()` keeps the slot while it lasts;
+    `close()` gives it back."""
+
+    file: File
+    sessions: async_sessionmaker[AsyncSession]
+    rds: Any
+    key: str
+    slot: str
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        seq = 0
+        while True:
+            # One statement, then the connection goes back to the pool. Shielded: a client that goes
+            # away mid-read lets it finish (milliseconds) rather than costing the connection.
+            with anyio.CancelScope(shield=True):
+                async with self.sessions() as s:
+                    data = await s.scalar(
+                        select(storage.FileChunk.data).where(
+                            storage.FileChunk.file_id == self.file.id, storage.FileChunk.seq == seq
+                        )
+                    )
+            if data is None:
+                return
+            yield data
+            seq += 1
+
+    async def hold(self) -> None:
+        """Renew the slot's lease until cancelled (also while the client reads nothing)."""
+        lease_ms = int(DOWNLOAD_LEASE_S * 1000)
+        while True:
+            await anyio.sleep(DOWNLOAD_LEASE_S / 3)
+            try:
+                await self.rds.zadd(self.key, {self.slot: time.time() * 1000 + lease_ms}, xx=True)
+                await self.rds.pexpire(self.key, lease_ms)
+            except TRANSIENT as exc:  # Redis away a moment: the next renewal, or the lease's end
+                log.warning("download slot of %s not renewed: %s", self.file.id, type(exc).__name__)
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.rds.zrem(self.key, self.slot)
+            except TRANSIENT as exc:  # the lease frees it
+                log.warning("download slot of %s not given back: %s", self.file.id, type(exc).__name__)
+
+
+async def open_download(
+    sessions: async_sessionmaker[AsyncSession], rds: Any, file_id: str, tenant_id: int, most: int
+) -> Download:
+    """The tenant's file, ready to stream, holding one of its `most` download slots (0: no cap): a 404
+    for a file it cannot see, OpenAI's 429 (with `retry-after`) when every slot is taken."""
+    async with sessions() as s:
+        f = await find(s, file_id, tenant_id)
+    if f is None:
+        raise file_not_found(file_id)
+    key, slot = redis_keys.tenant_limit(tenant_id, "downloads"), secrets.token_hex(8)
+    if most > 0:
+        lease_ms = int(DOWNLOAD_LEASE_S * 1000)
+        if not int(await _TAKE_SLOT.run_async(rds, [key], int(time.time() * 1000), most, slot, lease_ms)):
+            raise too_many_downloads(most)
+    return Download(f, sessions, rds, key, slot)

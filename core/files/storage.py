@@ -1,13 +1,14 @@
 """File content in Postgres: 1 MiB chunks, written and read one chunk at a time, so neither an
-upload, a download, nor a million-line batch is ever held whole in memory."""
+upload, a download, nor a million-line batch is ever held whole in memory. A download reads each
+chunk in a short session of its own (core/files/service.Download), never one session for the whole
+transfer: a client that stops reading must not hold a database connection."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 from sqlalchemy import func, insert, select
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from core.infra.orm import File, FileChunk
@@ -20,7 +21,6 @@ __all__ = [
     "insert_chunk",
     "iter_lines",
     "new_file_id",
-    "read_chunks",
 ]
 
 CHUNK = 1 << 20
@@ -32,16 +32,6 @@ def new_file_id() -> str:
 
 def get_for_tenant(file_id: str, tenant_id: int):
     return select(File).where(File.id == file_id, File.tenant_id == tenant_id, File.deleted.is_(False))
-
-
-async def read_chunks(session: AsyncSession, file_id: str) -> AsyncIterator[bytes]:
-    seq = 0
-    while True:
-        data = await session.scalar(select(FileChunk.data).where(FileChunk.file_id == file_id, FileChunk.seq == seq))
-        if data is None:
-            return
-        yield data
-        seq += 1
 
 
 class LineTooLong:

@@ -15,13 +15,25 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
-from core.config import get_settings
+from core.config import Settings, get_settings
 
 # An unreachable Postgres fails a connection attempt in seconds (then callers retry). The API's
 # statements are short: none may hold a connection for more than a minute (batch validation's long
 # COPY runs on the sync engine, in the dispatcher).
 _CONNECT = {"connect_timeout": 5}
-_API_CONNECT = {**_CONNECT, "options": "-c statement_timeout=60000"}
+_API_STATEMENT_MS = 60_000
+
+
+def connect_args(settings: Settings, *, api: bool = False) -> dict[str, object]:
+    """Connection arguments of Spool's engines. Every connection tells Postgres to end a session left
+    idle inside a transaction for SPOOL_DB_IDLE_TRANSACTION_S (`idle_in_transaction_session_timeout`):
+    a caller that hangs mid-transaction (a dead client, a stuck thread) never holds its locks or its
+    connection for long. The API's also bound each statement (`statement_timeout`)."""
+    idle_ms = int(settings.db_idle_transaction_s * 1000)
+    options = f"-c idle_in_transaction_session_timeout={idle_ms}"
+    if api:
+        options += f" -c statement_timeout={_API_STATEMENT_MS}"
+    return {**_CONNECT, "options": options}
 
 
 # A pooled connection idle at least this long is pinged before use (see `ping_when_idle`).
@@ -58,7 +70,9 @@ def ping_when_idle(engine: Engine, idle_s: float = PING_IDLE_S) -> Engine:
 @lru_cache
 def sync_engine() -> Engine:
     return ping_when_idle(
-        create_engine(get_settings().database_url, pool_size=10, max_overflow=20, connect_args=_CONNECT)
+        create_engine(
+            get_settings().database_url, pool_size=10, max_overflow=20, connect_args=connect_args(get_settings())
+        )
     )
 
 
@@ -70,7 +84,11 @@ def sync_sessions() -> sessionmaker:
 @lru_cache
 def async_engine() -> AsyncEngine:
     engine = create_async_engine(
-        get_settings().database_url, pool_size=20, max_overflow=40, pool_timeout=10, connect_args=_API_CONNECT
+        get_settings().database_url,
+        pool_size=20,
+        max_overflow=40,
+        pool_timeout=10,
+        connect_args=connect_args(get_settings(), api=True),
     )
     ping_when_idle(engine.sync_engine)
     return engine
