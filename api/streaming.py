@@ -5,21 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
+import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
+import anyio
 import redis.asyncio as aioredis
 from fastapi.sse import format_sse_event
-from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from api.cache import SingleFlight
 from core.generation.events import TerminalRow
 from core.infra import redis_keys, streams
 from core.infra.db import async_sessions
+from core.infra.transient import DATABASE
 from core.jobs import transitions
-from core.jobs.stream import HEARTBEAT, coalesce, follow_batches
-from core.protocol.render import JobRecord, chunks_for
+from core.jobs.stream import HEARTBEAT, Ended, coalesce, follow_batches
+from core.protocol.render import DONE, CompletionChunks, JobRecord, chunks_for
 
 
 def sse(data: dict[str, Any] | str, event_id: str | None = None) -> bytes:
@@ -50,15 +52,45 @@ def terminal_row_check(job_id: str, tenant_id: int):
     async def check() -> TerminalRow | None:
         try:  # every reader of a job that falls silent at once shares one query
             return await _TERMINAL.get((job_id, tenant_id), load)
-        except (OperationalError, InterfaceError, PoolTimeout):
+        except DATABASE:
             return None  # Postgres is restarting or busy: the stream goes on; we ask again at the next silence
 
     return check
 
 
+# Readers of a job: a sorted set of one member per following stream, scored by when its lease ends
+# (renewed while it follows; a replica that died leaves a member that lapses, never a count that
+# stays up). A counter with a TTL went to -1 when its TTL lapsed under a long stream and the stream
+# then ended: every later disconnect found "readers" and nothing was ever cancelled again.
+READER_LEASE_S = 600
+READER_RENEW_S = 120
+
+
 async def readers(rds: aioredis.Redis, job_id: str) -> int:
     """How many SSE streams follow this job right now (on any API replica)."""
-    return int(await rds.get(redis_keys.readers(job_id)) or 0)
+    return int(await rds.zcount(redis_keys.readers(job_id), time.time(), "+inf"))
+
+
+# A batch worth more than this (entries, plus scores: logprobs are most of a replay's bytes) is
+# coalesced, rendered and framed on a worker thread: a replay's backlog of 16k deltas with logprobs,
+# or a choice rebuilt from the row with 200k of them, would hold the loop for seconds.
+OFF_LOOP_WEIGHT = 512
+
+
+def _weight(batch: list) -> int:
+    return sum(1 + len(getattr(ev, "scores", None) or ()) + len(getattr(ev, "text", "")) // 256 for _, ev in batch)
+
+
+def frame(chunks: CompletionChunks, batch: list) -> bytes:
+    """A batch of (id, event) as SSE bytes: each run of one choice's tokens as one chunk."""
+    out = bytearray()
+    for entry_id, ev in coalesce(batch):
+        if isinstance(ev, Ended):
+            out += sse(DONE)
+            continue
+        for chunk in chunks.render(ev):
+            out += sse(chunk, entry_id if isinstance(chunk, dict) else None)
+    return bytes(out)
 
 
 async def sse_chunks(
@@ -78,25 +110,31 @@ async def sse_chunks(
     # when nobody follows it). The count goes up and back down in tasks of their own: a stream
     # cancelled at any moment, even while its increment is in flight, still takes back exactly what
     # it added, so a client that hangs up at once does not leave a phantom reader behind.
-    counted = asyncio.ensure_future(_count_reader(rds, job.id))
+    member = uuid.uuid4().hex
+    counted = asyncio.ensure_future(_count_reader(rds, job.id, member))
     try:
+        renewed = time.monotonic()
         await asyncio.shield(counted)
         check = terminal_row_check(job.id, tenant_id)
         async with contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id)) as batches:
             async for batch in batches:
+                if time.monotonic() - renewed > READER_RENEW_S and counted.result():
+                    renewed = time.monotonic()
+                    await _count_reader(rds, job.id, member)
                 if batch is HEARTBEAT:
                     yield sse_comment("keep-alive")
                     continue
                 # Everything that arrived while this client was being written to goes out in one
                 # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
-                out = bytearray()
-                for entry_id, ev in coalesce(batch):  # type: ignore[arg-type]
-                    for chunk in chunks.render(ev):
-                        out += sse(chunk, entry_id if isinstance(chunk, dict) else None)
+                items = cast(list, batch)
+                if _weight(items) > OFF_LOOP_WEIGHT:
+                    out = await anyio.to_thread.run_sync(frame, chunks, items)
+                else:
+                    out = frame(chunks, items)
                 if out:
-                    yield bytes(out)
+                    yield out
     finally:
-        task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, counted))
+        task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, member, counted))
         _UNCOUNTING.add(task)
         task.add_done_callback(_UNCOUNTING.discard)
 
@@ -104,18 +142,21 @@ async def sse_chunks(
 _UNCOUNTING: set[asyncio.Task] = set()
 
 
-async def _count_reader(rds: aioredis.Redis, job_id: str) -> bool:
+async def _count_reader(rds: aioredis.Redis, job_id: str, member: str) -> bool:
+    """This reader's member, leased for READER_LEASE_S from now (added, or renewed)."""
+    key, now = redis_keys.readers(job_id), time.time()
     try:
         pipe = rds.pipeline(transaction=False)
-        pipe.incr(redis_keys.readers(job_id))
-        pipe.expire(redis_keys.readers(job_id), 3600)
+        pipe.zremrangebyscore(key, "-inf", now)  # lapsed leases (a replica that died)
+        pipe.zadd(key, {member: now + READER_LEASE_S})
+        pipe.expire(key, READER_LEASE_S)
         await pipe.execute()
         return True
     except Exception:  # counting readers is best effort: a Redis outage must not end the stream
         return False
 
 
-async def _uncount_reader(rds: aioredis.Redis, job_id: str, counted: asyncio.Future[bool]) -> None:
+async def _uncount_reader(rds: aioredis.Redis, job_id: str, member: str, counted: asyncio.Future[bool]) -> None:
     with contextlib.suppress(Exception):
         if await counted:
-            await rds.decr(redis_keys.readers(job_id))
+            await rds.zrem(redis_keys.readers(job_id), member)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse
 
+from api.bodies import encode
 from api.cache import SingleFlight
-from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, RedisDep, TenantDep
+from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
 from api.streaming import sse_chunks
 from core.infra import streams
@@ -35,12 +38,69 @@ async def _get(completions: Completions, job_id: str, tenant_id: int) -> Job | N
     return await completions.get(job_id, tenant_id) if _ID.fullmatch(job_id) else None
 
 
+# Replays (event streams) and large job objects being built, per tenant, on this process: what one
+# tenant can hold of the loop's time and the threads that build them (`replays_per_tenant`).
+_IN_FLIGHT: dict[int, int] = {}
+
+
+def _take(tenant_id: int, cap: int) -> Callable[[], None]:
+    """One of the tenant's places, or OpenAI's 429; returns what gives it back (once)."""
+    if _IN_FLIGHT.get(tenant_id, 0) >= cap:
+        raise APIError(
+            429,
+            f"Too many event streams open at once for this organization (at most {cap}); close one, or wait "
+            "for one to end, and try again.",
+            type_="requests",
+            code="rate_limit_exceeded",
+            headers={"retry-after": "1"},
+        )
+    _IN_FLIGHT[tenant_id] = _IN_FLIGHT.get(tenant_id, 0) + 1
+    given = False
+
+    def give() -> None:
+        nonlocal given
+        if not given:
+            given = True
+            left = _IN_FLIGHT[tenant_id] - 1
+            if left:
+                _IN_FLIGHT[tenant_id] = left
+            else:
+                del _IN_FLIGHT[tenant_id]
+
+    return give
+
+
+# A job object with more scores than this (logprobs) or this much text is built and encoded on a
+# worker thread: 200k logprob entries took over 3 s, during which no other stream moved.
+_OFF_LOOP_SCORES = 2000
+_OFF_LOOP_CHARS = 256 * 1024
+
+
+def _large(row: Job) -> bool:
+    choices = (row.result or {}).get("choices") or []
+    scores = sum(len(c.get("scores") or ()) + len(c.get("prompt_scores") or ()) for c in choices)
+    return scores > _OFF_LOOP_SCORES or sum(len(c.get("text") or "") for c in choices) > _OFF_LOOP_CHARS
+
+
+def _job_bytes(row: Job, fingerprint: str) -> bytes:
+    return encode(JobObject.model_validate(render.job(row, fingerprint)).model_dump(mode="json", by_alias=True))
+
+
 @router.get("/{job_id}", response_model=JobObject)
-async def get_job(job_id: str, tenant: TenantDep, completions: CompletionsDep, fingerprints: FingerprintsDep) -> dict:
+async def get_job(
+    job_id: str, tenant: TenantDep, completions: CompletionsDep, fingerprints: FingerprintsDep, settings: SettingsDep
+) -> Any:
     row = await _get(completions, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    return render.job(row, fingerprints(row.model))
+    if not _large(row):
+        return render.job(row, fingerprints(row.model))
+    give = _take(tenant.id, settings.replays_per_tenant)
+    try:
+        body = await anyio.to_thread.run_sync(_job_bytes, row, fingerprints(row.model))
+    finally:
+        give()
+    return Response(body, media_type="application/json")
 
 
 @router.post("/{job_id}/cancel", response_model=JobObject)
@@ -66,6 +126,7 @@ async def job_events(
     hub: HubDep,
     completions: CompletionsDep,
     fingerprints: FingerprintsDep,
+    settings: SettingsDep,
     last_event_id: str | None = None,
 ) -> EventSourceResponse:
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
@@ -84,7 +145,23 @@ async def job_events(
             param="Last-Event-ID",
             code="invalid_value",
         )
+    give = _take(tenant.id, settings.replays_per_tenant)
     stream = sse_chunks(
         row, tenant.id, redis, hub, include_usage=True, fingerprint=fingerprints(row.model), last_id=start
     )
-    return EventSourceResponse(stream)
+    return _Replay(stream, give)
+
+
+class _Replay(EventSourceResponse):
+    """An event stream that gives its tenant's place back when the response ends, however it ends
+    (a client that hangs up before the first byte never runs the generator's `finally`)."""
+
+    def __init__(self, stream: Any, give: Callable[[], None]) -> None:
+        super().__init__(stream)
+        self._give = give
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._give()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import queue
 import re
@@ -52,6 +53,12 @@ def _payload_or_none(fields: dict[Any, Any]) -> str | None:
         return None
 
 
+def marks_key(job_id: str) -> str:
+    """Where each delta entry of an ended job's stream left its choice (`seal`): what a resume from
+    an entry id needs once the stream itself has expired and the job row answers."""
+    return f"job:{job_id}:marks"
+
+
 def fence_key(job_id: str) -> str:
     """The newest attempt that claimed the job: older attempts may no longer write its stream."""
     return f"job:{job_id}:fence"
@@ -59,13 +66,90 @@ def fence_key(job_id: str) -> str:
 
 def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) -> None:
     """Queue XADDs (and the TTL refresh) on a redis-py pipeline, sync or asyncio alike; the caller
-    executes it, so one round trip carries a whole coalesced batch. Streams are never trimmed: a
-    resume replays the whole stream, and admission bounds a job's size; the TTL, refreshed on every
-    append, removes them once the job has been quiet that long."""
+    executes it, so one round trip carries a whole coalesced batch. Streams are never trimmed while
+    their job runs: a resume replays the whole stream, and admission bounds a job's size; the TTL,
+    refreshed on every append, removes them once the job has been quiet that long. A job's end
+    goes through `queue_end`, which shortens it."""
     key = stream_key(job_id)
     for p in payloads:
         pipe.xadd(key, {FIELD: p})
     pipe.expire(key, ttl_s)
+
+
+# The end of a job: its terminal event appended (a time-based id, above every position), and the
+# stream, which nobody appends to any more, given the short lifetime of an ended job's (Postgres
+# answers afterwards). Before that, once per job, each delta entry's mark is kept beside it for the
+# long lifetime: `seq,choice,chars,scores,prefix,finish` (its position, its choice, how many
+# characters and scores it carried, whether it carried the echoed prompt, a finish_reason),
+# `;`-separated. With them an entry
+# id still names a place in the row's text after the stream is gone, so a resume from it neither
+# repeats nor skips (core/jobs/stream.py). Characters are counted as Python counts them (code
+# points: the UTF-8 bytes that do not continue a character). An entry that is not a delta (or not
+# ours) has no mark. KEYS: stream, marks; ARGV: ended ttl, marks ttl, the payloads.
+_SEAL = r"""
+local stream, marks = KEYS[1], KEYS[2]
+if redis.call('EXISTS', marks) == 0 then
+  local out = {}
+  for _, e in ipairs(redis.call('XRANGE', stream, '-', '0-18446744073709551615')) do
+    local f, p = e[2], nil
+    for i = 1, #f, 2 do if f[i] == 'e' then p = f[i + 1] end end
+    p = p or ''
+    -- Only the head is decoded (its fields up to the text; the scores after it are most of the
+    -- bytes): a quote inside a JSON string is escaped, so these field names match only as fields.
+    local cut = string.find(p, ',"token_ids":', 1, true)
+    local ok, d = pcall(cjson.decode, cut and (string.sub(p, 1, cut - 1) .. '}') or p)
+    if ok and type(d) == 'table' and d.type == 'delta' and type(d.text) == 'string' then
+      local _, cont = string.gsub(d.text, '[\128-\191]', '')
+      local s = 0
+      local at = string.find(p, ',"scores":[', 1, true)
+      if at then _, s = string.gsub(string.sub(p, at), '"offset":', '') end
+      local pre = string.find(p, ',"prefix_len":', 1, true) and 1 or 0
+      local fin = string.find(p, ',"finish_reason":"', 1, true) and 1 or 0
+      local seq = string.match(e[1], '^0%-(%d+)$')
+      out[#out + 1] = table.concat({seq, tostring(d.choice or 0), #d.text - cont, s, pre, fin}, ',')
+    end
+  end
+  redis.call('SET', marks, table.concat(out, ';'), 'EX', ARGV[2])
+end
+local ids = {}
+for i = 3, #ARGV do ids[#ids + 1] = redis.call('XADD', stream, '*', 'e', ARGV[i]) end
+redis.call('EXPIRE', stream, ARGV[1])
+return ids
+"""
+
+
+_SEAL_SHA = hashlib.sha1(_SEAL.encode()).hexdigest()
+
+
+def queue_end(pipe: Any, job_id: str, payloads: Sequence[str], ended_ttl_s: int, marks_ttl_s: int) -> None:
+    """Queue a job's end (its terminal event) on a redis-py pipeline: appended, the stream's marks
+    kept for `marks_ttl_s`, the stream itself shortened to `ended_ttl_s` (see `_SEAL`). A NOSCRIPT
+    would only surface at `execute`: the script is loaded first in the same pipeline, once however
+    many jobs' ends it carries (a batch's expired lines), and then called by its digest."""
+    if not getattr(pipe, "_spool_seal_loaded", False):
+        pipe.script_load(_SEAL)
+        pipe._spool_seal_loaded = True
+    pipe.evalsha(_SEAL_SHA, 2, stream_key(job_id), marks_key(job_id), ended_ttl_s, marks_ttl_s, *payloads)
+
+
+Mark = tuple[int, int, int, int, bool, bool]  # position, choice, characters, scores, echoed prompt, finish
+
+
+def parse_marks(raw: Any) -> list[Mark]:
+    """The marks `queue_end` kept, in stream order."""
+    out: list[Mark] = []
+    for part in _text(raw).split(";"):
+        if part:
+            seq, choice, chars, scores, pre, fin = part.split(",")
+            out.append((int(seq), int(choice), int(chars), int(scores), pre == "1", fin == "1"))
+    return out
+
+
+# Ids that name a place in an answer the job row gave (its stream gone): `<ROW_MS + n>-<k>`, the
+# first k events rebuilt from the row after the stream's first n entries (core/jobs/stream.py).
+# Above every time-based id Redis makes (ms since 1970) and within Redis's 64 bits: a shared read
+# from one returns nothing, ever.
+ROW_MS = 10**18
 
 
 # Append only if no newer attempt has claimed the job (compare-and-append, atomic in Redis): a worker
@@ -192,6 +276,8 @@ def append_many(redis: Any, appends: Sequence[Append]) -> list[Appended]:
     try:
         raw = _APPEND(redis, keys, *args)
     except ResponseError as exc:
+        if isinstance(exc, TRANSIENT):  # Redis refusing writes for now (OOM, MISCONF, READONLY): for all
+            raise
         if len(appends) == 1:
             return [exc]
         return [append_many(redis, [a])[0] for a in appends]
@@ -313,6 +399,18 @@ class Reader(Protocol):
     ) -> AsyncGenerator[list[tuple[str, str]] | None, None]:
         """The same entries, as lists of everything that had arrived when the caller asked again: a
         caller that fell behind (a slow client) gets the backlog at once."""
+        ...
+
+    async def marks(self, job_id: str) -> list[Mark] | None:
+        """The marks of an ended job's entries (`queue_end`), None when none were kept."""
+        ...
+
+    async def entries_upto(self, job_id: str, last_id: str) -> list[tuple[str, str]]:
+        """The stream's entries up to `last_id` included, as far as it still holds them."""
+        ...
+
+    async def exists(self, job_id: str) -> bool:
+        """Whether the job's stream is there (a Redis outage counts as there: the stream is followed)."""
         ...
 
 
@@ -444,6 +542,20 @@ class Hub:
                 f.inbox.put_nowait(None)
             f.fed_at, idle = loop.time(), 0.0
         f.timer = loop.call_later(every - idle, self._silence, f, every)
+
+    async def marks(self, job_id: str) -> list[Mark] | None:
+        raw = await self.redis.get(marks_key(job_id))
+        return None if raw is None else parse_marks(raw)
+
+    async def exists(self, job_id: str) -> bool:
+        try:
+            return bool(await self.redis.exists(stream_key(job_id)))
+        except TRANSIENT:
+            return True
+
+    async def entries_upto(self, job_id: str, last_id: str) -> list[tuple[str, str]]:
+        got = await self.redis.xrange(stream_key(job_id), "-", last_id)
+        return [(_text(i), p) for i, f in got if (p := _payload_or_none(f)) is not None]
 
     async def _wake(self) -> None:
         try:

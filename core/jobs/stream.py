@@ -1,23 +1,71 @@
-"""Following a job's event stream (Redis) until its end, answered by Postgres when it is gone."""
+"""Following a job's event stream (Redis) until its end, answered by Postgres when it is gone.
+
+Every id a reader is given names a place it can resume from (`Last-Event-ID`), whichever answered:
+
+- `0-<n>`: the stream's n-th entry (a delta; core/infra/streams.py numbers them). After it comes
+  what the stream holds after it; once the stream is gone (an ended job's lives only minutes), what
+  the job row holds after the text its first n entries carried, found from the marks kept when the
+  job ended (`streams.queue_end`), or from the stream itself while it is there.
+- `<ms>-<s>` with 0 < ms < `streams.ROW_MS`: a terminal event's (time-based, above every position).
+  Only the end (`[DONE]`) is left after it.
+- `<ROW_MS + n>-<k>`: an answer the row gave after the stream's first n entries, through its k-th
+  event (the events `from_row` rebuilds, in order: each choice's text, then the ending). After it
+  come that answer's events from the (k+1)-th on. Rebuilt the same way every time: the row of an
+  ended job does not change.
+
+A place the server can no longer find (its marks expired with the stream, a day after the job
+ended, or an id it never gave) is answered with an error event, never by repeating the answer.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
-from core.generation.events import Delta, Event, TerminalRow, decode, from_row, is_terminal
+import anyio
+
+from core.generation.events import Delta, ErrorInfo, Event, Failed, TerminalRow, decode, from_row, is_terminal
 from core.infra import streams
 
 RowCheck = Callable[[], Awaitable[TerminalRow | None]]
 HEARTBEAT = object()
+Seen = dict[int, tuple[int, int, bool, bool]]  # per choice: characters, scores, echoed prompt, finish_reason delivered
+
+# Decoding more entries than this at once (a replay's backlog) is done on a worker thread: 16k
+# deltas with logprobs are a second of pydantic, and the event loop serves every other stream.
+OFF_LOOP_ENTRIES = 256
+
+
+class Ended:
+    """A resume after the job's terminal event: nothing is left to send but the end (`[DONE]`)."""
+
+
+ENDED = Ended()
+
+
+def _unplaceable(last_id: str) -> Failed:
+    return Failed(
+        error=ErrorInfo(
+            message=f"Last-Event-ID {last_id!r} no longer names a place in this job's output: its event log "
+            "has expired. GET /v1/jobs/{id} has the whole result.",
+            type="invalid_request_error",
+            param="Last-Event-ID",
+            code="resume_expired",
+        )
+    )
+
+
+def _split(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 async def follow(
     reader: streams.Reader, job_id: str, check_row: RowCheck, last_id: str = "0-0", block_ms: int = 2000
-) -> AsyncIterator[tuple[str | None, Event] | object]:
-    """Yield (entry id, event) from `last_id` on until a terminal event. When the stream is silent,
-    yield HEARTBEAT and consult Postgres, which answers if the stream expired or was never written
-    (a job that failed before its worker started, say)."""
+) -> AsyncIterator[tuple[str | None, Event | Ended] | object]:
+    """Yield (entry id, event) from `last_id` on until a terminal event (or ENDED). When the stream
+    is silent, yield HEARTBEAT and consult Postgres, which answers if the stream expired or was never
+    written (a job that failed before its worker started, say)."""
     async with contextlib.aclosing(follow_batches(reader, job_id, check_row, last_id, block_ms)) as batches:
         async for batch in batches:
             if batch is HEARTBEAT:
@@ -27,80 +75,167 @@ async def follow(
                 yield item
 
 
+async def decode_all(raws: list[str]) -> list[Event]:
+    """Payloads as events; a large backlog on a worker thread."""
+    if len(raws) <= OFF_LOOP_ENTRIES:
+        return [decode(r) for r in raws]
+    return await anyio.to_thread.run_sync(lambda: [decode(r) for r in raws])
+
+
+def _add(seen: Seen, choice: int, chars: int, scores: int, prefix: bool, finished: bool) -> None:
+    c0, s0, p0, f0 = seen.get(choice, (0, 0, False, False))
+    seen[choice] = (c0 + chars, s0 + scores, p0 or prefix, f0 or finished)
+
+
+def _count(seen: Seen, ev: Delta) -> None:
+    _add(seen, ev.choice, len(ev.text), len(ev.scores or []), ev.prefix_len is not None, ev.finish_reason is not None)
+
+
 async def follow_batches(
     reader: streams.Reader, job_id: str, check_row: RowCheck, last_id: str = "0-0", block_ms: int = 2000
-) -> AsyncGenerator[list[tuple[str | None, Event]] | object, None]:
+) -> AsyncGenerator[list[tuple[str | None, Event | Ended]] | object, None]:
     """`follow`, as lists of what had arrived when asked (more than one event: the caller is behind)."""
-    seen: dict[int, tuple[int, int, bool]] = {}  # per choice: text chars, scores, prompt part delivered
+    live: Seen = {}  # what this reader was given from the stream
+    at = last_id  # the last place it was given
+    ms, seq = _split(last_id)
+    # After every entry of the stream, or a resume into a stream that is gone: an ended job's row
+    # answers at once (not after a silence).
+    if ms > 0 or (seq > 0 and not await reader.exists(job_id)):
+        row = await check_row()
+        if row is not None:
+            yield await _rest(reader, job_id, row, last_id, at, live)
+            return
     async with contextlib.aclosing(reader.read_batches(job_id, last_id, block_ms)) as reading:
         async for entries in reading:
             if entries is None:
                 row = await check_row()
                 if row is not None:
-                    rest = [(None, r) for r in (_unseen(ev, seen) for ev in from_row(row)) if r is not None]
+                    rest = await _rest(reader, job_id, row, last_id, at, live)
                     if rest:
                         yield rest
                     return
                 yield HEARTBEAT
                 continue
-            out: list[tuple[str | None, Event]] = []
-            for entry_id, raw in entries:
-                ev = decode(raw)
+            out: list[tuple[str | None, Event | Ended]] = []
+            for (entry_id, _), ev in zip(entries, await decode_all([raw for _, raw in entries]), strict=True):
                 if isinstance(ev, Delta):
-                    chars, scores, prefix = seen.get(ev.choice, (0, 0, False))
-                    seen[ev.choice] = (
-                        chars + len(ev.text),
-                        scores + len(ev.scores or []),
-                        prefix or ev.prefix_len is not None,
-                    )
+                    _count(live, ev)
                 out.append((entry_id, ev))
+                at = entry_id
                 if is_terminal(ev):
                     yield out
                     return
             yield out
 
 
-def coalesce(batch: list[tuple[str | None, Event]]) -> list[tuple[str | None, Event]]:
+async def _rest(
+    reader: streams.Reader, job_id: str, row: TerminalRow, last_id: str, at: str, live: Seen
+) -> list[tuple[str | None, Event | Ended]]:
+    """What a reader that started after `last_id`, and was given `live` from the stream up to `at`,
+    has not had of an ended job's row: each event under its row id (see the module's docstring)."""
+    ms, seq = _split(last_id)
+    if 0 < ms < streams.ROW_MS:
+        return [(None, ENDED)]
+    start, skip = (seq, 0) if ms == 0 else (ms - streams.ROW_MS, seq)
+    seen = await place(reader, job_id, start)
+    if seen is None:
+        return [(None, _unplaceable(last_id))]
+    for choice, counts in live.items():
+        _add(seen, choice, *counts)
+    a_ms, a_seq = _split(at)
+    after = a_seq if a_ms == 0 else start  # the stream's entries this answer comes after
+    rebuilt = [_unseen(ev, seen) for ev in from_row(row)]
+    if skip >= len(rebuilt):  # its ending was delivered too
+        return [(None, ENDED)]
+    return [(f"{streams.ROW_MS + after}-{k}", ev) for k, ev in enumerate(rebuilt, 1) if ev is not None and k > skip]
+
+
+async def place(reader: streams.Reader, job_id: str, n: int) -> Seen | None:
+    """What the stream's first n entries carried, per choice; None when that is no longer known."""
+    if n == 0:
+        return {}
+    marks = await reader.marks(job_id)
+    if marks is not None and (n <= max((m[0] for m in marks), default=0)):
+        return _from_marks(m for m in marks if m[0] <= n)
+    got = await reader.entries_upto(job_id, f"0-{n}")
+    if not got or got[-1][0] != f"0-{n}":
+        return None
+    seen: Seen = {}
+    for ev in await decode_all([raw for _, raw in got]):
+        if isinstance(ev, Delta):
+            _count(seen, ev)
+    return seen
+
+
+def _from_marks(marks: Iterable[streams.Mark]) -> Seen:
+    seen: Seen = {}
+    for _, choice, chars, scores, prefix, finished in marks:
+        _add(seen, choice, chars, scores, prefix, finished)
+    return seen
+
+
+def _joins(prev: Delta, ev: Event | Ended) -> bool:
+    return (
+        isinstance(ev, Delta)
+        and prev.choice == ev.choice
+        and prev.finish_reason is None
+        and ev.prefix_len is None
+        and ev.prompt_scores is None
+        and (prev.scores is None) == (ev.scores is None)
+    )
+
+
+def _merged(run: list[Delta]) -> Delta:
+    """A run of one choice's deltas as one: each part collected, joined once (linear in the run;
+    joining two at a time copied the whole run so far at every entry)."""
+    if len(run) == 1:
+        return run[0]
+    first, last = run[0], run[-1]
+    return first.model_copy(
+        update={
+            "text": "".join(d.text for d in run),
+            "token_ids": [t for d in run for t in d.token_ids],
+            "scores": None if first.scores is None else [s for d in run for s in d.scores or ()],
+            "finish_reason": last.finish_reason,
+            "eos": last.eos,
+            "t": last.t,
+        }
+    )
+
+
+def coalesce(batch: list[tuple[str | None, Event | Ended]]) -> list[tuple[str | None, Event | Ended]]:
     """Runs of consecutive deltas of one choice as one delta (text, token ids and scores joined),
     under the id of the run's last entry: a reader that fell behind gets one chunk per run instead
     of one per token. Only consecutive entries merge, so every id sent still marks a point before
     which everything was delivered (a Last-Event-ID resume neither skips nor repeats). A delta that
     carries the echoed prompt starts a run of its own."""
-    out: list[tuple[str | None, Event]] = []
+    out: list[tuple[str | None, Event | Ended]] = []
+    run: list[Delta] = []
+    run_id: str | None = None
     for entry_id, ev in batch:
-        prev = out[-1][1] if out else None
-        if (
-            isinstance(ev, Delta)
-            and isinstance(prev, Delta)
-            and prev.choice == ev.choice
-            and prev.finish_reason is None
-            and ev.prefix_len is None
-            and ev.prompt_scores is None
-            and (prev.scores is None) == (ev.scores is None)
-        ):
-            merged = prev.model_copy(
-                update={
-                    "text": prev.text + ev.text,
-                    "token_ids": prev.token_ids + ev.token_ids,
-                    "scores": None if prev.scores is None else [*prev.scores, *(ev.scores or [])],
-                    "finish_reason": ev.finish_reason,
-                    "eos": ev.eos,
-                    "t": ev.t,
-                }
-            )
-            out[-1] = (entry_id if entry_id is not None else out[-1][0], merged)
+        if run and _joins(run[-1], ev):
+            run.append(ev)  # type: ignore[arg-type]
+            run_id = entry_id if entry_id is not None else run_id
+            continue
+        if run:
+            out.append((run_id, _merged(run)))
+            run = []
+        if isinstance(ev, Delta):
+            run, run_id = [ev], entry_id
         else:
             out.append((entry_id, ev))
+    if run:
+        out.append((run_id, _merged(run)))
     return out
 
 
-def _unseen(ev: Event, seen: dict[int, tuple[int, int, bool]]) -> Event | None:
-    """What a reader has not had yet of an event rebuilt from the row (its stream was lost midway)."""
+def _unseen(ev: Event, seen: Seen) -> Event | None:
+    """What a reader has not had yet of an event rebuilt from the row."""
     if not isinstance(ev, Delta) or ev.choice not in seen:
         return ev
-    chars, scores, prefix = seen[ev.choice]
+    chars, scores, prefix, finished = seen[ev.choice]
     text = ev.text[chars:]
-    if not text and not ev.finish_reason:
+    if finished or (not text and not ev.finish_reason):
         return None
     return ev.model_copy(
         update={

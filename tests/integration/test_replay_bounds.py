@@ -1,0 +1,141 @@
+"""Issue 35 (no tenant can hold the others hostage), replays: the readers of a job are counted in a
+way that cannot go negative when a lease lapses, a replay's backlog is coalesced in one pass (its
+tokens, token ids and logprobs joined once) into one exact chunk, and a large job object built off
+the loop is the same JSON the declared model gives. Real Redis and Postgres; no speed is asserted
+(the numbers are in the report of the change and `ops/bench`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+from api import streaming
+from api.routes import jobs as job_routes
+from core.generation.events import Delta, TokenScore, TopToken, encode
+from core.generation.params import GenerationParams
+from core.infra import kv, redis_keys, streams
+from core.jobs.states import JobState
+from core.jobs.stream import coalesce
+from core.protocol import render
+from core.protocol.render import CompletionChunks
+from core.protocol.schemas import JobObject
+from tests import factories
+from tests.integration.conftest import IT_REDIS
+
+
+def _record(job_id: str, **params) -> SimpleNamespace:
+    return SimpleNamespace(
+        id=job_id,
+        model="m",
+        state="running",
+        attempt=1,
+        params=GenerationParams(max_tokens=100_000, **params).to_json(),
+        chat=None,
+        result=None,
+        usage=None,
+        error=None,
+        created_at=datetime.now(UTC),
+        started_at=None,
+        finished_at=None,
+    )
+
+
+def test_a_lapsed_reader_lease_never_leaves_a_negative_count(rds):
+    """The counter had a TTL: under a stream longer than it, it lapsed, the stream's end took it to
+    -1, the next reader counted 0 while it followed (its job cancellable from under it) and -1 after
+    it left, and -1 reads as "someone follows": no disconnect cancelled the job ever again."""
+    job_id = "readers-lapse"
+    rds.delete(streams.stream_key(job_id), redis_keys.readers(job_id))
+    streams.raise_fence(rds, job_id, 1, 60)
+    streams.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text=" a", token_ids=[1]))], 60, 1)
+
+    async def scenario() -> None:
+        arc = kv.async_client(IT_REDIS)
+        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+
+        async def count_is(n: int) -> None:
+            for _ in range(100):  # a reader is uncounted by a task of its own: give it its turn
+                if await streaming.readers(arc, job_id) == n:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"readers {await streaming.readers(arc, job_id)}, expected {n}")
+
+        def reader():
+            return streaming.sse_chunks(_record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp")
+
+        try:
+            first = reader()
+            assert b" a" in await anext(first)
+            await count_is(1)
+            rds.delete(redis_keys.readers(job_id))  # what the lapsed TTL did under a long stream
+            await first.aclose()
+            await count_is(0)
+            second = reader()
+            await anext(second)
+            await count_is(1)  # the old counter said 0 here: the job could be cancelled from under it
+            await second.aclose()
+            await count_is(0)  # and -1 here: read as a reader, nothing cancelled on disconnect again
+        finally:
+            await hub.aclose()
+
+    asyncio.run(scenario())
+
+
+def _scored_deltas(n: int) -> list[tuple[str | None, Delta]]:
+    return [
+        (
+            f"0-{i + 1}",
+            Delta(
+                attempt=1,
+                choice=0,
+                text=f" w{i}",
+                token_ids=[i],
+                scores=[
+                    TokenScore(
+                        id=i,
+                        text=f" w{i}",
+                        logprob=-0.25,
+                        offset=0,
+                        top=[TopToken(id=j, text=f"x{j}", logprob=-1.0) for j in range(3)],
+                    )
+                ],
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_backlog_of_16k_scored_deltas_is_one_exact_chunk_under_its_last_id(rds):
+    batch = _scored_deltas(16_000)
+    ((last_id, merged),) = coalesce(batch)  # type: ignore[arg-type]
+    assert last_id == "0-16000"
+    assert isinstance(merged, Delta)
+    assert merged.text == "".join(f" w{i}" for i in range(16_000))
+    assert merged.token_ids == list(range(16_000))
+    assert [s.id for s in merged.scores or []] == list(range(16_000))
+    body = streaming.frame(CompletionChunks(_record("j16k", logprobs=3), False, "fp"), batch)  # type: ignore[arg-type]
+    events = [block for block in body.decode().split("\n\n") if block]
+    assert len(events) == 1
+    fields = dict(line.split(": ", 1) for line in events[0].split("\n"))
+    assert fields["id"] == "0-16000"
+    chunk = json.loads(fields["data"])
+    assert chunk["choices"][0]["text"] == merged.text
+    assert chunk["choices"][0]["logprobs"]["tokens"] == [f" w{i}" for i in range(16_000)]
+
+
+def test_a_large_job_object_built_off_the_loop_is_the_declared_models_json(session):
+    tenant = factories.tenant(session)
+    scores = [TokenScore(id=i, text=f" t{i}", logprob=-0.5, offset=3 * i).model_dump() for i in range(5000)]
+    text = "".join(f" t{i}" for i in range(5000))
+    row = factories.job(session, tenant, state=JobState.succeeded, params=GenerationParams(max_tokens=5000, logprobs=0))
+    row.result = {"choices": [{"index": 0, "text": text, "finish_reason": "length", "scores": scores}]}
+    row.usage, row.finished_at = {"prompt_tokens": 1, "completion_tokens": 5000}, datetime.now(UTC)
+    session.commit()
+    assert job_routes._large(row)
+    built = json.loads(job_routes._job_bytes(row, "fp"))
+    expected = JobObject.model_validate(render.job(row, "fp")).model_dump(mode="json", by_alias=True)
+    assert built == expected
+    assert built["result"]["choices"][0]["text"] == text
+    assert len(built["result"]["choices"][0]["logprobs"]["tokens"]) == 5000
