@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def readers(job_id: str) -> str:
-    """A counter: how many SSE streams follow the job right now, on any API replica (api/streaming.py)."""
+    """A sorted set, one leased entry per SSE stream following the job now, on any API replica (api/streaming.py)."""
     return f"job:{job_id}:readers"
 
 
