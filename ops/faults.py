@@ -16,7 +16,8 @@ stored: a 503 must have stored none, and one request never stores two. Faults, o
 with load in between: worker SIGKILL mid-generation (a new worker is started each time), Redis
 SIGKILLed and restarted *empty*, Postgres stopped hard (`-m immediate`) and restarted, the API
 SIGTERMed and SIGKILLed mid-stream, the dispatcher SIGKILLed; the full run adds Redis and Postgres
-away for 30 s each (longer than the API's key cache and redis-py's retries).
+away for 30 s each (longer than the API's key cache and redis-py's retries), and Redis up but refusing
+every write for 30 s (`OOM` under maxmemory, `MISCONF` after a failed snapshot).
 
 The report counts, per request a client made: **lost** (never finished, or ended other than
 succeeded), **duplicated** (more than one job, or a batch line answered twice), **wrong** (a text
@@ -140,6 +141,35 @@ class OwnRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    def refuse_writes(self, how: str, seconds: float) -> None:
+        """Redis stays up but refuses writes for `seconds`: `oom` (maxmemory 1 with noeviction, as
+        compose's Redis when full) or `misconf` (a snapshot that cannot be written: MISCONF)."""
+        import redis as redis_lib
+
+        r = redis_lib.Redis(port=self.port)
+        snapdir = self.workdir / "snapshots"
+        if how == "oom":
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", "1")
+        else:
+            snapdir.mkdir(exist_ok=True)
+            r.config_set("dir", str(snapdir))
+            shutil.rmtree(snapdir)  # the next snapshot fails, and writes stop until one succeeds
+            r.bgsave()
+        time.sleep(seconds)
+        if how == "oom":
+            r.config_set("maxmemory", "0")
+        else:
+            snapdir.mkdir(exist_ok=True)
+            wait_for(lambda: r.lastsave() and _bgsave_done(r), 30, "the failed snapshot to end")
+            r.bgsave()
+            wait_for(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "ok", 30, "a snapshot that succeeds")
+        r.close()
+
+
+def _bgsave_done(r: Any) -> bool:
+    return not r.info("persistence")["rdb_bgsave_in_progress"]
 
 
 def _stack(workdir: Path, db_url: str, redis_url: str) -> Stack:
@@ -618,6 +648,9 @@ def _load_and_faults(
         time.sleep(LONG_OUTAGE_S)
         rd.start()
 
+    def redis_refusal(how: str) -> Callable[[], None]:
+        return lambda: rd.refuse_writes(how, LONG_OUTAGE_S)
+
     def postgres_outage() -> None:
         pg.stop("immediate")
         time.sleep(LONG_OUTAGE_S)
@@ -662,6 +695,8 @@ def _load_and_faults(
         schedule += [
             (f"redis-30s away {LONG_OUTAGE_S:.0f} s (SIGKILL, restarted empty)", redis_outage),
             (f"postgres-30s away {LONG_OUTAGE_S:.0f} s (stop -m immediate, restart)", postgres_outage),
+            (f"redis-oom refuses writes {LONG_OUTAGE_S:.0f} s (maxmemory 1, noeviction)", redis_refusal("oom")),
+            (f"redis-misconf refuses writes {LONG_OUTAGE_S:.0f} s (a failed snapshot)", redis_refusal("misconf")),
         ]
     # Worker kills spread among the other faults, in a fixed order.
     others, kills_only = schedule[kills:], schedule[:kills]
@@ -751,7 +786,10 @@ def main() -> None:
     ap.add_argument("--worker-kills", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=1, help="with --only: repeat the chosen faults")
     ap.add_argument(
-        "--only", default=None, help="comma-separated subset of: redis,postgres,api,dispatcher,redis-30s,postgres-30s"
+        "--only",
+        default=None,
+        help="comma-separated subset of: redis, postgres, api, dispatcher, redis-30s, postgres-30s, redis-oom,"
+        " redis-misconf",
     )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
