@@ -32,10 +32,10 @@ def _spool_database_url() -> str:
 
 TEST_DB = os.environ.get("SPOOL_TEST_DATABASE_URL", _spool_database_url().rsplit("/", 1)[0] + "/spool_test")
 TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-# Redis databases the side stacks take on the same server (compose rehearsal 7, limits 8, paced and
-# null engines 9, fresh machine 10, registry 12, integration 13, fuzz 14). The session stack on one of
-# them shares its live-workers hash with a side stack's, whose "workers live" checks then never hold.
-SIDE_REDIS_DBS = {7, 8, 9, 10, 12, 13, 14}
+# Redis databases the side stacks take on the same server (bare-host rehearsal 2, compose rehearsal 7,
+# limits 8, paced and null engines 9, fresh machine 10, registry 12, integration 13, fuzz 14). The session
+# stack on one of them shares its live-workers hash with a side stack's, whose "workers live" checks then never hold.
+SIDE_REDIS_DBS = {2, 7, 8, 9, 10, 12, 13, 14}
 if TEST_REDIS.rsplit("/", 1)[-1] in {str(n) for n in SIDE_REDIS_DBS}:
     raise pytest.UsageError(f"SPOOL_TEST_REDIS_URL: pick a Redis database other than {sorted(SIDE_REDIS_DBS)}")
 MODEL = "smollm2-135m-instruct"

@@ -130,8 +130,15 @@ def dispatcher() -> None:
 
 
 @app.command()
-def up(tenant: str = typer.Option("default", help="Tenant to create a first key for, if it has none.")) -> None:
+def up(
+    tenant: str = typer.Option("default", help="Tenant to create a first key for, if it has none."),
+    registry: Path | None = typer.Option(
+        None, help="The model registry file for all three (SPOOL_MODELS_FILE), e.g. ops/models.host.example.toml."
+    ),
+) -> None:
     """Migrate, then run api + worker + dispatcher together until Ctrl-C (a one-host deployment)."""
+    if registry is not None:
+        _use_registry(registry)
     migrate("head")
     key = _ensure_first_key(tenant)
     if key:
@@ -154,6 +161,25 @@ def up(tenant: str = typer.Option("default", help="Tenant to create a first key 
         stop()
         for p in procs:
             p.wait(timeout=20)
+
+
+def _use_registry(path: Path) -> None:
+    """Point this process and the ones it starts at a registry file, and name any model path in it that
+    is not on this host (relative paths are read from the current directory)."""
+    from core.registry import RegistryError, registry
+
+    if not path.is_file():
+        raise typer.BadParameter(f"no registry file at {path.resolve()}", param_hint="--registry")
+    os.environ["SPOOL_MODELS_FILE"] = str(path.resolve())
+    get_settings.cache_clear()
+    try:
+        models = registry(get_settings())
+    except RegistryError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--registry") from None
+    for spec in models.values():
+        if spec.path and not Path(spec.path).exists():
+            where = Path(spec.path).resolve()
+            typer.echo(f"warning: model {spec.id!r}: {spec.path} ({where}) does not exist", err=True)
 
 
 def _ensure_first_key(tenant_name: str) -> str | None:

@@ -136,3 +136,46 @@ def test_redis_is_bounded_and_never_evicts():
     assert flags["--appendonly"] == "yes"
     local = (ROOT / "ops/services.sh").read_text()  # the development Redis ops/services.sh starts: the same
     assert "--maxmemory-policy noeviction" in local and "--maxmemory" in local
+
+
+# -- the GPU image per engine, and the bare-host registry (issue 34) --------------------------------------
+
+COMPOSE_VARS |= {"SPOOL_GPU_TARGET"}  # the worker-gpu image's target: exl2 (default) or exl3
+
+
+def test_the_gpu_worker_builds_the_exl2_target_unless_told_otherwise():
+    build = S["worker-gpu"]["build"]
+    assert build["dockerfile"] == "ops/docker/Dockerfile.cuda"
+    assert build["target"] == "${SPOOL_GPU_TARGET:-exl2}"
+    assert S["worker-gpu"]["image"] == "spool-cuda:${SPOOL_GPU_TARGET:-exl2}"
+    stages = re.findall(r"^FROM \S+ AS (\S+)", (ROOT / "ops/docker/Dockerfile.cuda").read_text(), re.M)
+    assert {"exl2", "exl3"} <= set(stages)
+    assert "SPOOL_GPU_TARGET=exl3" in (ROOT / "docs/gpu.md").read_text()  # the documented way to EXL3
+
+
+def _entries(text: str) -> list[dict]:
+    return tomllib.loads(text)["models"]
+
+
+def test_the_host_registry_is_the_example_registry_with_host_paths():
+    """ops/models.host.example.toml (bare host, `spool up --registry`) serves what the container registry
+    serves, at paths relative to the checkout where the docs' `hf download` puts the folders."""
+    from core.registry import _from_file
+
+    host_file = ROOT / "ops/models.host.example.toml"
+    host = _entries(host_file.read_text())
+    assert list(_from_file(str(host_file))) == [m["id"] for m in host]  # Spool reads it
+    # Its commented alternative: uncommented, a registry too.
+    alt = "\n".join(ln[2:] for ln in host_file.read_text().splitlines() if ln.startswith("# ") and "=" in ln)
+    alt_entries = _entries("[[models]]\n" + "\n".join(ln for ln in alt.splitlines() if not ln.startswith("hf ")))
+    by_id = {m["id"]: m for m in _entries((ROOT / "ops/models.example.toml").read_text())}
+    engines = set()
+    for m in host + alt_entries:
+        assert m["path"] == "models/" + by_id[m["id"]]["path"].removeprefix("/models/"), m
+        assert {k: v for k, v in m.items() if k != "path"} == {
+            k: v for k, v in by_id[m["id"]].items() if k in m and k != "path"
+        }
+        assert f"--local-dir {m['path']}" in host_file.read_text()
+        engines.add(m["engine"])
+    assert engines == {"exllamav2", "exllamav3"}
+    assert len(host) == 1  # the one worker `spool up` starts loads every entry: one GPU model
