@@ -28,7 +28,7 @@ from api.deps import AdminDep
 from api.guard import RequestGuard
 from api.observe import RequestIdentity
 from api.ratelimit import RequestRateGate
-from api.routes import admin, batches, completions, files, jobs, models, tokens, ui, usage, webhooks
+from api.routes import admin, batches, completions, files, jobs, models, responses, tokens, ui, usage, webhooks
 from core.config import get_settings
 from core.errors import DomainError
 from core.idempotency import Idempotency
@@ -38,6 +38,7 @@ from core.infra.db import async_engine, async_sessions, sync_sessions
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
+from core.jobs.responses import Responses
 from core.jobs.service import Completions
 from core.protocol import render
 
@@ -63,6 +64,10 @@ async def lifespan(app: FastAPI):
     app.state.idempotency = Idempotency(async_sessions(), settings.idempotency_lock_s)
     sender = AsyncSender(settings.celery_broker_url, settings.interactive_group)
     app.state.completions = Completions(
+        async_sessions(), app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
+    )
+    # The Responses API: chat jobs with another wire shape (its own Submitter, the same path).
+    app.state.responses = Responses(
         async_sessions(), app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
     )
     _drain_on_sigterm(app)
@@ -133,6 +138,7 @@ def create_app() -> FastAPI:
     app.add_middleware(RequestIdentity)  # outermost: every response, errors included, carries the id
 
     app.include_router(completions.router)
+    app.include_router(responses.router)
     app.include_router(jobs.router)
     app.include_router(models.router)
     app.include_router(tokens.router)

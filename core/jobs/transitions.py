@@ -32,6 +32,7 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    text,
     tuple_,
     update,
 )
@@ -431,3 +432,13 @@ def get_for_tenant(job_id: str, tenant_id: int):
 
 def is_terminal(state: str) -> bool:
     return JobState(state) in TERMINAL_STATES
+
+
+# A deleted response (`DELETE /v1/responses/{id}`, core/jobs/responses.py): the job stays (its usage,
+# its place in the ledger), its state untouched; the response's input is dropped and it reads as gone.
+FORGET_RESPONSE = text(
+    "UPDATE jobs SET chat = jsonb_set(chat, '{response}', (chat->'response') || "
+    '\'{"deleted": true, "input": []}\'::jsonb) '
+    "WHERE id = :id AND tenant_id = :tenant AND chat->'response' IS NOT NULL "
+    "AND coalesce(chat->'response'->>'deleted', 'false') <> 'true' RETURNING id"
+)

@@ -1,0 +1,203 @@
+"""OpenAI's Responses API: `/v1/responses` create, retrieve (or rejoin its stream), cancel, delete,
+and list input items. A response is a chat job (core/jobs/responses.py); this module only chooses
+how to answer and frames its stream events as SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import anyio
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from api.bodies import INLINE_BYTES, json_body, openapi_body
+from api.deps import LifecycleDep, TenantDep, current_principal
+from api.errors import APIError
+from api.routes.completions import _StreamOrCancel, _wait_unless_draining
+from api.streaming import sse_comment
+from core.config import get_settings
+from core.infra import redis_keys
+from core.jobs import transitions
+from core.jobs.responses import Responses
+from core.jobs.stream import HEARTBEAT
+from core.protocol import responses as wire
+from core.protocol.responses import ResponsesRequest
+from core.protocol.schemas import ErrorResponse
+
+router = APIRouter(prefix="/v1/responses")
+
+_Body = Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))]
+_ANSWERS: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response object, or its stream events (SSE) with `stream: true`",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **{s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)},
+}
+
+
+async def _responses(request: Request) -> Responses:
+    return request.app.state.responses
+
+
+_ResponsesDep = Annotated[Responses, Depends(_responses)]
+
+
+def _not_found(resp_id: str) -> APIError:
+    return APIError(404, f"Response with id '{resp_id[:128]}' not found.", param="response_id", code="not_found")
+
+
+@router.post("", response_model=None, responses=_ANSWERS, openapi_extra=openapi_body(ResponsesRequest))
+async def create_response(body: _Body, request: Request, responses: _ResponsesDep, lifecycle: LifecycleDep):
+    principal = await current_principal(request)
+    settings = get_settings()
+    key = request.headers.get("idempotency-key")
+    rid = getattr(request.state, "request_id", None)
+    small = len(await request.body()) <= INLINE_BYTES
+    created = await responses.create_response(principal, body, key, rid, small)
+    job, headers, tenant_id = created.job, created.headers, principal.tenant.id
+    if body.stream:
+        events = responses.events(request.app.state.hub, job, tenant_id)
+        stream = _framed(events, request.app.state.redis, job.id)
+        if body.background:
+            return _Rejoin(stream, headers=headers)
+        return _Stream(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
+    if body.background:
+        return JSONResponse(wire.response(job), headers=headers)
+    waiting = responses.wait(request.app.state.hub, job, tenant_id, settings.wait_timeout_s)
+    row = await _wait_unless_draining(waiting, request, job.id)
+    return JSONResponse(wire.response(row if row is not None else job), headers=headers)
+
+
+@router.get("/{response_id}", response_model=None, responses=_ANSWERS)
+async def get_response(
+    response_id: str,
+    request: Request,
+    tenant: TenantDep,
+    responses: _ResponsesDep,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=-1, le=2**53)] = None,
+    include: Annotated[list[str] | None, Query(alias="include[]")] = None,
+) -> Any:
+    """The response as it stands; with `stream=true`, its events (after `starting_after`)."""
+    job = await responses.find(response_id, tenant.id)
+    if job is None:
+        raise _not_found(response_id)
+    if not stream:
+        return wire.response(job)
+    events = responses.events(request.app.state.hub, job, tenant.id, starting_after)
+    return _Rejoin(_framed(events, request.app.state.redis, job.id))
+
+
+@router.post("/{response_id}/cancel", response_model=None, responses=_ANSWERS)
+async def cancel_response(response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep):
+    """Cancels a response that is still running (billed what it generated); an ended one is
+    answered as it is."""
+    job = await responses.find(response_id, tenant.id)
+    if job is None:
+        raise _not_found(response_id)
+    row = await anyio.to_thread.run_sync(lifecycle.cancel, job.id, tenant.id)
+    return wire.response(row if row is not None else job)
+
+
+@router.delete("/{response_id}", response_model=None, responses=_ANSWERS)
+async def delete_response(response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep):
+    """Forgets a stored response (a running one is cancelled first); then every read of it is a 404."""
+    job = await responses.find(response_id, tenant.id)
+    if job is None:
+        raise _not_found(response_id)
+    if not transitions.is_terminal(job.state):
+        await anyio.to_thread.run_sync(lifecycle.cancel, job.id, tenant.id)
+    if not await responses.delete(response_id, tenant.id):
+        raise _not_found(response_id)
+    return wire.deleted(wire.response_id(job.id))
+
+
+@router.get("/{response_id}/input_items", response_model=None, responses=_ANSWERS)
+async def list_input_items(
+    response_id: str,
+    tenant: TenantDep,
+    responses: _ResponsesDep,
+    after: Annotated[str | None, Query(max_length=128)] = None,
+    before: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    include: Annotated[list[str] | None, Query(alias="include[]")] = None,
+) -> Any:
+    job = await responses.find(response_id, tenant.id)
+    if job is None:
+        raise _not_found(response_id)
+    return wire.page(wire.input_item_list(job), after, before, limit, order)
+
+
+# -- the stream ------------------------------------------------------------------------------------
+
+_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# A reader of a job is counted (api/streaming.readers) while it follows it: a disconnected stream's
+# job is cancelled only when nobody follows it after the grace period.
+_LEASE_S = 600
+
+
+async def _framed(events: AsyncIterator[Any], rds: Any, job_id: str) -> AsyncIterator[tuple[bytes, bool]]:
+    """Events as SSE (`event:` its type, `id:` its sequence number), with keep-alive comments; each
+    with whether it was the last."""
+    member = uuid.uuid4().hex
+    await _count(rds, job_id, member)
+    try:
+        async for e in events:
+            if e is HEARTBEAT:
+                yield sse_comment("keep-alive"), False
+                continue
+            raw = json.dumps(e, separators=(",", ":"))
+            frame = format_sse_event(data_str=raw, event=e["type"], id=str(e["sequence_number"]))
+            yield frame, e["type"] in _TERMINAL
+    finally:
+        task = asyncio.get_running_loop().create_task(_uncount(rds, job_id, member))
+        _PENDING.add(task)
+        task.add_done_callback(_PENDING.discard)
+
+
+_PENDING: set[asyncio.Task] = set()
+
+
+async def _count(rds: Any, job_id: str, member: str) -> None:
+    with contextlib.suppress(Exception):  # best effort: a Redis outage must not end the stream
+        key, now = redis_keys.readers(job_id), time.time()
+        pipe = rds.pipeline(transaction=False)
+        pipe.zadd(key, {member: now + _LEASE_S})
+        pipe.expire(key, _LEASE_S)
+        await pipe.execute()
+
+
+async def _uncount(rds: Any, job_id: str, member: str) -> None:
+    with contextlib.suppress(Exception):
+        await rds.zrem(redis_keys.readers(job_id), member)
+
+
+async def _bytes(stream: AsyncIterator[tuple[bytes, bool]]) -> AsyncIterator[bytes]:
+    async for frame, _ in stream:
+        yield frame
+
+
+class _Rejoin(EventSourceResponse):
+    """A stream nobody cancels by leaving: a background response's, or a rejoin of any."""
+
+    def __init__(self, stream: AsyncIterator[tuple[bytes, bool]], **kw: Any) -> None:
+        super().__init__(_bytes(stream), **kw)
+
+
+class _Stream(_StreamOrCancel):
+    """The creating request's stream: its job is cancelled when its client goes away before the
+    last event, after the grace period, unless another reader follows it by then (chat's rule)."""
+
+    async def _track(self, stream):
+        async for frame, last in stream:
+            self.ended = last
+            yield frame

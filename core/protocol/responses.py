@@ -1,0 +1,798 @@
+"""OpenAI's Responses API (`/v1/responses`): a chat job with another wire shape.
+
+The request becomes a `ChatCompletionRequest` (its input items and the stored chain of
+`previous_response_id` as chat messages, its settings as chat's fields), so it runs through the one
+chat translation (core/protocol/translate.py): the same `GenerationParams`, the same prompt through
+the model's chat template, the same bounds and 400s. What only the Responses API knows (its
+settings to echo, the input items to list and chain) rides on the job's `chat` column under
+`response` (`meta`). A finished job is rendered as a `response` object from its chat completion
+(core/protocol/render.py); its events as typed stream events numbered by `sequence_number`, a pure
+function of the job's event sequence, so every API process numbers a stream alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from types import SimpleNamespace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from core.errors import DomainError, invalid
+from core.generation.events import Cancelled, Delta, Done, Event, Failed, Usage, error_of, usage_of
+from core.protocol import render
+from core.protocol.errors import from_validation
+from core.protocol.schemas import ChatCompletionRequest, Float, Int, metadata_problem
+
+RESPONSE_PREFIX, JOB_PREFIX = "resp_", "cmpl-"
+# The most earlier responses one `previous_response_id` chain may hold (each is a read of its row).
+MAX_CHAIN = 256
+# The most items one request's `input` may hold.
+MAX_INPUT_ITEMS = 2048
+
+
+def response_id(job_id: str) -> str:
+    """A response's id is its job's, renamed: `cmpl-<hex>` <-> `resp_<hex>`, both ways, everywhere."""
+    return RESPONSE_PREFIX + job_id.removeprefix(JOB_PREFIX)
+
+
+def job_id_of(resp_id: str) -> str | None:
+    """The job behind a response id, or None when it is not one Spool gives out."""
+    if not resp_id.startswith(RESPONSE_PREFIX):
+        return None
+    rest = resp_id[len(RESPONSE_PREFIX) :]
+    if not (0 < len(rest) <= 64) or not all(c in "0123456789abcdef" for c in rest):
+        return None
+    return JOB_PREFIX + rest
+
+
+def _item_id(kind: str, job_id: str, *where: Any) -> str:
+    raw = ":".join(str(w) for w in (job_id, kind, *where))
+    return f"{kind}_" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+# -- the request -----------------------------------------------------------------------------------
+
+_ShortStr = Annotated[str, Field(max_length=256)]
+
+
+class ResponsesRequest(BaseModel):
+    """`POST /v1/responses`. Items, tools and formats are checked by `to_chat`, which names the exact
+    place (`input[2].content[0].type`) of what Spool cannot do."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)] | None = None
+    instructions: str | None = None
+    max_output_tokens: Annotated[Int, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: Annotated[str, Field(max_length=128)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: Annotated[list[str], Field(max_length=16)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    user: _ShortStr | None = None
+    safety_identifier: _ShortStr | None = None
+    prompt_cache_key: _ShortStr | None = None
+    service_tier: _ShortStr | None = None
+    reasoning: dict[str, Any] | None = None
+    max_tool_calls: Annotated[Int, Field(ge=1)] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+# Fields of chat a Responses body may also carry (Spool's sampling extensions, as on chat); the rest
+# of chat's fields have a Responses name (`max_output_tokens`, `text.format`, ...) or no meaning here.
+_NOT_FORWARDED = frozenset(
+    {
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "stream",
+        "stream_options",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+        "user",
+        "temperature",
+        "top_p",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
+FORWARDED = frozenset(set(ChatCompletionRequest.model_fields) - _NOT_FORWARDED)
+# Parts of the Responses API Spool does not have: refused by name (a 400), never ignored.
+_UNSUPPORTED_FIELDS = {
+    "conversation": "Spool keeps conversations with 'previous_response_id'; 'conversation' is not supported.",
+    "prompt": "Stored prompt templates ('prompt') are not supported; send 'instructions' and 'input'.",
+    "context_management": "'context_management' is not supported.",
+    "modalities": "Spool's models produce text only; 'modalities' is not supported.",
+    "audio": "Spool's models produce text only; 'audio' is not supported.",
+}
+_INCLUDE_OK = frozenset({"message.output_text.logprobs"})
+_HOSTED_TOOLS = "web_search, file_search, code_interpreter, computer use, image generation, MCP and shell"
+
+
+class ResponseChat(ChatCompletionRequest):
+    """The chat request a Responses request becomes, carrying what the job stores for it (`meta`)."""
+
+    _response: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return self._response
+
+
+def unknown_fields(req: ResponsesRequest) -> list[str]:
+    """Fields neither Responses nor chat's extensions know (the route refuses them, or ignores them
+    as the deployment says)."""
+    return sorted(k for k in (req.model_extra or {}) if k not in FORWARDED and k not in _UNSUPPORTED_FIELDS)
+
+
+def _text_of(content: Any, where: str, allowed: Sequence[str]) -> str:
+    """A message's content (a string or a list of text parts) as its text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content", "A message's 'content' must be a string or a list of content parts.")
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise invalid(f"{where}.content[{j}]", "A content part must be an object.")
+        kind = part.get("type")
+        if kind in ("input_image", "input_file", "input_audio", "image_url"):
+            raise invalid(
+                f"{where}.content[{j}].type",
+                f"Spool serves text models: '{kind}' content is not supported.",
+                "unsupported_parameter",
+            )
+        if kind not in allowed:
+            raise invalid(
+                f"{where}.content[{j}].type", f"Unknown content part type {kind!r}; expected {list(allowed)}."
+            )
+        text = part.get("refusal") if kind == "refusal" else part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.content[{j}].text", "A text part needs its 'text' as a string.")
+        out.append(text)
+    return "".join(out)
+
+
+def items_to_messages(items: Sequence[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
+    """Responses items (input, or a stored response's output) as chat messages: messages as they
+    are, `function_call`s as an assistant's `tool_calls` (consecutive calls in one message), and
+    `function_call_output`s as `tool` messages."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(at, "An input item must be an object.")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise invalid(f"{at}.role", f"Invalid role {role!r}: expected user, system, developer or assistant.")
+            allowed = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text", "text")
+            out.append({"role": role, "content": _text_of(item.get("content"), at, allowed)})
+        elif kind == "function_call":
+            call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
+            for field, value in (("call_id", call_id), ("name", name), ("arguments", args)):
+                if not isinstance(value, str):
+                    raise invalid(f"{at}.{field}", f"A 'function_call' item needs '{field}' as a string.")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
+                last.setdefault("tool_calls", []).append(call)
+                last["content"] = last["content"] or None
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise invalid(f"{at}.call_id", "A 'function_call_output' item needs the 'call_id' it answers.")
+            text = output if isinstance(output, str) else _text_of(output, at, ("input_text", "text"))
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            continue  # no reasoning is produced here; a client that echoes one back loses nothing
+        elif kind == "item_reference":
+            raise invalid(f"{at}.type", "'item_reference' items are not supported; send the item itself.")
+        else:
+            raise invalid(
+                f"{at}.type",
+                f"Input items of type {kind!r} are not supported: Spool runs no hosted tools ({_HOSTED_TOOLS}).",
+                "unsupported_parameter",
+            )
+    return out
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as a list of items (a string is one user message)."""
+    if req.input is None:
+        return []
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return list(req.input)
+
+
+def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if req.tools is None:
+        return None
+    out = []
+    for i, t in enumerate(req.tools):
+        kind = t.get("type")
+        if kind != "function":
+            raise invalid(
+                f"tools[{i}].type",
+                f"Tool type {kind!r} is not supported: Spool runs no hosted tools ({_HOSTED_TOOLS}); "
+                "only 'function' tools are.",
+                "unsupported_parameter",
+            )
+        extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+        if extra:
+            raise invalid(f"tools[{i}].{extra[0]}", f"Unrecognized tool field: {extra[0]}", "unknown_parameter")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    kind = choice.get("type")
+    if kind == "function":
+        extra = sorted(set(choice) - {"type", "name"})
+        if extra or not isinstance(choice.get("name"), str):
+            raise invalid("tool_choice", "A function 'tool_choice' is {'type': 'function', 'name': ...}.")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid(
+        "tool_choice.type",
+        f"tool_choice of type {kind!r} is not supported; use 'none', 'auto', 'required' or a function.",
+        "unsupported_parameter",
+    )
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    extra = sorted(set(text) - {"format", "verbosity"})
+    if extra:
+        raise invalid(f"text.{extra[0]}", f"Unrecognized field text.{extra[0]}", "unknown_parameter")
+    if text.get("verbosity") not in (None, "medium"):
+        raise invalid("text.verbosity", "Only the default verbosity ('medium') is supported.", "unsupported_parameter")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid("text.format", "'text.format' must be an object with a 'type'.")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("text.format.schema", "A 'json_schema' format needs its 'schema' as an object.")
+        if not isinstance(fmt.get("name"), str):
+            raise invalid("text.format.name", "A 'json_schema' format needs a 'name'.")
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
+        return {"type": "json_schema", "json_schema": spec}
+    raise invalid("text.format.type", f"Unknown text format {kind!r}: expected text, json_object or json_schema.")
+
+
+def _check(req: ResponsesRequest, model: str) -> None:
+    for name in sorted(_UNSUPPORTED_FIELDS):
+        if name in (req.model_extra or {}):
+            raise invalid(name, _UNSUPPORTED_FIELDS[name], "unsupported_parameter")
+    problem = metadata_problem(req.metadata)
+    if problem:
+        raise invalid("metadata", problem)
+    if req.background and req.store is False:
+        raise invalid("background", "A background response must be stored: 'background' needs 'store' not false.")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is enabled.")
+    reasoning = req.reasoning or {}
+    for key in ("effort", "summary", "generate_summary"):
+        if reasoning.get(key) is not None:
+            raise invalid(
+                f"reasoning.{key}",
+                f"The model '{model}' does not reason: 'reasoning.{key}' is not supported.",
+                "unsupported_parameter",
+            )
+    for name in req.include or ():
+        if name not in _INCLUDE_OK:
+            raise invalid("include", f"include value {name!r} is not supported here.", "unsupported_parameter")
+    if req.input is None and req.previous_response_id is None:
+        raise invalid("input", "You must provide an 'input' parameter.", "missing_parameter")
+
+
+def meta(req: ResponsesRequest) -> dict[str, Any]:
+    """What the job keeps of the request for the Responses API alone: the settings it echoes, and
+    (when stored) its input items, for `input_items` and for chains of `previous_response_id`."""
+    text = req.text if req.text and req.text.get("format") else {"format": {"type": "text"}}
+    stored = req.store is not False
+    out = {
+        "instructions": req.instructions,
+        "metadata": req.metadata or {},
+        "tools": [{**t, "strict": t.get("strict", True)} for t in req.tools or []],
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "text": text,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "store": stored,
+        "background": bool(req.background),
+        "truncation": req.truncation or "disabled",
+        "top_logprobs": req.top_logprobs or 0,
+        "user": req.user,
+        "safety_identifier": req.safety_identifier,
+        "prompt_cache_key": req.prompt_cache_key,
+        "service_tier": req.service_tier or "default",
+        "input": input_items(req) if stored else [],
+    }
+    if "\\u0000" in json.dumps(out):
+        # jobs.chat is JSONB, which cannot hold a NUL character: refused here, never a failed INSERT.
+        raise invalid("input", "The request holds a NUL character (\\u0000), which Spool cannot store.")
+    return out
+
+
+def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]], model: str) -> ResponseChat:
+    """A Responses request as the chat request it runs as. `earlier`: the chain of its
+    `previous_response_id` as chat messages, oldest first (`chain_messages`). Raises 400s naming
+    the Responses field."""
+    _check(req, model)
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    messages += earlier
+    messages += items_to_messages(input_items(req))
+    if not messages:
+        raise invalid("input", "The input holds no messages.", "missing_parameter")
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
+    for name in FORWARDED & set(req.model_extra or {}):
+        body[name] = (req.model_extra or {})[name]
+    if req.max_output_tokens is not None:
+        body["max_completion_tokens"] = req.max_output_tokens
+    for name in ("temperature", "top_p", "parallel_tool_calls", "stream", "user"):
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
+    tools = _tools(req)
+    if tools:
+        body["tools"] = tools
+    choice = _tool_choice(req.tool_choice)
+    if choice is not None and (tools or choice != "auto"):
+        body["tool_choice"] = choice
+    fmt = _response_format(req.text)
+    if fmt is not None:
+        body["response_format"] = fmt
+    if req.top_logprobs is not None or "message.output_text.logprobs" in (req.include or ()):
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
+    if req.truncation == "auto":
+        body["truncate_sequence"] = True
+    try:
+        chat = ResponseChat.model_validate(body)
+    except ValidationError as exc:
+        raise rename(from_validation(exc.errors())) from exc
+    chat._response = meta(req)
+    return chat
+
+
+_RENAMED = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "grammar": "text.format",
+    "prompt": "input",
+}
+
+
+def rename(exc: DomainError) -> DomainError:
+    """An error of the chat translation, naming the Responses request's own field."""
+    if exc.param:
+        head, dot, rest = exc.param.partition(".")
+        if head in _RENAMED:
+            exc.param = _RENAMED[head] if head == "messages" else _RENAMED[head] + dot + rest
+    return exc
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+
+def meta_of(job: render.JobRecord) -> dict[str, Any]:
+    return (job.chat or {}).get("response") or {}
+
+
+def is_response(job: render.JobRecord) -> bool:
+    return bool((job.chat or {}).get("response"))
+
+
+def _ts(d: datetime | None) -> int | None:
+    return int(d.timestamp()) if d else None
+
+
+def usage(u: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def _message_item(job_id: str, text: str, status: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return {
+        "id": _item_id("msg", job_id, 0),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [part],
+    }
+
+
+def _call_item(job_id: str, n: int, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": _item_id("fc", job_id, n),
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
+
+
+def _logprobs(lp: dict[str, Any] | None) -> list[Any]:
+    """Chat's logprobs (`{"content": [...]}`) in the Responses shape (no `bytes`)."""
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "bytes": e["bytes"],
+            "top_logprobs": [
+                {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]} for t in e["top_logprobs"]
+            ],
+        }
+        for e in (lp or {}).get("content") or []
+    ]
+
+
+def output_of(job: render.JobRecord) -> tuple[list[dict[str, Any]], str | None]:
+    """A succeeded job's output items (its chat completion's message, then its tool calls) and its
+    finish reason."""
+    done = render.chat_completion(job, "")
+    if not done["choices"]:
+        return [], None
+    choice = done["choices"][0]
+    msg, finish = choice["message"], choice["finish_reason"]
+    status = "incomplete" if finish == "length" else "completed"
+    out = []
+    calls = msg.get("tool_calls") or []
+    if msg.get("content") or not calls:
+        out.append(_message_item(job.id, msg.get("content") or "", status, _logprobs(choice.get("logprobs"))))
+    out += [_call_item(job.id, n, c) for n, c in enumerate(calls)]
+    return out, finish
+
+
+_STATUS = {
+    "queued": "queued",
+    "dispatched": "queued",
+    "running": "in_progress",
+    "failed": "failed",
+    "expired": "failed",
+    "cancelled": "cancelled",
+}
+
+
+def response(job: render.JobRecord) -> dict[str, Any]:
+    """A job as OpenAI's `response` object, in whatever state it is."""
+    m = meta_of(job)
+    output: list[dict[str, Any]] = []
+    incomplete = None
+    err = None
+    if job.state == "succeeded":
+        output, finish = output_of(job)
+        status = "incomplete" if finish == "length" else "completed"
+        if finish == "length":
+            incomplete = {"reason": "max_output_tokens"}
+    else:
+        status = _STATUS.get(job.state, "in_progress")
+        if status == "failed":
+            e = error_of(job)
+            err = {"code": e.code or "server_error", "message": e.message}
+    finished = job.finished_at if status == "completed" else None
+    return _object(job, m, status, output, usage_of(job) if job.usage is not None else None, err, incomplete, finished)
+
+
+def _object(
+    job: render.JobRecord,
+    m: dict[str, Any],
+    status: str,
+    output: list[dict[str, Any]],
+    u: Usage | None,
+    err: dict[str, Any] | None,
+    incomplete: dict[str, Any] | None,
+    completed_at: datetime | float | None = None,
+) -> dict[str, Any]:
+    done_at = _ts(completed_at) if isinstance(completed_at, datetime) else completed_at
+    return {
+        "id": response_id(job.id),
+        "object": "response",
+        "created_at": _ts(job.created_at),
+        "status": status,
+        "background": m.get("background", False),
+        "completed_at": done_at,
+        "error": err,
+        "incomplete_details": incomplete,
+        "instructions": m.get("instructions"),
+        "max_output_tokens": m.get("max_output_tokens"),
+        "max_tool_calls": m.get("max_tool_calls"),
+        "model": job.model,
+        "output": output,
+        "parallel_tool_calls": m.get("parallel_tool_calls", True),
+        "previous_response_id": m.get("previous_response_id"),
+        "prompt_cache_key": m.get("prompt_cache_key"),
+        "reasoning": {"effort": None, "summary": None},
+        "safety_identifier": m.get("safety_identifier"),
+        "service_tier": m.get("service_tier", "default"),
+        "store": m.get("store", True),
+        "temperature": m.get("temperature"),
+        "text": m.get("text") or {"format": {"type": "text"}},
+        "tool_choice": m.get("tool_choice", "auto"),
+        "tools": m.get("tools") or [],
+        "top_logprobs": m.get("top_logprobs", 0),
+        "top_p": m.get("top_p"),
+        "truncation": m.get("truncation", "disabled"),
+        "usage": usage(u) if u is not None else None,
+        "user": m.get("user"),
+        "metadata": m.get("metadata") or {},
+    }
+
+
+def chain_messages(job: render.JobRecord) -> list[dict[str, Any]]:
+    """One stored response as chat messages: its input items, then what it answered."""
+    out = items_to_messages(meta_of(job).get("input") or [], "previous_response_id")
+    if job.state == "succeeded":
+        out += items_to_messages(output_of(job)[0], "previous_response_id")
+    return out
+
+
+def input_item_list(job: render.JobRecord) -> list[dict[str, Any]]:
+    """A stored response's input items as OpenAI lists them: each with an id (kept if it came
+    with one) and, for messages, content parts."""
+    out = []
+    for i, item in enumerate(meta_of(job).get("input") or []):
+        d = dict(item)
+        kind = d.setdefault("type", "message")
+        d.setdefault("id", _item_id("msg" if kind == "message" else "item", job.id, "in", i))
+        if kind == "message":
+            if isinstance(d.get("content"), str):
+                part = "output_text" if d.get("role") == "assistant" else "input_text"
+                d["content"] = [{"type": part, "text": d["content"]}]
+            d.setdefault("status", "completed")
+        out.append(d)
+    return out
+
+
+def page(items: list[dict[str, Any]], after: str | None, before: str | None, limit: int, order: str) -> dict[str, Any]:
+    """OpenAI's cursor page over a response's input items (`order`: asc or desc)."""
+    seq = items if order == "asc" else list(reversed(items))
+    ids = [d["id"] for d in seq]
+    start, end = 0, len(seq)
+    if after is not None:
+        if after not in ids:
+            raise invalid("after", f"No input item with id {after[:128]!r} in this response.")
+        start = ids.index(after) + 1
+    if before is not None:
+        if before not in ids:
+            raise invalid("before", f"No input item with id {before[:128]!r} in this response.")
+        end = ids.index(before)
+    window = seq[start:end]
+    return render.page(window[:limit], len(window) > limit)
+
+
+def deleted(resp_id: str) -> dict[str, Any]:
+    return {"id": resp_id, "object": "response", "deleted": True}
+
+
+# -- streaming -------------------------------------------------------------------------------------
+
+
+class Events:
+    """A response job's events as the Responses API's typed stream events, each with its
+    `sequence_number`. Render every event of the job's stream in order, one at a time (never runs
+    merged by how a reader happened to batch them): the numbering then depends on the stream alone,
+    so a rejoin anywhere (`starting_after`) neither repeats nor skips."""
+
+    def __init__(self, job: render.JobRecord) -> None:
+        self.job = job
+        self.meta = meta_of(job)
+        self.chunks = render.ChatChunks(job, False, "")
+        self.seq = -1
+        self.text = ""  # the message's text so far
+        self.finish: str | None = None
+        self.items: list[dict[str, Any]] = []  # output items done
+        self.open: dict[str, Any] | None = None  # the message being written
+        self.started = False
+
+    def _ev(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq, **fields}
+
+    def _snapshot(self, status: str) -> dict[str, Any]:
+        return _object(self.job, self.meta, status, [], None, None, None)
+
+    def start(self) -> list[dict[str, Any]]:
+        """The first two events: created (queued for a background response), then in progress."""
+        self.started = True
+        first = "queued" if self.meta.get("background") else "in_progress"
+        return [
+            self._ev("response.created", response=self._snapshot(first)),
+            self._ev("response.in_progress", response=self._snapshot("in_progress")),
+        ]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        if self.open is not None:
+            return []
+        self.open = _message_item(self.job.id, "", "in_progress")
+        item = {**self.open, "content": []}
+        at = len(self.items)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self._ev("response.output_item.added", output_index=at, item=item),
+            self._ev("response.content_part.added", item_id=item["id"], output_index=at, content_index=0, part=part),
+        ]
+
+    def _close_message(self, status: str = "completed") -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        item = _message_item(self.job.id, self.text, status)
+        at, iid = len(self.items), item["id"]
+        part = item["content"][0]
+        out = [
+            self._ev(
+                "response.output_text.done", item_id=iid, output_index=at, content_index=0, text=self.text, logprobs=[]
+            ),
+            self._ev("response.content_part.done", item_id=iid, output_index=at, content_index=0, part=part),
+            self._ev("response.output_item.done", output_index=at, item=item),
+        ]
+        self.items.append(item)
+        self.open = None
+        return out
+
+    def _calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for call in calls:
+            n = sum(1 for i in self.items if i["type"] == "function_call")
+            item = _call_item(self.job.id, n, call)
+            at, iid, args = len(self.items), item["id"], item["arguments"]
+            out += [
+                self._ev(
+                    "response.output_item.added",
+                    output_index=at,
+                    item={**item, "arguments": "", "status": "in_progress"},
+                ),
+                self._ev("response.function_call_arguments.delta", item_id=iid, output_index=at, delta=args),
+                self._ev("response.function_call_arguments.done", item_id=iid, output_index=at, arguments=args),
+                self._ev("response.output_item.done", output_index=at, item=item),
+            ]
+            self.items.append(item)
+        return out
+
+    def render(self, ev: Event) -> list[dict[str, Any]]:
+        out = [] if self.started else self.start()
+        if isinstance(ev, Delta):
+            if ev.choice != 0:
+                return out
+            for chunk in self.chunks.render(ev):
+                if not isinstance(chunk, dict) or not chunk.get("choices"):
+                    continue
+                c = chunk["choices"][0]
+                delta = c["delta"]
+                text = delta.get("content")
+                if text:
+                    out += self._open_message()
+                    self.text += text
+                    iid = (self.open or {}).get("id")
+                    out.append(
+                        self._ev(
+                            "response.output_text.delta",
+                            item_id=iid,
+                            output_index=len(self.items),
+                            content_index=0,
+                            delta=text,
+                            logprobs=[],
+                        )
+                    )
+                if delta.get("tool_calls"):
+                    out += self._close_message()
+                    out += self._calls([{"id": d["id"], "function": d["function"]} for d in delta["tool_calls"]])
+                if c.get("finish_reason"):
+                    self.finish = c["finish_reason"]
+            return out
+        if isinstance(ev, Done):
+            incomplete = self.finish == "length"
+            if not self.items and self.open is None:
+                out += self._open_message()  # an empty answer is still a message, as the object shows
+            out += self._close_message("incomplete" if incomplete else "completed")
+            status = "incomplete" if incomplete else "completed"
+            obj = _object(
+                self.job,
+                self.meta,
+                status,
+                self.items,
+                ev.usage,
+                None,
+                {"reason": "max_output_tokens"} if incomplete else None,
+                int(ev.t) if not incomplete else None,
+            )
+            return [*out, self._ev(f"response.{status}", response=obj)]
+        if isinstance(ev, Failed):
+            err = {"code": ev.error.code or "server_error", "message": ev.error.message}
+            obj = _object(self.job, self.meta, "failed", [], None, err, None)
+            return [*out, self._ev("response.failed", response=obj)]
+        if isinstance(ev, Cancelled):
+            # OpenAI's stream has no event of its own for a cancel: `response.failed`, its status `cancelled`.
+            obj = _object(self.job, self.meta, "cancelled", [], None, None, None)
+            return [*out, self._ev("response.failed", response=obj)]
+        return out
+
+
+def rebuilt_deltas(
+    text: str, finish: str | None, marks: Sequence[tuple[int, int, int, int, bool, bool]]
+) -> list[Delta]:
+    """An ended job's text cut as its stream's deltas were (the marks kept when it ended: characters
+    per entry of choice 0), so a stream read back from the row numbers its events as the live one
+    did. What the marks do not cover goes in one last delta."""
+    out: list[Delta] = []
+    at = 0
+    mine = [m for m in marks if m[1] == 0]
+    for n, m in enumerate(mine):
+        chars = m[2]
+        last = n == len(mine) - 1
+        piece = text[at : at + chars] if not last else text[at:]
+        at += chars
+        out.append(Delta(choice=0, text=piece, finish_reason=finish if (m[5] or last) else None))
+    if not out:
+        out.append(Delta(choice=0, text=text, finish_reason=finish))
+    return out
+
+
+def error_event(seq: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "sequence_number": seq, "code": code, "message": message, "param": param}
+
+
+def terminal_of(job: Any) -> Event:
+    """The terminal event an ended job's row stands for."""
+    if job.state == "succeeded":
+        return Done(usage=usage_of(job), t=(job.finished_at.timestamp() if job.finished_at else 0.0))
+    if job.state == "cancelled":
+        return Cancelled()
+    return Failed(error=error_of(job))
+
+
+def record(job: Any, **changes: Any) -> Any:
+    """A copy of a job's rendered fields with `changes` (a stand-in for the row, for rendering)."""
+    fields = ("id", "model", "state", "attempt", "params", "chat", "result", "usage", "error")
+    base = {f: getattr(job, f, None) for f in fields}
+    for f in ("created_at", "started_at", "finished_at"):
+        base[f] = getattr(job, f, None)
+    return SimpleNamespace(**{**base, **changes})
