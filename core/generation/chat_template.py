@@ -151,8 +151,11 @@ def parse_tool_calls(text: str, forced: list[str] | None = None) -> tuple[str, l
             break
         rest.append(text[pos:start])
         end = _close_after_object(text, start + len(TOOL_CALL_OPEN))
-        if end < 0:  # no whole JSON object there: the first closing tag ends the block
+        if end < 0 and forced is None:  # no whole JSON object there: the first closing tag ends the block
             end = text.find(TOOL_CALL_CLOSE, start)
+        # Forced, the grammar closes a block only after a whole object: without one, the block is the
+        # call max_tokens cut, to the end of the text, even where an unfinished argument string holds
+        # "</tool_call>" (its arguments as far as they got, never "").
         body = text[start + len(TOOL_CALL_OPEN) : end if end >= 0 else len(text)]
         call = _call(body)
         if call is None and forced is not None and end < 0:

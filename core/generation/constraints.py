@@ -343,12 +343,100 @@ def _response_format(value: dict[str, Any]) -> str:
     raise ConstraintError("response_format", f"Unknown response_format type '{kind}' (text, json_object, json_schema).")
 
 
+# Keywords whose values are one subschema, a list of them, or a name -> subschema map.
+_ONE_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "unevaluatedProperties")
+_SCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def _subschemas(schema: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(keyword, where, subschema) for every subschema directly inside `schema`."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for kw in _ONE_SCHEMA:
+        v = schema.get(kw)
+        if isinstance(v, dict):
+            out.append((kw, kw, v))
+        elif kw == "items" and isinstance(v, list):  # draft 4's tuple form
+            out += [(kw, f"{kw}[{i}]", x) for i, x in enumerate(v) if isinstance(x, dict)]
+    for kw in _SCHEMA_LIST:
+        v = schema.get(kw)
+        if isinstance(v, list):
+            out += [(kw, f"{kw}[{i}]", x) for i, x in enumerate(v) if isinstance(x, dict)]
+    for kw in _SCHEMA_MAP:
+        v = schema.get(kw)
+        if isinstance(v, dict):
+            out += [(kw, f"{kw}.{k}", x) for k, x in v.items() if isinstance(x, dict)]
+    return out
+
+
+def _is_object(schema: dict[str, Any]) -> bool:
+    t = schema.get("type")
+    return t == "object" or (isinstance(t, list) and "object" in t) or "properties" in schema
+
+
+def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a function's parameters in which an object that declares `properties` admits only
+    those keys unless it says otherwise (`additionalProperties` or `patternProperties` given).
+
+    JSON Schema's default admits any other key, so a grammar built from the schema as written lets a
+    small model invent keys until `max_tokens` runs out. llama.cpp's grammar (json-schema-to-grammar)
+    admits only declared keys, and OpenAI's strict function calling requires `additionalProperties:
+    false`: Spool does the same for tool calls. An object directly inside `allOf` is left as written
+    (closing each part would refuse the keys the other parts declare). Iterative: the depth was
+    bounded by `check_schema` first, but a list of work keeps the stack flat anyway."""
+    root = json.loads(json.dumps(schema))  # a deep copy of plain JSON
+    work: list[tuple[dict[str, Any], bool]] = [(root, True)]
+    while work:
+        node, may_close = work.pop()
+        if (
+            may_close
+            and "properties" in node
+            and "additionalProperties" not in node
+            and "patternProperties" not in node
+        ):
+            node["additionalProperties"] = False
+        work += [(sub, kw != "allOf") for kw, _, sub in _subschemas(node)]
+    return root
+
+
+# OpenAI's strict mode (Structured Outputs, "Supported schemas"): composition it does not support.
+_STRICT_UNSUPPORTED = ("allOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas")
+
+
+def strict_schema_problem(schema: Any) -> str | None:
+    """Why a function's `parameters` is not a valid strict schema as OpenAI defines it (None: it is):
+    the root is an object (`type: "object"`, not `anyOf`); every object sets `additionalProperties:
+    false` and lists every key of its `properties` in `required`; no `allOf`, `not`, `if`/`then`/
+    `else`, `dependentRequired`, `dependentSchemas`. `$defs` and `$ref` are allowed."""
+    if not isinstance(schema, dict):
+        return "the parameters must be a JSON Schema object"
+    if schema.get("type") != "object" or "anyOf" in schema:
+        return "the root must be 'type: \"object\"' (not anyOf)"
+    work: list[tuple[dict[str, Any], str]] = [(schema, "parameters")]
+    while work:
+        node, where = work.pop()
+        bad = [k for k in _STRICT_UNSUPPORTED if k in node]
+        if bad:
+            return f"'{bad[0]}' is not supported in strict mode (at {where})"
+        if _is_object(node):
+            if node.get("additionalProperties") is not False:
+                return f"'additionalProperties' must be supplied and be false (at {where})"
+            props = node.get("properties") or {}
+            required = node.get("required") or []
+            missing = [k for k in props if not isinstance(required, list) or k not in required]
+            if missing:
+                return f"'required' must list every key in 'properties'; missing '{missing[0]}' (at {where})"
+        work += [(sub, f"{where}.{at}") for _, at, sub in _subschemas(node)]
+    return None
+
+
 def tool_calls(
     tools: list[tuple[str, dict[str, Any]]], parallel: bool, limits: Limits = DEFAULT_LIMITS, validate: bool = True
 ) -> str:
     """Lark source that forces Hermes-style calls to the given functions (`tool_choice` required or
     named): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the arguments valid
-    against the function's JSON schema; one call, or several when parallel calls are allowed. The
+    against the function's JSON schema, whose objects admit only the keys they declare unless they
+    say otherwise (`closed_schema`); one call, or several when parallel calls are allowed. The
     functions' schemas are held to the JSON schema limits (together) before anything is compiled;
     `validate=False` leaves compiling to whoever compiles the grammar next."""
     if not tools:
@@ -363,19 +451,30 @@ def tool_calls(
         if size > limits.schema_bytes:
             raise _too_large("tools", "the functions' parameter schemas", size, limits.schema_bytes)
     variants = []
+    # A function's `$defs` (`definitions`) move to the grammar's root, where its "#/$defs/..." refs point.
+    defs: dict[str, dict[str, Any]] = {}
     for name, schema in tools:
         if not isinstance(schema, dict):
             raise ConstraintError("tools", f"The parameters of '{name}' must be a JSON Schema object.")
+        arguments = closed_schema(schema)
+        for key in ("$defs", "definitions"):
+            found = arguments.get(key)
+            if not isinstance(found, dict):
+                continue  # not a map of definitions: llguidance names the problem when it compiles
+            del arguments[key]
+            for def_name, d in found.items():
+                if defs.setdefault(key, {}).setdefault(def_name, d) != d:
+                    raise ConstraintError("tools", f"Two functions define '{key}/{def_name}' differently.")
         variants.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": schema},
+                "properties": {"name": {"const": name}, "arguments": arguments},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
         )
     body = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    body = {**body, "x-guidance": JSON_STYLE}
+    body = {**body, **defs, "x-guidance": JSON_STYLE}
     start = r'start: call ("\n" call)*' if parallel else "start: call"
     lark = "\n".join([start, r'call: "<tool_call>\n" body "\n</tool_call>"', "body: %json " + json.dumps(body), ""])
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark)) if validate else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_serializer
 
 # llama.cpp's default DRY sequence breakers.
 DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
@@ -43,7 +43,7 @@ class GenerationParams(BaseModel):
     mirostat: int = 0  # 0 off, 1 Mirostat, 2 Mirostat 2.0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
-    logit_bias: dict[int, float] = {}
+    logit_bias: dict[int, float] = {}  # added to the logits; -inf bans the token
     # Reproducibility: always set; the edge picks one when the client did not, so retries replay.
     seed: int = 0
     # Stopping
@@ -59,6 +59,12 @@ class GenerationParams(BaseModel):
     grammar: str | None = None
     # Prefix reuse across requests
     cache_prompt: bool = True
+
+    @field_serializer("logit_bias", when_used="json")
+    def _bias_json(self, bias: dict[int, float]) -> dict[int, float | str]:
+        # A banned token (llama.cpp's `false`) has a bias of -inf, which JSON and Postgres' jsonb cannot
+        # hold: it is stored as "-inf", which validation reads back as -inf.
+        return {t: "-inf" if b == float("-inf") else b for t, b in bias.items()}
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest"]
 
@@ -60,10 +60,17 @@ def _integral(v: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_integral)]
 
-# One `logit_bias` value: a number added to the logit, or llama.cpp's `false` (the token is banned).
-LogitBias = Annotated[Float, Field(ge=-100, le=100)] | Literal[False]
-# llama.cpp's array form: [token id or text, bias]; its parts are checked in translate.py (by position).
-LogitBiasPair = Annotated[list[int | str | Float | bool], Field(min_length=2, max_length=2)]
+
+def _bias(v: float | bool) -> float | bool:
+    if v is True or (v is not False and not -100 <= v <= 100):  # NaN and inf compare false
+        raise ValueError("a logit bias is a number from -100 to 100, or false to ban the token")
+    return v
+
+
+# A `logit_bias` value: a number added to the logit, or llama.cpp's `false` (the token is banned).
+LogitBias = Annotated[float | bool, AfterValidator(_bias)]
+# llama.cpp's array form: [token id or text, bias]; its parts are checked by position in translate.py.
+LogitBiasPair = Annotated[list[int | str | float | bool], Field(min_length=2, max_length=2)]
 
 # llama.cpp's native names its clients send to /v1/completions that Spool cannot honour: refused by
 # name whatever SPOOL_UNKNOWN_PARAMS says (the ones it can honour are aliases above).

@@ -165,7 +165,7 @@ def logit_bias(value: dict[str, Any] | list[list[Any]] | None, tok: Tokenizer) -
     text_bytes = 0
     out: dict[int, float] = {}
     for key, raw, ids_as_text in entries:
-        shown = str(key)[:100]
+        shown = str(key) if len(str(key)) <= 100 else str(key)[:100] + "…"  # a client's string, cut
         if raw is False:
             b = float("-inf")
         elif isinstance(raw, bool) or not isinstance(raw, (int, float)) or not -100 <= raw <= 100:
@@ -412,11 +412,31 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's parameters; omitted, a function that takes none (OpenAI): the empty object."""
+    if schema is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return schema or {"type": "object"}  # `{}`: any object, as before
+
+
 def _tool_constraint(req: ChatCompletionRequest, settings: Settings) -> tuple[str | None, bool, list[str]]:
     """(the lark source of the grammar that forces a valid call, not compiled yet; whether calls are
     parsed out of the text; the functions it forces). The functions' schemas are size-checked here."""
     tools = req.tools or []
     choice = req.tool_choice
+    for i, t in enumerate(tools):
+        if t.function.strict:  # OpenAI refuses a strict function whose schema strict mode cannot enforce
+            try:  # bounded before it is walked
+                constraints.check_schema(t.function.parameters or {}, "tools", limits_of(settings))
+            except constraints.ConstraintError as exc:
+                raise bad("tools", str(exc), code="invalid_constraint") from exc
+            why = constraints.strict_schema_problem(_parameters(t.function.parameters))
+            if why:
+                raise bad(
+                    "tools",
+                    f"Invalid schema for function '{t.function.name}' (tools[{i}]) with strict: true: {why}.",
+                    code="invalid_function_parameters",
+                )
     if not tools:
         if choice not in (None, "none"):
             raise bad("tool_choice", "'tool_choice' needs 'tools'.")
@@ -435,7 +455,7 @@ def _tool_constraint(req: ChatCompletionRequest, settings: Settings) -> tuple[st
     try:
         return (
             constraints.tool_calls(
-                [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen],
+                [(t.function.name, _parameters(t.function.parameters)) for t in chosen],
                 parallel=req.parallel_tool_calls is not False and len(chosen) > 1,
                 limits=limits_of(settings),
                 validate=False,  # compiled once, with the request's grammar (to_generation / compile_constraint)
