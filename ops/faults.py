@@ -9,7 +9,9 @@ Load while the faults happen: streaming greedy completions (clients re-attach wi
 when the API goes away, and retry a POST that got no answer with the same `Idempotency-Key`),
 `Prefer: respond-async` jobs polled to the end, one Batches API batch, and the official `openai` SDK
 as its users run it (completions and chat, streamed and not; its own retries, one `Idempotency-Key`
-per request, a stream cut by an API restart asked again with that key), and bursts of keyless
+per request, a stream cut by an API restart asked again with that key; and `background: true`
+responses of the Responses API, created under one key and polled with `retrieve` until they end,
+audited against an undisturbed response), and bursts of keyless
 completions (no `Idempotency-Key`, as most clients send them; the API stores a burst's jobs together,
 core/jobs/lifecycle.Submitter): each tagged by its `user`, so the audit finds every job a request
 stored: a 503 must have stored none, and one request never stores two. Faults, one after another
@@ -57,7 +59,9 @@ from ops.harness import wait_for as _wait_for
 MODEL = "smollm2-135m-instruct"
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 LONG_OUTAGE_S = 30.0  # past the API's 5 s key cache and redis-py's retry window
-SDK_KINDS = ("sdk-completion", "sdk-completion-stream", "sdk-chat", "sdk-chat-stream")
+SDK_KINDS = ("sdk-completion", "sdk-completion-stream", "sdk-chat", "sdk-chat-stream", "sdk-response-bg")
+# A background response's statuses once it has ended (`incomplete`: it reached `max_output_tokens`).
+RESPONSE_ENDED = {"completed", "incomplete", "failed", "cancelled"}
 KEYLESS_BURST = 6  # keyless requests a client sends at once
 
 
@@ -441,7 +445,57 @@ class SdkClient:
             r.read()  # a streamed response's body is not read yet; the tally quotes it
         self.tally.saw(r)
 
+    def response(self, prompt: str, max_tokens: int) -> Outcome:
+        """A background response (`background: true`), as the Responses API's users run one: created
+        under one `Idempotency-Key` (the SDK retries the POST with it), then polled with `retrieve`
+        until it ends, through whatever the API, Redis or Postgres do meanwhile."""
+        out = Outcome("sdk-response-bg", prompt)
+        key = uuid.uuid4().hex
+        self.posts = 0
+        deadline = time.monotonic() + self.give_up_s
+        resp_id = None
+        while resp_id is None and time.monotonic() < deadline:
+            try:
+                r = self.sdk.responses.create(
+                    model=MODEL,
+                    input=prompt,
+                    background=True,
+                    max_output_tokens=max_tokens,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                    extra_headers={"Idempotency-Key": key},
+                )
+                resp_id = r.id
+            except openai.APIConnectionError:
+                time.sleep(1.0)  # its retries used up while the API was away: the same key again
+            except openai.APIStatusError as e:
+                out.status = f"http {e.status_code}"
+                return out
+        out.retried_posts = max(0, self.posts - 1)
+        if resp_id is None:
+            return out
+        out.job_id = "cmpl-" + resp_id.removeprefix("resp_")
+        while time.monotonic() < deadline:
+            try:
+                got = self.sdk.responses.retrieve(resp_id)
+            except openai.APIConnectionError:
+                time.sleep(1.0)
+                continue
+            except openai.APIStatusError as e:
+                out.status = f"http {e.status_code} polling"
+                return out
+            if got.status in RESPONSE_ENDED:
+                if got.status in ("completed", "incomplete"):
+                    out.text = got.output_text
+                    return self.jobs._finish(out)
+                out.status = f"response {got.status}"
+                return out
+            time.sleep(0.5)
+        return out
+
     def run(self, kind: str, prompt: str, max_tokens: int) -> Outcome:
+        if kind == "sdk-response-bg":
+            return self.response(prompt, max_tokens)
         out = Outcome(kind, prompt)
         chat, stream = "chat" in kind, kind.endswith("stream")
         headers = {"Idempotency-Key": uuid.uuid4().hex}
@@ -567,7 +621,7 @@ def _load_and_faults(
     prompts = [f"Fault test {i}: once upon a time" for i in range(12)]
     # What an undisturbed run answers: greedy, so every disturbed run must give exactly this.
     ref_client = Client(st.base_url, key, tally)
-    reference, chat_reference = {}, {}
+    reference, chat_reference, response_reference = {}, {}, {}
     for p in prompts:
         r = ref_client.http.post("/v1/completions", json=_body(p, n_tokens))
         r.raise_for_status()
@@ -576,7 +630,19 @@ def _load_and_faults(
         r = ref_client.http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": p}]})
         r.raise_for_status()
         chat_reference[p] = r.json()["choices"][0]["message"]["content"]
-    reference_jobs = 2 * len(prompts)
+        body = {"model": MODEL, "input": p, "max_output_tokens": n_tokens, "temperature": 0, "ignore_eos": True}
+        r = ref_client.http.post("/v1/responses", json=body)
+        r.raise_for_status()
+        response_reference[p] = "".join(
+            part["text"] for item in r.json()["output"] if item["type"] == "message" for part in item["content"]
+        )
+    reference_jobs = 3 * len(prompts)
+
+    def expected_of(kind: str) -> dict[str, str]:
+        """The undisturbed answers a client of this kind must get: a completion's, a chat's, a response's."""
+        if "response" in kind:
+            return response_reference
+        return chat_reference if "chat" in kind else reference
 
     stop = threading.Event()
     outcomes: list[Outcome] = []
@@ -751,7 +817,7 @@ def _load_and_faults(
         if o.status != "succeeded" or row is None or row.state != "succeeded":
             report.lost += 1
             report.problems.append(f"{o.kind} {o.job_id}: client saw {o.status}, ledger {row.state if row else None}")
-        elif o.text != (expected := (chat_reference if "chat" in o.kind else reference)[o.prompt]):
+        elif o.text != (expected := expected_of(o.kind)[o.prompt]):
             report.wrong += 1
             report.problems.append(
                 f"{o.kind} {o.job_id}: text differs from the undisturbed run's (re-attached {o.reattached}x, "

@@ -27,6 +27,7 @@ from core.infra import redis_keys
 from core.jobs import transitions
 from core.jobs.responses import Responses
 from core.jobs.stream import HEARTBEAT
+from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponsesRequest
 from core.protocol.schemas import ErrorResponse
@@ -70,10 +71,10 @@ async def create_response(body: _Body, request: Request, responses: _ResponsesDe
             return _Rejoin(stream, headers=headers)
         return _Stream(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
     if body.background:
-        return JSONResponse(wire.response(job), headers=headers)
+        return JSONResponse(render.response_of(job), headers=headers)
     waiting = responses.wait(request.app.state.hub, job, tenant_id, settings.wait_timeout_s)
     row = await _wait_unless_draining(waiting, request, job.id)
-    return JSONResponse(wire.response(row if row is not None else job), headers=headers)
+    return JSONResponse(render.response_of(row if row is not None else job), headers=headers)
 
 
 @router.get("/{response_id}", response_model=None, responses=_ANSWERS)
@@ -91,7 +92,7 @@ async def get_response(
     if job is None:
         raise _not_found(response_id)
     if not stream:
-        return wire.response(job)
+        return render.response_of(job)
     events = responses.events(request.app.state.hub, job, tenant.id, starting_after)
     return _Rejoin(_framed(events, request.app.state.redis, job.id))
 
@@ -104,7 +105,7 @@ async def cancel_response(response_id: str, tenant: TenantDep, responses: _Respo
     if job is None:
         raise _not_found(response_id)
     row = await anyio.to_thread.run_sync(lifecycle.cancel, job.id, tenant.id)
-    return wire.response(row if row is not None else job)
+    return render.response_of(row if row is not None else job)
 
 
 @router.delete("/{response_id}", response_model=None, responses=_ANSWERS)
@@ -117,7 +118,7 @@ async def delete_response(response_id: str, tenant: TenantDep, responses: _Respo
         await anyio.to_thread.run_sync(lifecycle.cancel, job.id, tenant.id)
     if not await responses.delete(response_id, tenant.id):
         raise _not_found(response_id)
-    return wire.deleted(wire.response_id(job.id))
+    return render.response_deleted(render.response_id(job.id))
 
 
 @router.get("/{response_id}/input_items", response_model=None, responses=_ANSWERS)

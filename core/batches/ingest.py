@@ -1,5 +1,6 @@
 """Turning a batch's input file into jobs: every line through the same validation and
-translation as an interactive request (core/protocol/translate.py), all or nothing.
+translation as an interactive request (core/protocol/translate.py; a `/v1/responses` line first
+through core/protocol/responses.to_chat), all or nothing.
 
 Runs in a thread of the dispatcher process (`run_validator`, given its sessions, Redis and
 settings by `spool dispatcher`), never in the API. The whole file is
@@ -35,7 +36,9 @@ from core.jobs import workers
 from core.jobs.service import translate
 from core.jobs.states import JobKind, JobState
 from core.protocol import render
+from core.protocol import responses as wire
 from core.protocol.errors import from_validation
+from core.protocol.responses import ResponseChat, ResponsesRequest
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import reservation
 from core.registry import resolve, settings_for
@@ -43,9 +46,12 @@ from core.registry import resolve, settings_for
 log = logging.getLogger(__name__)
 
 # One request type per batch endpoint (a batch has one endpoint; a line naming another is an error).
-REQUESTS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+REQUESTS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest] | type[ResponsesRequest]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    # A line of a Responses batch runs as the chat request it translates into (`_as_chat`), as an
+    # interactive `POST /v1/responses` does; its output line's body is the `response` object.
+    "/v1/responses": ResponsesRequest,
 }
 
 
@@ -108,11 +114,12 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
     if not isinstance(body, dict):
         raise _LineError("invalid_request", "'body' must be a JSON object.", "body")
     try:
-        req = REQUESTS[b.endpoint].model_validate(body)
+        parsed = REQUESTS[b.endpoint].model_validate(body)
     except ValidationError as exc:
         err = from_validation(exc.errors())  # the same wording an interactive request would get
         message = _unquote_long(err.message, err.param)
         raise _LineError(err.code or "invalid_request", message, err.param and f"body.{err.param}") from exc
+    req = _as_chat(parsed, settings) if isinstance(parsed, ResponsesRequest) else parsed
     unknown = req.unknown_fields()
     if unknown and settings.unknown_params != "ignore":
         raise _LineError(
@@ -128,8 +135,12 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
     try:
         params, prompts, chat = translate(req, ms, tok)
     except DomainError as exc:
+        if isinstance(req, ResponseChat):
+            wire.rename(exc)  # the Responses field's name, not chat's
         message = _unquote_long(exc.message, exc.param)
         raise _LineError(exc.code or "invalid_request", message, exc.param and f"body.{exc.param}") from exc
+    if isinstance(req, ResponseChat):
+        chat = {**(chat or {}), "response": req.response}  # what the `response` object echoes
     # A plain row for COPY (no ORM object): the columns jobs.new_job fills.
     return {
         "id": jobs.new_job_id(),
@@ -151,6 +162,37 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         # What the line reserves against the tenant's limits when it dispatches (core/tenancy/admission.py).
         "reserved_tokens": reservation(params, prompts, context_length(tok, ms)),
     }
+
+
+def _as_chat(req: ResponsesRequest, settings: Settings) -> ResponseChat:
+    """A Responses batch line as the chat request it runs as (core/protocol/responses.to_chat), with
+    the 400s an interactive request would get. A line stands alone: no `previous_response_id` (its
+    chain would be read while the file is validated, of responses that may change meanwhile) and no
+    `background` (every line of a batch already runs without a connection)."""
+    unknown = wire.unknown_fields(req)
+    if unknown and settings.unknown_params != "ignore":
+        raise _LineError(
+            "unknown_parameter", f"Unrecognized request argument supplied: {clip(unknown[0])}", f"body.{unknown[0]}"
+        )
+    if req.stream:
+        raise _LineError("invalid_request", "'stream' is not supported in a batch.", "body.stream")
+    if req.background:
+        raise _LineError(
+            "unsupported_parameter",
+            "'background' is not supported in a batch: every line already runs in the background.",
+            "body.background",
+        )
+    if req.previous_response_id is not None:
+        raise _LineError(
+            "unsupported_parameter",
+            "'previous_response_id' is not supported in a batch: send the conversation as 'input' items.",
+            "body.previous_response_id",
+        )
+    try:
+        return wire.to_chat(req, [], clip(req.model))
+    except DomainError as exc:
+        message = _unquote_long(exc.message, exc.param)
+        raise _LineError(exc.code or "invalid_request", message, exc.param and f"body.{exc.param}") from exc
 
 
 def _storable_line(raw: bytes, obj: Any) -> bool:

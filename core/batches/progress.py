@@ -89,7 +89,7 @@ def _line(job: Job, fingerprints: render.Fingerprints) -> tuple[bool, dict[str, 
     """One output or error line in OpenAI's batch format; True when it belongs to the output file."""
     rid = "batch_req_" + job.id.removeprefix("cmpl-")
     if job.state == JobState.succeeded.value:
-        body = render.response(job, fingerprints(job.model))
+        body = render.batch_body(job, fingerprints(job.model))
         return True, {
             "id": rid,
             "custom_id": job.custom_id,

@@ -28,7 +28,7 @@ from core.tenancy.keys import Principal
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 WAKE_TIMEOUT_S = 2.0  # the wake-up may hold a created batch's answer this long at most
 
 

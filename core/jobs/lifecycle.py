@@ -27,6 +27,7 @@ from core import idempotency
 from core.config import Settings
 from core.generation.events import (
     Cancelled,
+    ChoiceResult,
     Delta,
     Done,
     ErrorInfo,
@@ -320,12 +321,23 @@ class Lifecycle:
             self._announce(row.id, billable, ev)
         return row
 
-    def produced(self, job: Job) -> Usage:
+    def produced(self, job: Job, deltas: Sequence[Delta] | None = None) -> Usage:
         """What a job that ends early has already cost: its prompt once processing started, and every
         token its stream carried. A client that read tokens and then cancelled pays for them."""
-        generated = sum(len(e.token_ids) + bool(e.eos) for e in self._deltas(job.id))
+        deltas = self._deltas(job.id) if deltas is None else deltas
+        generated = sum(len(e.token_ids) + bool(e.eos) for e in deltas)
         prompt = sum(len(Prompt.from_json(p).ids) for p in (job.prompts or [])) if job.started_at is not None else 0
         return Usage(prompt_tokens=prompt, completion_tokens=generated)
+
+    def _cancelled(self, job: Job) -> Usage:
+        """What a cancelled job produced, billed (`produced`) and kept on its row, in the cancel's
+        transaction: its usage, and each choice's text so far as its `result` (no finish reason), so
+        a cancelled job (a cancelled response) shows what it generated after its stream is gone.
+        Redis away: nothing generated is known, and the row keeps a usage of 0."""
+        deltas = self._deltas(job.id)
+        u = self.produced(job, deltas)
+        transitions.keep_cancelled(job, u.model_dump(mode="json"), partial_result(deltas))
+        return u
 
     def delivered(self, job: Any) -> Usage:
         """What a job's stream carried to its readers: every token in it, and the prompt once any of
@@ -389,7 +401,7 @@ class Lifecycle:
     def cancel(self, job_id: str, tenant_id: int) -> Job | None:
         """Cancel a live job of this tenant; returns its row either way (None: not this tenant's)."""
         stmt = transitions.cancel(job_id, tenant_id, CANCELLED.model_dump(mode="json"))
-        row = self._end(stmt, "cancelled", Cancelled(), self.produced)
+        row = self._end(stmt, "cancelled", Cancelled(), self._cancelled)
         if row is not None:
             return row
         with self.sessions() as s:
@@ -450,6 +462,23 @@ def _storable(text: str) -> str:
     """Text Postgres can hold in JSONB: no NUL, no unpaired surrogate (an error message quoting
     something odd). Only for error messages: results keep their text exactly."""
     return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def partial_result(deltas: Sequence[Delta]) -> dict[str, Any] | None:
+    """The text a job's stream carried, per choice, as a stored result without finish reasons (a
+    cancelled job's); None when it carried none."""
+    texts: dict[int, list[str]] = {}
+    prefix: dict[int, int] = {}
+    for d in deltas:
+        texts.setdefault(d.choice, []).append(d.text)
+        if d.prefix_len:
+            prefix.setdefault(d.choice, d.prefix_len)
+    if not any(any(t) for t in texts.values()):
+        return None
+    choices = [
+        ChoiceResult(index=i, text=_storable("".join(texts[i])), prefix_len=prefix.get(i, 0)) for i in sorted(texts)
+    ]
+    return JobResult(choices=choices).model_dump(mode="json")
 
 
 def _storable_error(error: ErrorInfo) -> ErrorInfo:

@@ -26,6 +26,7 @@ from core.infra.transient import DATABASE
 from core.jobs import transitions
 from core.jobs.service import Completions, Created, check_model
 from core.jobs.stream import HEARTBEAT, Ended, follow_batches
+from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponseChat, ResponsesRequest
 from core.tenancy.keys import Principal
@@ -91,9 +92,9 @@ class Responses(Completions):
         if job_id is None:
             return None
         job = await self.get(job_id, tenant_id)
-        if job is None or not wire.is_response(job):
+        if job is None or not render.is_response(job):
             return None
-        m = wire.meta_of(job)
+        m = render.response_meta(job)
         return None if m.get("deleted") or m.get("store") is False else job
 
     async def chain(self, resp_id: str | None, tenant_id: int) -> list[dict[str, Any]]:
@@ -113,12 +114,12 @@ class Responses(Completions):
                 raise DomainError(
                     ErrorKind.invalid,
                     f"Previous response '{at}' has not finished yet (status "
-                    f"'{wire.response(job)['status']}'); wait for it, then continue the conversation.",
+                    f"'{render.response_of(job)['status']}'); wait for it, then continue the conversation.",
                     param="previous_response_id",
                     code="previous_response_in_progress",
                 )
             rows.append(job)
-            at = wire.meta_of(job).get("previous_response_id")
+            at = render.response_meta(job).get("previous_response_id")
         out: list[dict[str, Any]] = []
         for job in reversed(rows):
             out += wire.chain_messages(job)
@@ -183,9 +184,10 @@ async def _has_stream(reader: streams.Reader, job_id: str) -> bool:
 
 
 async def _rebuilt(reader: streams.Reader, job_id: str, row: Any) -> list[Event]:
-    """An ended job's events from its row, its text cut as its stream's entries were."""
+    """An ended job's events from its row, its text cut as its stream's entries were (a cancelled
+    job's: the text it had generated, which its row keeps)."""
     end = wire.terminal_of(row)
-    if row.state != "succeeded":
+    if row.state not in ("succeeded", "cancelled"):
         return [end]
     choices = [c for c in result_of(row).choices if c.index == 0]
     if not choices:

@@ -340,6 +340,14 @@ def cancel(job_id: str, tenant_id: int, error: dict[str, Any]) -> Update:
     return stmt.where(Job.tenant_id == tenant_id)
 
 
+def keep_cancelled(row: Job, usage: dict[str, Any], result: dict[str, Any] | None) -> None:
+    """What a job just cancelled (`cancel`'s returned row, in its session) had generated: its usage
+    and its partial result, written with the cancel's transaction. Not a state change."""
+    row.usage = usage
+    if result is not None:
+        row.result = result
+
+
 def batch_in_flight(model: str):
     """Batch lines of a model dispatched or running: the batch slots they hold."""
     return (

@@ -1,7 +1,8 @@
 """Neutral results and events -> OpenAI's wire JSON. The only place that knows those shapes.
 
 A job's stored result, its stream events and its usage are engine-neutral (core/generation/events.py);
-here they become a `text_completion`, its chunks, Spool's job object, or a batch output body.
+here they become a `text_completion`, its chunks, Spool's job object, a batch output body, or the
+Responses API's `response` object.
 """
 
 from __future__ import annotations
@@ -501,6 +502,12 @@ def response(job: JobRecord, fingerprint: str) -> dict[str, Any]:
     return chat_completion(job, fingerprint) if job.chat is not None else completion(job, fingerprint)
 
 
+def batch_body(job: JobRecord, fingerprint: str) -> dict[str, Any]:
+    """A batch output line's body: the finished job in the shape of the batch's endpoint (a line of a
+    `/v1/responses` batch is a `response` object; `job`'s `result` stays its chat completion)."""
+    return response_of(job) if is_response(job) else response(job, fingerprint)
+
+
 class ChatChunks(CompletionChunks):
     """A chat job's events as `chat.completion.chunk`s: the role first, then content deltas, then the
     finish_reason. With tools offered, text that may be a tool call is held back until it is known:
@@ -562,3 +569,183 @@ def _maybe_tool_call(text: str) -> bool:
 def chunks_for(job: JobRecord, include_usage: bool, fingerprint: str) -> CompletionChunks:
     kind = ChatChunks if job.chat is not None else CompletionChunks
     return kind(job, include_usage, fingerprint)
+
+
+# -- the Responses API's objects (`/v1/responses`) ------------------------------------------------
+# A response is a chat job (core/protocol/responses.py translates the request and renders the job's
+# events as typed stream events); here its row, or a stream's state, becomes a `response` object.
+
+RESPONSE_PREFIX, JOB_PREFIX = "resp_", "cmpl-"
+
+
+def response_id(job_id: str) -> str:
+    """A response's id is its job's, renamed: `cmpl-<hex>` <-> `resp_<hex>`, both ways, everywhere."""
+    return RESPONSE_PREFIX + job_id.removeprefix(JOB_PREFIX)
+
+
+def response_item_id(kind: str, job_id: str, *where: Any) -> str:
+    """A stable id for an item of a response (`msg_…`, `fc_…`): every API process names it alike."""
+    raw = ":".join(str(w) for w in (job_id, kind, *where))
+    return f"{kind}_" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def response_meta(job: JobRecord) -> dict[str, Any]:
+    """What the job keeps for the Responses API alone (core/protocol/responses.meta)."""
+    return (job.chat or {}).get("response") or {}
+
+
+def is_response(job: JobRecord) -> bool:
+    return bool((job.chat or {}).get("response"))
+
+
+def response_usage(u: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def response_message_item(job_id: str, text: str, status: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return {
+        "id": response_item_id("msg", job_id, 0),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [part],
+    }
+
+
+def response_call_item(job_id: str, n: int, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": response_item_id("fc", job_id, n),
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
+
+
+def _response_logprobs(lp: dict[str, Any] | None) -> list[Any]:
+    """Chat's logprobs (`{"content": [...]}`) in the Responses shape."""
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "bytes": e["bytes"],
+            "top_logprobs": [
+                {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]} for t in e["top_logprobs"]
+            ],
+        }
+        for e in (lp or {}).get("content") or []
+    ]
+
+
+def response_output(job: JobRecord, status: str | None = None) -> tuple[list[dict[str, Any]], str | None]:
+    """A job's output items (its chat completion's message, then its tool calls) and its finish
+    reason: a succeeded job's, or what a cancelled one had generated (its partial result; `status`:
+    the items' status then, `incomplete`)."""
+    done = chat_completion(job, "")
+    if not done["choices"]:
+        return [], None
+    choice = done["choices"][0]
+    msg, finish = choice["message"], choice["finish_reason"]
+    status = status or ("incomplete" if finish == "length" else "completed")
+    out = []
+    calls = msg.get("tool_calls") or []
+    if msg.get("content") or not calls:
+        out.append(
+            response_message_item(job.id, msg.get("content") or "", status, _response_logprobs(choice.get("logprobs")))
+        )
+    out += [response_call_item(job.id, n, c, status) for n, c in enumerate(calls)]
+    return out, finish
+
+
+_RESPONSE_STATUS = {
+    "queued": "queued",
+    "dispatched": "queued",
+    "running": "in_progress",
+    "failed": "failed",
+    "expired": "failed",
+    "cancelled": "cancelled",
+}
+
+
+def response_of(job: JobRecord) -> dict[str, Any]:
+    """A job as OpenAI's `response` object, in whatever state it is. A cancelled one shows what it
+    had generated when it was cancelled (its usage, billed, and its partial text, as its row keeps
+    them: `Lifecycle.cancel` in core/jobs/lifecycle.py)."""
+    m = response_meta(job)
+    output: list[dict[str, Any]] = []
+    incomplete = None
+    err = None
+    if job.state == "succeeded":
+        output, finish = response_output(job)
+        status = "incomplete" if finish == "length" else "completed"
+        if finish == "length":
+            incomplete = {"reason": "max_output_tokens"}
+    else:
+        status = _RESPONSE_STATUS.get(job.state, "in_progress")
+        if status == "failed":
+            e = error_of(job)
+            err = {"code": e.code or "server_error", "message": e.message}
+        elif status == "cancelled" and job.result:
+            output, _ = response_output(job, "incomplete")
+    finished = job.finished_at if status == "completed" else None
+    u = usage_of(job) if job.usage is not None else None
+    return response_object(job, m, status, output, u, err, incomplete, finished)
+
+
+def response_object(
+    job: JobRecord,
+    m: dict[str, Any],
+    status: str,
+    output: list[dict[str, Any]],
+    u: Usage | None,
+    err: dict[str, Any] | None,
+    incomplete: dict[str, Any] | None,
+    completed_at: datetime | float | None = None,
+) -> dict[str, Any]:
+    """The `response` object of a job (`m`: its `response_meta`) with this status, output and usage:
+    a stored job's (`response_of`) or a stream's snapshot (core/protocol/responses.Events)."""
+    done_at = _ts(completed_at) if isinstance(completed_at, datetime) else completed_at
+    return {
+        "id": response_id(job.id),
+        "object": "response",
+        "created_at": _ts(job.created_at),
+        "status": status,
+        "background": m.get("background", False),
+        "completed_at": done_at,
+        "error": err,
+        "incomplete_details": incomplete,
+        "instructions": m.get("instructions"),
+        "max_output_tokens": m.get("max_output_tokens"),
+        "max_tool_calls": m.get("max_tool_calls"),
+        "model": job.model,
+        "output": output,
+        "parallel_tool_calls": m.get("parallel_tool_calls", True),
+        "previous_response_id": m.get("previous_response_id"),
+        "prompt_cache_key": m.get("prompt_cache_key"),
+        "reasoning": {"effort": None, "summary": None},
+        "safety_identifier": m.get("safety_identifier"),
+        "service_tier": m.get("service_tier", "default"),
+        "store": m.get("store", True),
+        "temperature": m.get("temperature"),
+        "text": m.get("text") or {"format": {"type": "text"}},
+        "tool_choice": m.get("tool_choice", "auto"),
+        "tools": m.get("tools") or [],
+        "top_logprobs": m.get("top_logprobs", 0),
+        "top_p": m.get("top_p"),
+        "truncation": m.get("truncation", "disabled"),
+        "usage": response_usage(u) if u is not None else None,
+        "user": m.get("user"),
+        "metadata": m.get("metadata") or {},
+    }
+
+
+def response_deleted(resp_id: str) -> dict[str, Any]:
+    return {"id": resp_id, "object": "response", "deleted": True}

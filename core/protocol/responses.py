@@ -12,31 +12,26 @@ function of the job's event sequence, so every API process numbers a stream alik
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from core.errors import DomainError, invalid
-from core.generation.events import Cancelled, Delta, Done, Event, Failed, Usage, error_of, usage_of
+from core.generation.events import Cancelled, Delta, Done, Event, Failed, error_of, usage_of
 from core.protocol import render
 from core.protocol.errors import from_validation
+from core.protocol.render import JOB_PREFIX, RESPONSE_PREFIX
+from core.protocol.render import response_item_id as _item_id
+from core.protocol.render import response_meta as meta_of
 from core.protocol.schemas import ChatCompletionRequest, Float, Int, metadata_problem
 
-RESPONSE_PREFIX, JOB_PREFIX = "resp_", "cmpl-"
 # The most earlier responses one `previous_response_id` chain may hold (each is a read of its row).
 MAX_CHAIN = 256
 # The most items one request's `input` may hold.
 MAX_INPUT_ITEMS = 2048
-
-
-def response_id(job_id: str) -> str:
-    """A response's id is its job's, renamed: `cmpl-<hex>` <-> `resp_<hex>`, both ways, everywhere."""
-    return RESPONSE_PREFIX + job_id.removeprefix(JOB_PREFIX)
 
 
 def job_id_of(resp_id: str) -> str | None:
@@ -47,11 +42,6 @@ def job_id_of(resp_id: str) -> str | None:
     if not (0 < len(rest) <= 64) or not all(c in "0123456789abcdef" for c in rest):
         return None
     return JOB_PREFIX + rest
-
-
-def _item_id(kind: str, job_id: str, *where: Any) -> str:
-    raw = ":".join(str(w) for w in (job_id, kind, *where))
-    return f"{kind}_" + hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
 # -- the request -----------------------------------------------------------------------------------
@@ -413,165 +403,16 @@ def rename(exc: DomainError) -> DomainError:
     return exc
 
 
-# -- rendering -------------------------------------------------------------------------------------
-
-
-def meta_of(job: render.JobRecord) -> dict[str, Any]:
-    return (job.chat or {}).get("response") or {}
-
-
-def is_response(job: render.JobRecord) -> bool:
-    return bool((job.chat or {}).get("response"))
-
-
-def _ts(d: datetime | None) -> int | None:
-    return int(d.timestamp()) if d else None
-
-
-def usage(u: Usage) -> dict[str, Any]:
-    return {
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": u.total_tokens,
-    }
-
-
-def _message_item(job_id: str, text: str, status: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-    return {
-        "id": _item_id("msg", job_id, 0),
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [part],
-    }
-
-
-def _call_item(job_id: str, n: int, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    return {
-        "id": _item_id("fc", job_id, n),
-        "type": "function_call",
-        "call_id": call["id"],
-        "name": call["function"]["name"],
-        "arguments": call["function"]["arguments"],
-        "status": status,
-    }
-
-
-def _logprobs(lp: dict[str, Any] | None) -> list[Any]:
-    """Chat's logprobs (`{"content": [...]}`) in the Responses shape (no `bytes`)."""
-    return [
-        {
-            "token": e["token"],
-            "logprob": e["logprob"],
-            "bytes": e["bytes"],
-            "top_logprobs": [
-                {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]} for t in e["top_logprobs"]
-            ],
-        }
-        for e in (lp or {}).get("content") or []
-    ]
-
-
-def output_of(job: render.JobRecord) -> tuple[list[dict[str, Any]], str | None]:
-    """A succeeded job's output items (its chat completion's message, then its tool calls) and its
-    finish reason."""
-    done = render.chat_completion(job, "")
-    if not done["choices"]:
-        return [], None
-    choice = done["choices"][0]
-    msg, finish = choice["message"], choice["finish_reason"]
-    status = "incomplete" if finish == "length" else "completed"
-    out = []
-    calls = msg.get("tool_calls") or []
-    if msg.get("content") or not calls:
-        out.append(_message_item(job.id, msg.get("content") or "", status, _logprobs(choice.get("logprobs"))))
-    out += [_call_item(job.id, n, c) for n, c in enumerate(calls)]
-    return out, finish
-
-
-_STATUS = {
-    "queued": "queued",
-    "dispatched": "queued",
-    "running": "in_progress",
-    "failed": "failed",
-    "expired": "failed",
-    "cancelled": "cancelled",
-}
-
-
-def response(job: render.JobRecord) -> dict[str, Any]:
-    """A job as OpenAI's `response` object, in whatever state it is."""
-    m = meta_of(job)
-    output: list[dict[str, Any]] = []
-    incomplete = None
-    err = None
-    if job.state == "succeeded":
-        output, finish = output_of(job)
-        status = "incomplete" if finish == "length" else "completed"
-        if finish == "length":
-            incomplete = {"reason": "max_output_tokens"}
-    else:
-        status = _STATUS.get(job.state, "in_progress")
-        if status == "failed":
-            e = error_of(job)
-            err = {"code": e.code or "server_error", "message": e.message}
-    finished = job.finished_at if status == "completed" else None
-    return _object(job, m, status, output, usage_of(job) if job.usage is not None else None, err, incomplete, finished)
-
-
-def _object(
-    job: render.JobRecord,
-    m: dict[str, Any],
-    status: str,
-    output: list[dict[str, Any]],
-    u: Usage | None,
-    err: dict[str, Any] | None,
-    incomplete: dict[str, Any] | None,
-    completed_at: datetime | float | None = None,
-) -> dict[str, Any]:
-    done_at = _ts(completed_at) if isinstance(completed_at, datetime) else completed_at
-    return {
-        "id": response_id(job.id),
-        "object": "response",
-        "created_at": _ts(job.created_at),
-        "status": status,
-        "background": m.get("background", False),
-        "completed_at": done_at,
-        "error": err,
-        "incomplete_details": incomplete,
-        "instructions": m.get("instructions"),
-        "max_output_tokens": m.get("max_output_tokens"),
-        "max_tool_calls": m.get("max_tool_calls"),
-        "model": job.model,
-        "output": output,
-        "parallel_tool_calls": m.get("parallel_tool_calls", True),
-        "previous_response_id": m.get("previous_response_id"),
-        "prompt_cache_key": m.get("prompt_cache_key"),
-        "reasoning": {"effort": None, "summary": None},
-        "safety_identifier": m.get("safety_identifier"),
-        "service_tier": m.get("service_tier", "default"),
-        "store": m.get("store", True),
-        "temperature": m.get("temperature"),
-        "text": m.get("text") or {"format": {"type": "text"}},
-        "tool_choice": m.get("tool_choice", "auto"),
-        "tools": m.get("tools") or [],
-        "top_logprobs": m.get("top_logprobs", 0),
-        "top_p": m.get("top_p"),
-        "truncation": m.get("truncation", "disabled"),
-        "usage": usage(u) if u is not None else None,
-        "user": m.get("user"),
-        "metadata": m.get("metadata") or {},
-    }
+# -- reading a stored response -------------------------------------------------------------------
+# Its `response` object, output items and usage are built in core/protocol/render.py (`response_of`,
+# the one home of wire objects); here, what a chain and `input_items` read of it.
 
 
 def chain_messages(job: render.JobRecord) -> list[dict[str, Any]]:
     """One stored response as chat messages: its input items, then what it answered."""
     out = items_to_messages(meta_of(job).get("input") or [], "previous_response_id")
     if job.state == "succeeded":
-        out += items_to_messages(output_of(job)[0], "previous_response_id")
+        out += items_to_messages(render.response_output(job)[0], "previous_response_id")
     return out
 
 
@@ -609,10 +450,6 @@ def page(items: list[dict[str, Any]], after: str | None, before: str | None, lim
     return render.page(window[:limit], len(window) > limit)
 
 
-def deleted(resp_id: str) -> dict[str, Any]:
-    return {"id": resp_id, "object": "response", "deleted": True}
-
-
 # -- streaming -------------------------------------------------------------------------------------
 
 
@@ -638,7 +475,7 @@ class Events:
         return {"type": kind, "sequence_number": self.seq, **fields}
 
     def _snapshot(self, status: str) -> dict[str, Any]:
-        return _object(self.job, self.meta, status, [], None, None, None)
+        return render.response_object(self.job, self.meta, status, [], None, None, None)
 
     def start(self) -> list[dict[str, Any]]:
         """The first two events: created (queued for a background response), then in progress."""
@@ -652,7 +489,7 @@ class Events:
     def _open_message(self) -> list[dict[str, Any]]:
         if self.open is not None:
             return []
-        self.open = _message_item(self.job.id, "", "in_progress")
+        self.open = render.response_message_item(self.job.id, "", "in_progress")
         item = {**self.open, "content": []}
         at = len(self.items)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -664,7 +501,7 @@ class Events:
     def _close_message(self, status: str = "completed") -> list[dict[str, Any]]:
         if self.open is None:
             return []
-        item = _message_item(self.job.id, self.text, status)
+        item = render.response_message_item(self.job.id, self.text, status)
         at, iid = len(self.items), item["id"]
         part = item["content"][0]
         out = [
@@ -682,7 +519,7 @@ class Events:
         out = []
         for call in calls:
             n = sum(1 for i in self.items if i["type"] == "function_call")
-            item = _call_item(self.job.id, n, call)
+            item = render.response_call_item(self.job.id, n, call)
             at, iid, args = len(self.items), item["id"], item["arguments"]
             out += [
                 self._ev(
@@ -734,7 +571,7 @@ class Events:
                 out += self._open_message()  # an empty answer is still a message, as the object shows
             out += self._close_message("incomplete" if incomplete else "completed")
             status = "incomplete" if incomplete else "completed"
-            obj = _object(
+            obj = render.response_object(
                 self.job,
                 self.meta,
                 status,
@@ -747,11 +584,13 @@ class Events:
             return [*out, self._ev(f"response.{status}", response=obj)]
         if isinstance(ev, Failed):
             err = {"code": ev.error.code or "server_error", "message": ev.error.message}
-            obj = _object(self.job, self.meta, "failed", [], None, err, None)
+            obj = render.response_object(self.job, self.meta, "failed", [], None, err, None)
             return [*out, self._ev("response.failed", response=obj)]
         if isinstance(ev, Cancelled):
             # OpenAI's stream has no event of its own for a cancel: `response.failed`, its status `cancelled`.
-            obj = _object(self.job, self.meta, "cancelled", [], None, None, None)
+            # Its snapshot holds what was streamed before the cancel (the usage is the row's: retrieve it).
+            done = [render.response_message_item(self.job.id, self.text, "incomplete")] if self.open else []
+            obj = render.response_object(self.job, self.meta, "cancelled", self.items + done, None, None, None)
             return [*out, self._ev("response.failed", response=obj)]
         return out
 

@@ -1,5 +1,6 @@
 """The fault-injection harness, short form (ops/faults.py): a Spool on its own Postgres and Redis,
-under streaming, async and batch load, while its worker is SIGKILLed mid-generation, Redis is
+under streaming, async and batch load (the openai SDK's completions, chats and background
+responses among it), while its worker is SIGKILLed mid-generation, Redis is
 killed and restarted empty, Postgres is stopped hard and restarted, the API is SIGTERMed and
 SIGKILLed mid-stream and the dispatcher is killed. Nothing may be lost, doubled, wrong or stuck,
 and no 5xx may reach a client. The full run (20 worker kills) is `python -m ops.faults`."""

@@ -222,7 +222,6 @@ def test_cancel_a_running_background_response(stack, db):
     time.sleep(0.5)  # let it generate a few tokens: the cancel bills them
     c = client.responses.cancel(r.id)
     assert c.status == "cancelled"
-    assert client.responses.retrieve(r.id).status == "cancelled"
     assert job_row(db, job_id)["state"] == "cancelled"
     with db.connect() as conn:
         billed = conn.execute(
@@ -232,6 +231,13 @@ def test_cancel_a_running_background_response(stack, db):
             )
         ).scalar()
     assert 0 < billed < 900
+    # The cancelled response shows what it generated: the usage billed, and the text so far, kept on
+    # the row by the cancel (read back after its stream is gone too).
+    for seen in (c, client.responses.retrieve(r.id)):
+        assert seen.status == "cancelled" and seen.usage is not None
+        assert seen.usage.output_tokens == billed and seen.usage.input_tokens > 0
+        assert seen.output and seen.output[0].type == "message" and seen.output[0].status == "incomplete"
+        assert seen.output_text and seen.output_text == c.output_text
 
 
 def test_previous_response_id_three_turns_deep(stack):
@@ -445,3 +451,75 @@ def test_a_background_stream_rejoined_after_a_worker_kill_and_an_api_restart_equ
         unbroken = http.post("/v1/responses", json={**body, "background": False}).json()
     assert whole[-1]["response"]["output"][0]["content"][0]["text"] == text
     assert text == unbroken["output"][0]["content"][0]["text"]
+
+
+def test_a_responses_batch_through_the_sdk_answers_response_objects(stack):
+    """`/v1/responses` as a Batch API endpoint: each line runs as a response; the output file's
+    bodies are `response` objects the SDK parses."""
+    import io
+
+    from openai.types.responses import Response
+
+    client = stack.openai()
+    lines = [
+        {
+            "custom_id": f"resp-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": MODEL,
+                "instructions": SYSTEM,
+                "input": prompt,
+                "max_output_tokens": 8,
+                "temperature": 0,
+                "metadata": {"line": str(i)},
+            },
+        }
+        for i, prompt in enumerate(["Say hello.", "Name a colour."])
+    ]
+    raw = ("\n".join(json.dumps(x) for x in lines) + "\n").encode()
+    f = client.files.create(file=("responses.jsonl", io.BytesIO(raw)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    assert b.endpoint == "/v1/responses"
+    b = wait_for(
+        lambda: (x := client.batches.retrieve(b.id)).status in ("completed", "failed") and x, 120, "batch ended"
+    )
+    assert b.status == "completed", b.errors
+    assert b.request_counts.completed == 2 and b.request_counts.failed == 0
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ["resp-0", "resp-1"]
+    for i, o in enumerate(out):
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        r = Response.model_validate(o["response"]["body"])
+        assert r.object == "response" and r.id.startswith("resp_") and r.status in ("completed", "incomplete")
+        assert r.output_text and r.metadata == {"line": str(i)} and r.instructions == SYSTEM
+        assert 0 < r.usage.output_tokens <= 8
+        # The same as one sent alone, greedy: the batch line ran the same request.
+        alone = client.responses.create(**lines[i]["body"])
+        assert r.output_text == alone.output_text
+        # A line's response is stored as any response is.
+        assert client.responses.retrieve(r.id).output_text == r.output_text
+
+
+def test_a_chains_second_turn_reuses_the_first_turns_prefix(stack):
+    """Prefix reuse across turns of one chain shows in `cached_tokens`: the second turn's prompt
+    starts with the first turn's (instructions, input and answer through the chat template), which
+    the engine's prefix cache (one tenant's slot) still holds."""
+    client = stack.openai()
+    first = client.responses.create(
+        model=MODEL, instructions=SYSTEM, input="My name is Ada. Remember it.", max_output_tokens=12, temperature=0
+    )
+    assert first.usage.input_tokens_details.cached_tokens < first.usage.input_tokens
+    second = client.responses.create(
+        model=MODEL,
+        instructions=SYSTEM,
+        previous_response_id=first.id,
+        input="What is my name?",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached > 0, second.usage
+    # At least the first turn's whole prompt was reused (its answer may be tokenized apart).
+    assert first.usage.input_tokens <= cached < second.usage.input_tokens
+    assert client.responses.retrieve(second.id).usage.input_tokens_details.cached_tokens == cached

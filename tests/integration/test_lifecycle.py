@@ -54,6 +54,24 @@ def test_cancel_wins_over_a_late_worker_and_is_idempotent(session, sessions, rds
     assert [type(e) for e in _events(rds, job.id)] == [Cancelled]
 
 
+def test_a_cancel_keeps_what_the_job_generated_on_its_row(session, sessions, rds, it_settings):
+    """The cancelled row keeps its usage (what was billed) and each choice's text so far, so a
+    cancelled job (a cancelled response) shows them after its stream is gone."""
+    from core.generation.events import Delta
+
+    t = factories.tenant(session)
+    job = factories.job(session, t, state=JobState.running)  # started: its prompt (3 tokens) is billed
+    life = Lifecycle(sessions, rds, it_settings)
+    deltas = [Delta(choice=0, text="Once", token_ids=[1]), Delta(choice=0, text=" upon", token_ids=[2, 3])]
+    life.publish_deltas(job.id, job.attempt, deltas, 1)
+    row = life.cancel(job.id, t.id)
+    assert row.state == "cancelled" and row.usage["completion_tokens"] == 3 and row.usage["prompt_tokens"] == 3
+    stored = session.get(Job, job.id, populate_existing=True)
+    assert stored.usage == row.usage and stored.result == row.result
+    assert [(c["text"], c["finish_reason"]) for c in stored.result["choices"]] == [("Once upon", None)]
+    assert _usage(session, t.id).completion_tokens == 3  # billed what the row says
+
+
 def test_another_tenant_cannot_cancel(session, sessions, rds, it_settings):
     owner, other = factories.tenant(session), factories.tenant(session)
     job = factories.job(session, owner)

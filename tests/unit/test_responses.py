@@ -11,6 +11,7 @@ import pytest
 
 from core.errors import DomainError
 from core.generation.events import Cancelled, Delta, Done, ErrorInfo, Failed, Usage
+from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponsesRequest
 
@@ -58,8 +59,8 @@ def _job(state: str = "succeeded", text: str = "Hello there.", finish: str = "st
 
 def test_response_and_job_ids_map_both_ways():
     job_id = "cmpl-0123456789abcdef01234567"
-    assert wire.response_id(job_id) == "resp_0123456789abcdef01234567"
-    assert wire.job_id_of(wire.response_id(job_id)) == job_id
+    assert render.response_id(job_id) == "resp_0123456789abcdef01234567"
+    assert wire.job_id_of(render.response_id(job_id)) == job_id
     for bad in ("cmpl-0123", "resp_", "resp_XYZ", "resp_" + "a" * 65, "resp_12\x00"):
         assert wire.job_id_of(bad) is None
 
@@ -202,7 +203,7 @@ def test_store_false_keeps_no_input():
 
 
 def test_a_completed_job_is_a_response_object():
-    r = wire.response(_job(metadata={"a": "b"}, instructions="I"))
+    r = render.response_of(_job(metadata={"a": "b"}, instructions="I"))
     assert r["id"] == "resp_0123456789abcdef01234567" and r["object"] == "response" and r["status"] == "completed"
     assert r["output"] == [
         {
@@ -228,7 +229,7 @@ def test_a_completed_job_is_a_response_object():
 def test_the_sdk_parses_it_and_its_output_text_works():
     from openai.types.responses import Response
 
-    parsed = Response.model_validate(wire.response(_job()))
+    parsed = Response.model_validate(render.response_of(_job()))
     assert parsed.output_text == "Hello there." and parsed.usage is not None
 
 
@@ -237,25 +238,25 @@ def test_the_sdk_parses_it_and_its_output_text_works():
     [("queued", "queued"), ("dispatched", "queued"), ("running", "in_progress"), ("cancelled", "cancelled")],
 )
 def test_states_map_to_statuses(state, status):
-    r = wire.response(_job(state))
+    r = render.response_of(_job(state))
     assert r["status"] == status and r["output"] == [] and r["usage"] is None and r["error"] is None
 
 
 def test_a_failed_job_carries_its_error_and_a_cut_one_is_incomplete():
-    r = wire.response(_job("failed"))
+    r = render.response_of(_job("failed"))
     assert r["status"] == "failed" and r["error"] == {"code": "engine_error", "message": "boom"}
-    cut = wire.response(_job(finish="length"))
+    cut = render.response_of(_job(finish="length"))
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert cut["output"][0]["status"] == "incomplete" and cut["completed_at"] is None
 
 
 def test_tool_calls_are_function_call_items_with_stable_ids():
     text = '<tool_call>\n{"name": "f", "arguments": {"c": "P"}}\n</tool_call>'
-    r = wire.response(_job(text=text, tools=True))
+    r = render.response_of(_job(text=text, tools=True))
     (call,) = r["output"]
     assert call["type"] == "function_call" and call["name"] == "f" and call["arguments"] == '{"c": "P"}'
     assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
-    assert wire.response(_job(text=text, tools=True))["output"] == r["output"]  # the same ids every time
+    assert render.response_of(_job(text=text, tools=True))["output"] == r["output"]  # the same ids every time
     # As the next turn's chain: the call, as chat's assistant tool call with the same id.
     (msg,) = wire.chain_messages(_job(text=text, tools=True))[1:]
     assert msg["tool_calls"][0]["id"] == call["call_id"]
@@ -329,7 +330,7 @@ def test_a_tool_call_streams_as_function_call_argument_events():
         "response.output_item.done",
         "response.completed",
     ]
-    assert out[-1]["response"]["output"] == wire.response(_job(text=text, tools=True))["output"]
+    assert out[-1]["response"]["output"] == render.response_of(_job(text=text, tools=True))["output"]
 
 
 def test_the_rows_text_is_cut_as_the_streams_deltas_were():
