@@ -5,17 +5,20 @@ strict SSE reader (so the wire format is checked by our own code, not a client's
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import redis as redis_lib
 
 # A client's read timeout in tests: a guard against a hang, never a speed check. The heaviest
 # requests (50 constrained samples, a chat run to the end of its context) take 20 s on a quiet
@@ -60,7 +63,7 @@ CORE = ("api", "dispatcher", "worker")  # the processes a whole Spool is made of
 class Stack:
     """Spool's own processes, started with `spool` as an operator would, on the environment given
     (database, Redis, port, timings), each logging to `<logdir>/<name>.log`. Built by the tests
-    (tests/conftest.running_stack) and by the fault harness (ops/faults.py); either kills processes
+    (ops/harness.running_stack) and by the fault harness (ops/faults.py); either kills processes
     and starts them again under the same name."""
 
     env: dict[str, str]
@@ -233,3 +236,78 @@ def events(resp: httpx.Response) -> Iterator[Event]:
                 ev_id = value
     if data:
         yield Event(ev_id, "\n".join(data))
+
+
+# -- the stack recipe: what the tests, the hostile harness and the benches start ----------------------
+
+
+def _spool_database_url() -> str:
+    """Spool's own database URL (environment, else the .env that ops/services.sh writes on a fresh
+    machine), so the tests log in the way Spool does."""
+    url = os.environ.get("SPOOL_DATABASE_URL")
+    env_file = ROOT / ".env"
+    if url is None and env_file.exists():
+        for line in env_file.read_text().splitlines():
+            if line.startswith("SPOOL_DATABASE_URL="):
+                url = line.split("=", 1)[1].strip()
+    return url or "postgresql+psycopg://postgres@127.0.0.1:5432/spool"
+
+
+TEST_DB = os.environ.get("SPOOL_TEST_DATABASE_URL", _spool_database_url().rsplit("/", 1)[0] + "/spool_test")
+TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@contextmanager
+def running_stack(
+    logdir: Path,
+    db_url: str,
+    redis_url: str,
+    extra_workers: tuple[dict[str, str], ...] = (),
+    root: Path = ROOT,
+    **extra_env: str,
+) -> Iterator[Stack]:
+    """A whole Spool (api + dispatcher + one worker) on its own database and Redis db, with tenants
+    alpha, beta and ops and an admin key, all made fresh; its processes run from checkout `root`."""
+    from core.infra.dbadmin import drop_database
+
+    port = free_port()
+    env = {
+        **os.environ,
+        "SPOOL_DATABASE_URL": db_url,
+        "SPOOL_REDIS_URL": redis_url,
+        "SPOOL_API_PORT": str(port),
+        # Short timings so recovery paths run in seconds.
+        "SPOOL_LEASE_S": "3",
+        "SPOOL_DISPATCH_TIMEOUT_S": "10",
+        "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
+        "SPOOL_N_CTX": "1024",
+        "SPOOL_BATCH_VALIDATION_LEASE_S": "3",
+        "SPOOL_WEBHOOK_ALLOW": "127.0.0.1/32",  # the tests' receivers; everything else non-public is refused
+        "SPOOL_WEBHOOK_TIMEOUT_S": "4",
+        "SPOOL_WEBHOOK_RETRY_S": "0.5",
+        "SPOOL_MODEL_ALIASES": '{"gpt-3.5-turbo": "smollm2-135m-instruct", "default": "smollm2-135m-instruct"}',
+        "PYTHONUNBUFFERED": "1",
+        **extra_env,
+    }
+    drop_database(db_url)
+    redis_lib.Redis.from_url(redis_url).flushdb()
+    st = Stack(env=env, logdir=logdir, port=port, root=root)
+    st.cli("migrate")
+    for tenant in ("alpha", "beta", "ops"):
+        st.cli("tenant", "create", tenant)
+        st.keys[tenant] = st.cli("key", "create", "--tenant", tenant).splitlines()[-1]
+    st.keys["admin"] = st.cli("key", "create", "--tenant", "ops", "--scope", "admin").splitlines()[-1]
+    try:
+        st.start("api", "api")
+        st.metrics_ports["dispatcher"] = free_port()
+        st.start("dispatcher", "dispatcher", env={"SPOOL_METRICS_PORT": str(st.metrics_ports["dispatcher"])})
+        st.start_worker()
+        for i, worker_env in enumerate(extra_workers):  # more workers, e.g. for other models
+            name = f"worker-extra{i + 1}"
+            st.start(name, "worker", env=worker_env)
+            st.wait_log(name, "ready.", 120)
+        wait_for(st.ready, 60, "api health")
+        yield st
+    finally:
+        st.stop_all()
+        print(f"\nprocess logs in {logdir}")

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import TEST_DB, TEST_REDIS, Stack, running_stack
-from tests.sse import events
+from ops.harness import TEST_DB, TEST_REDIS, Stack, events, running_stack
 
 
 def rss_mib(pid: int) -> float:

@@ -136,9 +136,9 @@ async def run(
 
 def _dsn() -> str:
     """The database paced_stack made (on the test database's server), for psycopg."""
-    from tests import conftest
+    from ops import harness
 
-    return "postgresql://" + conftest.TEST_DB.split("://", 1)[1].rsplit("/", 1)[0] + "/spool_burst"
+    return "postgresql://" + harness.TEST_DB.split("://", 1)[1].rsplit("/", 1)[0] + "/spool_burst"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@
     python -m ops.bench.paced --stack --roots base=/tmp/spool-base,new=. --rounds 2   # side by side
     python -m ops.bench.paced --url URL --api-key KEY --pids api=P,worker=P,dispatcher=P,postgres=P,redis=P
 
-`--stack` starts API, dispatcher and worker the way the tests do (tests/conftest.running_stack) with
+`--stack` starts API, dispatcher and worker the way the tests do (ops/harness.running_stack) with
 the paced engine's settings (PACED_ENV; concurrency + 8 worker threads), on a database of its own
 (`spool_bench`, dropped and made fresh) and a private redis-server on a free port (no persistence),
 so Redis's CPU is Spool's alone; Postgres's is the backends of that database plus the server's own
@@ -373,9 +373,9 @@ def paced_stack(
     """API, dispatcher and a paced worker started from checkout `root` as the tests start them; yields
     (url, api key, CPU meters of every Spool process, pids of the Python ones, Redis's command counts).
     `api_workers` > 1: the API as that many processes (`spool api --workers N`)."""
-    from tests import conftest
+    from ops import harness
 
-    db_url = conftest.TEST_DB.rsplit("/", 1)[0] + "/" + database
+    db_url = harness.TEST_DB.rsplit("/", 1)[0] + "/" + database
     env = {
         **PACED_ENV,
         **DEPLOYED_ENV,
@@ -386,13 +386,13 @@ def paced_stack(
     logdir = Path(tempfile.mkdtemp(prefix="spool-bench-logs-"))
     with (
         private_redis() as (redis_url, redis_pid),
-        conftest.running_stack(logdir, db_url, redis_url, (), root, **env) as st,
+        harness.running_stack(logdir, db_url, redis_url, (), root, **env) as st,
     ):
         if api_workers > 1:
             st.procs["api"].terminate()
             st.procs["api"].wait(30)
             st.start("api", "api", "--workers", str(api_workers))
-            conftest.wait_for(st.ready, 60, "api health")
+            harness.wait_for(st.ready, 60, "api health")
         meters = {
             "api": tree_meter(st.procs["api"].pid),
             "worker": tree_meter(st.procs["worker"].pid),

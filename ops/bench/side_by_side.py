@@ -29,12 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperatures", default="0,0.8")
     a = ap.parse_args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)  # before the runs: a missing folder lost a whole run's JSON
-    from tests import conftest
+    from ops import harness
 
-    db = conftest.TEST_DB.rsplit("/", 1)[0] + "/spool_cmp"
+    db = harness.TEST_DB.rsplit("/", 1)[0] + "/spool_cmp"
     env = {**DEPLOYED_ENV, "SPOOL_N_CTX": "2048", "SPOOL_LOG_FORMAT": "text"}
     logs = Path(tempfile.mkdtemp(prefix="spool-cmp-"))
-    with private_redis() as (redis_url, _), conftest.running_stack(logs, db, redis_url, (), ROOT, **env) as st:
+    with private_redis() as (redis_url, _), harness.running_stack(logs, db, redis_url, (), ROOT, **env) as st:
         for temp in a.temperatures.split(","):
             cmd = [
                 *[sys.executable, "-m", "core.cli", "bench", "--url", st.base_url, "--mode", "http,engine"],

@@ -23,7 +23,7 @@ def paced_stack(tmp_path_factory):
 
 def expected_text(prompt: str, n: int, seed: int) -> str:
     """The paced engine alone, stepped in-process with no sleeping: what the stack must stream."""
-    from tests.factories import params
+    from ops.factories import params
     from workers.engine.base import SeqSpec, TokenEvent
 
     eng = PacedEngine(MODEL, n_ctx=1024, max_batch=4, sleep=lambda _s: None)

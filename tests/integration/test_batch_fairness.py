@@ -19,7 +19,7 @@ from core.generation.events import ChoiceResult, JobResult, Usage
 from core.infra.orm import Batch, Job, Tenant
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from core.infra.db import Listener
 from core.infra.orm import Batch, File, FileChunk, Job
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 
 
 def _expired_batch(session, lines: int, expired: bool = True) -> str:

@@ -14,7 +14,7 @@ from core.infra import streams
 from core.infra.orm import Batch, Job, UsageDaily
 from core.jobs.lifecycle import Lifecycle
 from core.tenancy import ratelimit
-from tests import factories
+from ops import factories
 
 LINES = 12
 

@@ -15,7 +15,7 @@ from core.generation.events import ChoiceResult, JobResult, Usage
 from core.infra.orm import Batch, Job, UsageDaily
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 from tests.conftest import wait_for
 
 LINES = 6

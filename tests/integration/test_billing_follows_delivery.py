@@ -12,7 +12,7 @@ from core.infra.orm import UsageDaily
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
 from core.tenancy import ratelimit
-from tests import factories
+from ops import factories
 
 PROMPT = [{"ids": [5, 6, 7, 8], "text": None}]
 

@@ -25,7 +25,7 @@ from core.jobs.service import Completions
 from core.jobs.states import JobKind, JobState
 from core.protocol.schemas import CompletionRequest
 from core.tenancy.keys import Principal
-from tests import factories
+from ops import factories
 from tests.integration.conftest import IT_DB, IT_REDIS
 
 MODEL = "smollm2-135m-instruct"

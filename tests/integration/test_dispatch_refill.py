@@ -14,7 +14,7 @@ from core.dispatcher import Dispatcher
 from core.infra.orm import Job
 from core.jobs import workers
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 
 MODEL = "refill-model"  # its own model: other tests' lines hold no slot of it
 

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.files import storage
 from core.infra import redis_keys
 from core.infra.orm import File
-from tests import factories
+from ops import factories
 from tests.conftest import free_port, wait_for
 from tests.integration.conftest import IT_DB, IT_REDIS
 

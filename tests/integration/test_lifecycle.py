@@ -11,7 +11,7 @@ from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
 from core.tenancy import ratelimit
-from tests import factories
+from ops import factories
 
 
 def _events(rds, job_id: str) -> list:

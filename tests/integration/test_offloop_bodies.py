@@ -17,7 +17,7 @@ from api import bodies
 from api.routes.tokens import MAX_PIECES
 from core.infra.orm import Tenant
 from core.protocol.schemas import BatchList, BatchObject, FileList, FileObject
-from tests import factories
+from ops import factories
 from tests.integration.test_downloads import Server, api_server, stored_file, tenant_key  # noqa: F401
 
 

@@ -14,7 +14,7 @@ from core.infra.orm import Job, UsageDaily
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 
 
 def _usage_rows(session, tenant_id: int) -> list[UsageDaily]:

@@ -40,8 +40,8 @@ from core.jobs import workers
 from core.jobs.service import Completions
 from core.protocol import render
 from core.tenancy.keys import Principal
+from ops import factories
 from ops.harness import free_port, wait_for
-from tests import factories
 from tests.integration.conftest import IT_DB
 from tests.integration.test_create_completion import MODEL, Broker, CharTokenizer
 from workers import retry

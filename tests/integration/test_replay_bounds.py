@@ -21,7 +21,7 @@ from core.jobs.stream import coalesce
 from core.protocol import render
 from core.protocol.render import CompletionChunks
 from core.protocol.schemas import JobObject
-from tests import factories
+from ops import factories
 from tests.integration.conftest import IT_REDIS
 
 

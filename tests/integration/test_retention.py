@@ -9,7 +9,7 @@ from sqlalchemy import select
 from core.infra.orm import File, FileChunk, IdempotencyKey, Job
 from core.jobs.states import JobState
 from core.retention import sweep
-from tests import factories
+from ops import factories
 
 
 def test_sweeper_removes_old_jobs_expired_files_and_old_keys(session, sessions, it_settings):

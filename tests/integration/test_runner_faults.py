@@ -15,7 +15,7 @@ from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 from tests.conftest import wait_for
 from workers.engine.loop import EngineLoop
 from workers.engine.null import NullEngine

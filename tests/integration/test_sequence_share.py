@@ -25,7 +25,7 @@ from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
 from core.registry import smollm2_gguf
-from tests import factories
+from ops import factories
 from tests.conftest import wait_for
 from workers.engine.llamacpp import LlamaCppEngine
 from workers.engine.loop import EngineLoop

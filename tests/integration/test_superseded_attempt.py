@@ -13,7 +13,7 @@ from core.infra import streams
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 from workers.attempt import Attempt
 from workers.engine.loop import EngineLoop
 from workers.engine.null import NullEngine

@@ -8,7 +8,7 @@ from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobState
-from tests import factories
+from ops import factories
 
 
 def test_a_failure_whose_message_quotes_a_nul_is_stored(session, sessions, rds, it_settings):

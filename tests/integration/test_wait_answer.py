@@ -19,7 +19,7 @@ from core.infra.orm import Job
 from core.jobs.service import Completions
 from core.jobs.states import JobState
 from core.protocol import render
-from tests import factories
+from ops import factories
 from tests.integration.conftest import IT_DB, IT_REDIS
 from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine

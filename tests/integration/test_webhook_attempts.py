@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from core.batches import webhooks
 from core.batches.status import BatchStatus
 from core.infra.orm import Batch
-from tests import factories
+from ops import factories
 
 
 def test_claims_count_attempts_and_end_in_giving_up(session):

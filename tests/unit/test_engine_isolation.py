@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 
-from tests.factories import params
+from ops.factories import params
 from workers.engine.base import SeqSpec, SequenceError, TokenEvent
 from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine

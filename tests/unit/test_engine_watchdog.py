@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import time
 
-from tests.factories import params
+from ops.factories import params
 from workers.engine.base import SeqSpec, TokenEvent
 from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from core.generation import capabilities
-from tests.factories import params
+from ops.factories import params
 from workers.engine.base import SeqSpec
 from workers.engine.exl3_mapping import WHOLE_SEQUENCE, Unsupported, job_args, sampler_args
 

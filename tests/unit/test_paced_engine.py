@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import params
+from ops.factories import params
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.paced import PacedEngine, analytic_tok_s, step_seconds
 

@@ -1,4 +1,4 @@
-"""Building blocks for tests: rows and values with sensible defaults, overridable per test.
+"""Building blocks for tests and benches: rows and values with sensible defaults, overridable per use.
 
 Rows are written through the ORM on a given sync session; nothing here starts a process.
 """
