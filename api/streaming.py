@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -77,6 +78,39 @@ async def readers(rds: aioredis.Redis, job_id: str) -> int:
 OFF_LOOP_WEIGHT = 512
 
 
+class TenantGate:
+    """At most `cap` of one tenant's heavy builds at once on this process (a replay's backlog framed
+    on a thread, a large job object encoded): the tenant's others wait their turn, and no other
+    tenant ever waits on them. Followers of a live stream hold nothing (1,000 readers of one job cost
+    no place); only the catch-up work that scales with what a client asks for does.
+
+    One semaphore per tenant that has built something heavy, per event loop (bounded by the tenants)."""
+
+    def __init__(self) -> None:
+        self._sems: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, asyncio.Semaphore]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.busy: dict[int, int] = {}
+        self.most: dict[int, int] = {}  # the most of a tenant's builds at once (tests, metrics)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tenant_id: int, cap: int) -> AsyncIterator[None]:
+        sems = self._sems.setdefault(asyncio.get_running_loop(), {})
+        sem = sems.get(tenant_id)
+        if sem is None:
+            sem = sems[tenant_id] = asyncio.Semaphore(cap)
+        async with sem:
+            self.busy[tenant_id] = now = self.busy.get(tenant_id, 0) + 1
+            self.most[tenant_id] = max(self.most.get(tenant_id, 0), now)
+            try:
+                yield
+            finally:
+                self.busy[tenant_id] -= 1
+
+
+HEAVY = TenantGate()
+
+
 def _weight(batch: list) -> int:
     return sum(1 + len(getattr(ev, "scores", None) or ()) + len(getattr(ev, "text", "")) // 256 for _, ev in batch)
 
@@ -101,10 +135,12 @@ async def sse_chunks(
     *,
     include_usage: bool,
     fingerprint: str,
+    heavy_cap: int,
     last_id: str = "0-0",
 ) -> AsyncIterator[bytes]:
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
-    stream is silent; ends after the terminal event."""
+    stream is silent; ends after the terminal event. A heavy batch (a replay's backlog) is framed on
+    a thread, at most `heavy_cap` of the tenant's at once (`HEAVY`)."""
     chunks = chunks_for(job, include_usage, fingerprint)
     # This reader is counted while it follows the job (a disconnected stream's job is cancelled only
     # when nobody follows it). The count goes up and back down in tasks of their own: a stream
@@ -128,7 +164,8 @@ async def sse_chunks(
                 # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
                 items = cast(list, batch)
                 if _weight(items) > OFF_LOOP_WEIGHT:
-                    out = await anyio.to_thread.run_sync(frame, chunks, items)
+                    async with HEAVY.hold(tenant_id, heavy_cap):
+                        out = await anyio.to_thread.run_sync(frame, chunks, items)
                 else:
                     out = frame(chunks, items)
                 if out:

@@ -336,8 +336,8 @@ class Settings(BaseSettings):
     replays_per_tenant: int = Field(
         8,
         ge=1,
-        description="Event streams (`GET /v1/jobs/{id}/events`) one tenant may have open at once on one API "
-        "process, large job objects being built included; beyond it a 429 with `retry-after`.",
+        description="Heavy builds one tenant may run at once on one API process (a replay's backlog framed, a "
+        "large job object encoded, each on a thread); its further ones wait their turn. Live followers hold none.",
     )
 
     @property

@@ -142,7 +142,15 @@ async def _serve(body, endpoint: str, call: _Call):
         return _accepted(job, headers, fingerprint)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = sse_chunks(job, tenant_id, redis, hub, include_usage=include_usage, fingerprint=fingerprint)
+        stream = sse_chunks(
+            job,
+            tenant_id,
+            redis,
+            hub,
+            include_usage=include_usage,
+            fingerprint=fingerprint,
+            heavy_cap=settings.replays_per_tenant,
+        )
         return _StreamOrCancel(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
     row = await _wait_unless_draining(completions.wait(hub, job, tenant_id, settings.wait_timeout_s), request, job.id)
     if row is None:

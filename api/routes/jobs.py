@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -14,7 +13,7 @@ from api.bodies import encode
 from api.cache import SingleFlight
 from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
-from api.streaming import sse_chunks
+from api.streaming import HEAVY, sse_chunks
 from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.service import Completions
@@ -36,38 +35,6 @@ def _not_found(job_id: str) -> APIError:
 
 async def _get(completions: Completions, job_id: str, tenant_id: int) -> Job | None:
     return await completions.get(job_id, tenant_id) if _ID.fullmatch(job_id) else None
-
-
-# Replays (event streams) and large job objects being built, per tenant, on this process: what one
-# tenant can hold of the loop's time and the threads that build them (`replays_per_tenant`).
-_IN_FLIGHT: dict[int, int] = {}
-
-
-def _take(tenant_id: int, cap: int) -> Callable[[], None]:
-    """One of the tenant's places, or OpenAI's 429; returns what gives it back (once)."""
-    if _IN_FLIGHT.get(tenant_id, 0) >= cap:
-        raise APIError(
-            429,
-            f"Too many event streams open at once for this organization (at most {cap}); close one, or wait "
-            "for one to end, and try again.",
-            type_="requests",
-            code="rate_limit_exceeded",
-            headers={"retry-after": "1"},
-        )
-    _IN_FLIGHT[tenant_id] = _IN_FLIGHT.get(tenant_id, 0) + 1
-    given = False
-
-    def give() -> None:
-        nonlocal given
-        if not given:
-            given = True
-            left = _IN_FLIGHT[tenant_id] - 1
-            if left:
-                _IN_FLIGHT[tenant_id] = left
-            else:
-                del _IN_FLIGHT[tenant_id]
-
-    return give
 
 
 # A job object with more scores than this (logprobs) or this much text is built and encoded on a
@@ -95,11 +62,8 @@ async def get_job(
         raise _not_found(job_id)
     if not _large(row):
         return render.job(row, fingerprints(row.model))
-    give = _take(tenant.id, settings.replays_per_tenant)
-    try:
+    async with HEAVY.hold(tenant.id, settings.replays_per_tenant):  # one tenant's big bodies take turns
         body = await anyio.to_thread.run_sync(_job_bytes, row, fingerprints(row.model))
-    finally:
-        give()
     return Response(body, media_type="application/json")
 
 
@@ -145,23 +109,14 @@ async def job_events(
             param="Last-Event-ID",
             code="invalid_value",
         )
-    give = _take(tenant.id, settings.replays_per_tenant)
     stream = sse_chunks(
-        row, tenant.id, redis, hub, include_usage=True, fingerprint=fingerprints(row.model), last_id=start
+        row,
+        tenant.id,
+        redis,
+        hub,
+        include_usage=True,
+        fingerprint=fingerprints(row.model),
+        last_id=start,
+        heavy_cap=settings.replays_per_tenant,
     )
-    return _Replay(stream, give)
-
-
-class _Replay(EventSourceResponse):
-    """An event stream that gives its tenant's place back when the response ends, however it ends
-    (a client that hangs up before the first byte never runs the generator's `finally`)."""
-
-    def __init__(self, stream: Any, give: Callable[[], None]) -> None:
-        super().__init__(stream)
-        self._give = give
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._give()
+    return EventSourceResponse(stream)

@@ -63,7 +63,9 @@ def test_a_lapsed_reader_lease_never_leaves_a_negative_count(rds):
             raise AssertionError(f"readers {await streaming.readers(arc, job_id)}, expected {n}")
 
         def reader():
-            return streaming.sse_chunks(_record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp")
+            return streaming.sse_chunks(
+                _record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8
+            )
 
         try:
             first = reader()
@@ -139,3 +141,63 @@ def test_a_large_job_object_built_off_the_loop_is_the_declared_models_json(sessi
     assert built == expected
     assert built["result"]["choices"][0]["text"] == text
     assert len(built["result"]["choices"][0]["logprobs"]["tokens"]) == 5000
+
+
+def test_one_tenants_heavy_replays_take_turns_and_never_hold_another_tenants(rds, monkeypatch):
+    """Twelve replays of one big backlog from tenant 1 with a cap of 3: at most three are framed at
+    once, each still gets the whole backlog; tenant 2's replay is framed while tenant 1's three places
+    are all held (its builds are blocked on a gate the test opens only after tenant 2 is done)."""
+    job_id = "heavy-turns"
+    rds.delete(streams.stream_key(job_id))
+    streams.raise_fence(rds, job_id, 1, 60)
+    deltas = [encode(d) for _, d in _scored_deltas(400)]
+    streams.append_fenced(rds, job_id, 1, deltas, 60, 1)
+    gate = streaming.TenantGate()
+    monkeypatch.setattr(streaming, "HEAVY", gate)
+    real_frame = streaming.frame
+    release = asyncio.Event()
+    loop_box: list[asyncio.AbstractEventLoop] = []
+
+    def frame(chunks, batch):  # tenant 1's builds wait until tenant 2's replay has been framed
+        if chunks_tenant.get(id(chunks)) == 1:
+            asyncio.run_coroutine_threadsafe(release.wait(), loop_box[0]).result(30)
+        return real_frame(chunks, batch)
+
+    chunks_tenant: dict[int, int] = {}
+    real_chunks_for = streaming.chunks_for
+
+    async def scenario() -> None:
+        loop_box.append(asyncio.get_running_loop())
+        arc = kv.async_client(IT_REDIS)
+        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+
+        async def replay(tenant: int) -> bytes:
+            def chunks_for(*a, **k):
+                c = real_chunks_for(*a, **k)
+                chunks_tenant[id(c)] = tenant
+                return c
+
+            monkeypatch.setattr(streaming, "chunks_for", chunks_for)
+            gen = streaming.sse_chunks(
+                _record(job_id, logprobs=3), tenant, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=3
+            )
+            return await anext(gen)
+
+        try:
+            crowd = [asyncio.create_task(replay(1)) for _ in range(12)]
+            for _ in range(200):
+                if gate.busy.get(1) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert gate.busy.get(1) == 3  # the cap is full, the other nine wait their turn
+            alone = await asyncio.wait_for(replay(2), 30)  # not behind tenant 1's places
+            assert b" w399" in alone
+            release.set()
+            bodies = await asyncio.gather(*crowd)
+            assert all(b == bodies[0] and b" w399" in b for b in bodies)
+            assert gate.most[1] == 3
+        finally:
+            await hub.aclose()
+
+    monkeypatch.setattr(streaming, "frame", frame)
+    asyncio.run(scenario())
