@@ -631,6 +631,10 @@ class Hub:
     async def aclose(self) -> None:
         self._closed = True
         if self._task is not None:
+            # redis-py can lose a cancel that lands in a blocked XREAD, which then waits out its whole
+            # block (30 s, twice): a wake returns the read at once, and the loop sees the flag.
+            if self._blocked:
+                await self._wake()
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task

@@ -86,10 +86,12 @@ class OwnRedis:
         return lambda: self.admin.config_set("maxmemory", "0")
 
     def misconf(self) -> Callable[[], None]:
-        shutil.rmtree(self.data)  # the disk is gone: the next snapshot fails, and Redis stops taking writes
+        shutil.rmtree(self.data, ignore_errors=True)  # the disk is gone: the next snapshot fails
         self.admin.config_set("save", "3600 1")
         self.admin.config_set("stop-writes-on-bgsave-error", "yes")
-        self.admin.bgsave()
+        # SCHEDULE: Redis itself retries a failed snapshot every few seconds while save points are set,
+        # so one may be running already (a plain BGSAVE then errors "already in progress").
+        self.admin.bgsave(schedule=True)
         wait_for(lambda: self.admin.info("persistence")["rdb_last_bgsave_status"] == "err", 10, "a failed save")
 
         def lift() -> None:
