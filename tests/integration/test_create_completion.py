@@ -296,3 +296,25 @@ def test_one_unstorable_request_in_a_burst_fails_alone(it_settings, session, cal
     rows = {j.id: j for j in _jobs_of(session, caller.tenant.id)}
     assert len(rows) == 11 and set(good) <= set(rows)
     assert sorted(j for j, *_ in broker.sent) == sorted(rows)
+
+
+def test_a_tenant_over_its_quota_is_refused_before_its_grammar_is_compiled(it_settings, session, rds, monkeypatch):
+    """The constraint's size is checked while the request is prepared; its compile (llguidance: up to
+    seconds for a big one) waits until the tenant's limits have taken the request."""
+    from core.jobs import service as service_module
+
+    compiled: list[object] = []
+    monkeypatch.setattr(service_module, "compile_constraint", lambda *a: compiled.append(a) or "never")
+    t = factories.tenant(session, tpm=5)  # less than the prompt alone
+    _, k = factories.api_key(session, t)
+    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    body = _request(guided_choice=[f"choice number {i}" for i in range(1_500)])
+    with pytest.raises(DomainError) as err:
+        _run(it_settings, Broker(), lambda s: s.create(Principal(tenant=t, key=k), body, None))
+    assert err.value.kind == ErrorKind.rate_limited
+    assert compiled == [] and _jobs_of(session, t.id) == []
+    # The same request from a tenant with room is compiled, once (the stand-in above is what is used).
+    roomy = factories.tenant(session, tpm=100_000)
+    _, k2 = factories.api_key(session, roomy)
+    _run(it_settings, Broker(), lambda s: s.create(Principal(tenant=roomy, key=k2), body, None))
+    assert len(compiled) == 1 and len(_jobs_of(session, roomy.id)) == 1
