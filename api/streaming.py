@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -139,8 +140,9 @@ async def sse_chunks(
     last_id: str = "0-0",
 ) -> AsyncIterator[bytes]:
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
-    stream is silent; ends after the terminal event. A heavy batch (a replay's backlog) is framed on
-    a thread, at most `heavy_cap` of the tenant's at once (`HEAVY`)."""
+    stream is silent; ends after the terminal event. A heavy batch (a replay's backlog) is decoded and
+    framed on threads, at most `heavy_cap` of the tenant's at once (`HEAVY`, held from its decoding
+    until it has been sent)."""
     chunks = chunks_for(job, include_usage, fingerprint)
     # This reader is counted while it follows the job (a disconnected stream's job is cancelled only
     # when nobody follows it). The count goes up and back down in tasks of their own: a stream
@@ -152,7 +154,8 @@ async def sse_chunks(
         renewed = time.monotonic()
         await asyncio.shield(counted)
         check = terminal_row_check(job.id, tenant_id)
-        async with contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id)) as batches:
+        gate = functools.partial(HEAVY.hold, tenant_id, heavy_cap)
+        async with contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id, heavy=gate)) as batches:
             async for batch in batches:
                 if time.monotonic() - renewed > READER_RENEW_S and counted.result():
                     renewed = time.monotonic()
@@ -163,9 +166,8 @@ async def sse_chunks(
                 # Everything that arrived while this client was being written to goes out in one
                 # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
                 items = cast(list, batch)
-                if _weight(items) > OFF_LOOP_WEIGHT:
-                    async with HEAVY.hold(tenant_id, heavy_cap):
-                        out = await anyio.to_thread.run_sync(frame, chunks, items)
+                if _weight(items) > OFF_LOOP_WEIGHT:  # a heavy batch: follow_batches holds its gate place
+                    out = await anyio.to_thread.run_sync(frame, chunks, items)
                 else:
                     out = frame(chunks, items)
                 if out:

@@ -320,7 +320,7 @@ def slow_webhooks_300(st: Stack, statuses: list[int], out: dict) -> None:
 
 
 def tokenize_8mib_pieces(st: Stack, statuses: list[int], out: dict) -> None:
-    content = "word " * (8 << 20 // 5)
+    content = "word " * ((8 << 20) // 5)  # 8 MiB
     with st.http(st.keys["beta"]) as http:
         for _ in range(4):
             statuses.append(http.post("/tokenize", json={"content": content, "with_pieces": True}).status_code)
@@ -455,12 +455,14 @@ def run(st: Stack, name: str) -> dict:
     return {
         "scenario": name,
         "gap_p99_s": round(p99(v.gaps), 3),
+        "gap_max_s": round(max(v.gaps, default=0.0), 3),
         "ttft_p99_s": round(p99(v.ttfts), 3),
         "victim_tokens": len(v.gaps) + len(v.ttfts),
         "api_rss_growth_mib": round(peak[0] - idle[0], 1),
         "worker_rss_growth_mib": round(peak[1] - idle[1], 1),
         "attacker_statuses": sorted(set(statuses)),
         "victim_slowest_s": round(max(v.short_s, default=0.0), 2),
+        "victim_short_p50_s": round(statistics.median(v.short_s), 2) if v.short_s else None,
         "fivexx": sum(s >= 500 for s in statuses + v.errors),
         **figures,
     }

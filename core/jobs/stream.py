@@ -91,10 +91,28 @@ def _count(seen: Seen, ev: Delta) -> None:
     _add(seen, ev.choice, len(ev.text), len(ev.scores or []), ev.prefix_len is not None, ev.finish_reason is not None)
 
 
+# A batch of this many payload bytes (or OFF_LOOP_ENTRIES entries) is heavy: a replay's backlog.
+HEAVY_BYTES = 256 * 1024
+
+
+def _no_gate() -> contextlib.AbstractAsyncContextManager[None]:
+    return contextlib.nullcontext()
+
+
 async def follow_batches(
-    reader: streams.Reader, job_id: str, check_row: RowCheck, last_id: str = "0-0", block_ms: int = 2000
+    reader: streams.Reader,
+    job_id: str,
+    check_row: RowCheck,
+    last_id: str = "0-0",
+    block_ms: int = 2000,
+    heavy: Callable[[], contextlib.AbstractAsyncContextManager[None]] = _no_gate,
 ) -> AsyncGenerator[list[tuple[str | None, Event | Ended]] | object, None]:
-    """`follow`, as lists of what had arrived when asked (more than one event: the caller is behind)."""
+    """`follow`, as lists of what had arrived when asked (more than one event: the caller is behind).
+
+    A heavy batch (a backlog, or an ended job's rest from its row) is decoded, and handed on, inside
+    `heavy()`: held until the caller asks for the next batch, so the caller's framing and sending of
+    it count too. The API passes its per-tenant gate, so one tenant's 200 replays of a long job decode
+    and hold a few backlogs at a time, not 200 (on the loop's GIL and in memory)."""
     live: Seen = {}  # what this reader was given from the stream
     at = last_id  # the last place it was given
     ms, seq = _split(last_id)
@@ -103,29 +121,36 @@ async def follow_batches(
     if ms > 0 or (seq > 0 and not await reader.exists(job_id)):
         row = await check_row()
         if row is not None:
-            yield await _rest(reader, job_id, row, last_id, at, live)
+            async with heavy():
+                yield await _rest(reader, job_id, row, last_id, at, live)
             return
     async with contextlib.aclosing(reader.read_batches(job_id, last_id, block_ms)) as reading:
         async for entries in reading:
             if entries is None:
                 row = await check_row()
                 if row is not None:
-                    rest = await _rest(reader, job_id, row, last_id, at, live)
-                    if rest:
-                        yield rest
+                    async with heavy():
+                        rest = await _rest(reader, job_id, row, last_id, at, live)
+                        if rest:
+                            yield rest
                     return
                 yield HEARTBEAT
                 continue
-            out: list[tuple[str | None, Event | Ended]] = []
-            for (entry_id, _), ev in zip(entries, await decode_all([raw for _, raw in entries]), strict=True):
-                if isinstance(ev, Delta):
-                    _count(live, ev)
-                out.append((entry_id, ev))
-                at = entry_id
-                if is_terminal(ev):
-                    yield out
-                    return
-            yield out
+            big = len(entries) > OFF_LOOP_ENTRIES or sum(len(raw) for _, raw in entries) > HEAVY_BYTES
+            async with heavy() if big else _no_gate():
+                out: list[tuple[str | None, Event | Ended]] = []
+                ended = False
+                for (entry_id, _), ev in zip(entries, await decode_all([raw for _, raw in entries]), strict=True):
+                    if isinstance(ev, Delta):
+                        _count(live, ev)
+                    out.append((entry_id, ev))
+                    at = entry_id
+                    if is_terminal(ev):
+                        ended = True
+                        break
+                yield out
+            if ended:
+                return
 
 
 async def _rest(
