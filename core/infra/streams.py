@@ -409,6 +409,10 @@ class Reader(Protocol):
         """The stream's entries up to `last_id` included, as far as it still holds them."""
         ...
 
+    async def page(self, job_id: str, after: str, count: int) -> list[tuple[str, str]]:
+        """Up to `count` of the stream's entries after `after` (a backlog read by one follower alone)."""
+        ...
+
     async def exists(self, job_id: str) -> bool:
         """Whether the job's stream is there (a Redis outage counts as there: the stream is followed)."""
         ...
@@ -555,6 +559,12 @@ class Hub:
 
     async def entries_upto(self, job_id: str, last_id: str) -> list[tuple[str, str]]:
         got = await self.redis.xrange(stream_key(job_id), "-", last_id)
+        return [(_text(i), p) for i, f in got if (p := _payload_or_none(f)) is not None]
+
+    async def page(self, job_id: str, after: str, count: int) -> list[tuple[str, str]]:
+        if parse_id(after) is None:
+            raise InvalidStreamId(f"invalid stream entry id {after!r}")
+        got = await self.redis.xrange(stream_key(job_id), f"({after}", "+", count=count)
         return [(_text(i), p) for i, f in got if (p := _payload_or_none(f)) is not None]
 
     async def _wake(self) -> None:

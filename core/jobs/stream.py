@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import anyio
 
 from core.generation.events import Delta, ErrorInfo, Event, Failed, TerminalRow, decode, from_row, is_terminal
 from core.infra import streams
+from core.infra.transient import TRANSIENT
 
 RowCheck = Callable[[], Awaitable[TerminalRow | None]]
 HEARTBEAT = object()
@@ -93,6 +95,8 @@ def _count(seen: Seen, ev: Delta) -> None:
 
 # A batch of this many payload bytes (or OFF_LOOP_ENTRIES entries) is heavy: a replay's backlog.
 HEAVY_BYTES = 256 * 1024
+# Backlog entries a reader pulls in one page before it joins the shared read of live tails.
+PAGE = 500
 
 
 def _no_gate() -> contextlib.AbstractAsyncContextManager[None]:
@@ -124,7 +128,40 @@ async def follow_batches(
             async with heavy():
                 yield await _rest(reader, job_id, row, last_id, at, live)
             return
-    async with contextlib.aclosing(reader.read_batches(job_id, last_id, block_ms)) as reading:
+
+    def batch_of(entries: list[tuple[str, str]], decoded: list[Event]) -> tuple[list[Any], bool]:
+        nonlocal at
+        out: list[tuple[str | None, Event | Ended]] = []
+        for (entry_id, _), ev in zip(entries, decoded, strict=True):
+            if isinstance(ev, Delta):
+                _count(live, ev)
+            out.append((entry_id, ev))
+            at = entry_id
+            if is_terminal(ev):
+                return out, True
+        return out, False
+
+    # The backlog first, in pages this reader pulls alone and only as its caller asks (each inside
+    # `heavy()`): the shared read serves live tails, so one tenant's 200 replays of a long job are
+    # never re-read, parsed and queued for every follower of the process at once.
+    pos = last_id
+    while True:
+        async with heavy():
+            try:
+                page = await reader.page(job_id, pos, PAGE)
+            except TRANSIENT:
+                page = []  # Redis away: the shared read below waits it out and tells the silence
+            if page:
+                out, ended = batch_of(page, await decode_all([raw for _, raw in page]))
+                yield out
+                if ended:
+                    return
+        if len(page) < PAGE:
+            break
+        pos = page[-1][0]
+    if at != last_id:
+        pos = at
+    async with contextlib.aclosing(reader.read_batches(job_id, pos, block_ms)) as reading:
         async for entries in reading:
             if entries is None:
                 row = await check_row()
@@ -138,16 +175,7 @@ async def follow_batches(
                 continue
             big = len(entries) > OFF_LOOP_ENTRIES or sum(len(raw) for _, raw in entries) > HEAVY_BYTES
             async with heavy() if big else _no_gate():
-                out: list[tuple[str | None, Event | Ended]] = []
-                ended = False
-                for (entry_id, _), ev in zip(entries, await decode_all([raw for _, raw in entries]), strict=True):
-                    if isinstance(ev, Delta):
-                        _count(live, ev)
-                    out.append((entry_id, ev))
-                    at = entry_id
-                    if is_terminal(ev):
-                        ended = True
-                        break
+                out, ended = batch_of(entries, await decode_all([raw for _, raw in entries]))
                 yield out
             if ended:
                 return
