@@ -133,9 +133,17 @@ class OwnRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def snapshots(self) -> Path:
+        return self.workdir / "snapshots"
+
     def start(self) -> None:
+        self.snapshots.mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [
+                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"),
+                *("--dir", str(self.snapshots)),  # set at start: `dir` is a protected setting at runtime
+            ],
             cwd=self.workdir,
             stdout=subprocess.DEVNULL,
         )
@@ -152,13 +160,11 @@ class OwnRedis:
         import redis as redis_lib
 
         r = redis_lib.Redis(port=self.port)
-        snapdir = self.workdir / "snapshots"
+        snapdir = self.snapshots
         if how == "oom":
             r.config_set("maxmemory-policy", "noeviction")
             r.config_set("maxmemory", "1")
         else:
-            snapdir.mkdir(exist_ok=True)
-            r.config_set("dir", str(snapdir))
             shutil.rmtree(snapdir)  # the disk is gone: the next snapshot fails
             # Writes stop after a failed snapshot only while save points are set; Redis then retries the
             # snapshot every few seconds itself, so ours is only scheduled (BGSAVE SCHEDULE).
