@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 import anyio
@@ -21,8 +22,8 @@ from api.bodies import INLINE_BYTES, json_body, openapi_body
 from api.deps import LifecycleDep, TenantDep, current_principal
 from api.errors import APIError
 from api.routes.completions import _StreamOrCancel, _wait_unless_draining
-from api.streaming import sse_comment
-from core.config import get_settings
+from api.streaming import HEAVY, sse_comment
+from core.config import Settings, get_settings
 from core.infra import redis_keys
 from core.jobs import transitions
 from core.jobs.responses import Responses
@@ -55,6 +56,11 @@ def _not_found(resp_id: str) -> APIError:
     return APIError(404, f"Response with id '{resp_id[:128]}' not found.", param="response_id", code="not_found")
 
 
+def _gate(tenant_id: int, settings: Settings) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
+    """A rejoined response's backlog is read and rendered inside its tenant's gate, as a job's replay is."""
+    return functools.partial(HEAVY.hold, tenant_id, settings.replays_per_tenant)
+
+
 @router.post("", response_model=None, responses=_ANSWERS, openapi_extra=openapi_body(ResponsesRequest))
 async def create_response(body: _Body, request: Request, responses: _ResponsesDep, lifecycle: LifecycleDep):
     principal = await current_principal(request)
@@ -65,7 +71,7 @@ async def create_response(body: _Body, request: Request, responses: _ResponsesDe
     created = await responses.create_response(principal, body, key, rid, small)
     job, headers, tenant_id = created.job, created.headers, principal.tenant.id
     if body.stream:
-        events = responses.events(request.app.state.hub, job, tenant_id)
+        events = responses.events(request.app.state.hub, job, tenant_id, heavy=_gate(tenant_id, settings))
         stream = _framed(events, request.app.state.redis, job.id)
         if body.background:
             return _Rejoin(stream, headers=headers)
@@ -93,7 +99,9 @@ async def get_response(
         raise _not_found(response_id)
     if not stream:
         return render.response_of(job)
-    events = responses.events(request.app.state.hub, job, tenant.id, starting_after)
+    events = responses.events(
+        request.app.state.hub, job, tenant.id, starting_after, heavy=_gate(tenant.id, get_settings())
+    )
     return _Rejoin(_framed(events, request.app.state.redis, job.id))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from core.errors import DomainError, ErrorKind, invalid, not_found
@@ -145,7 +145,12 @@ class Responses(Completions):
         return check
 
     async def events(
-        self, reader: streams.Reader, job: Job, tenant_id: int, after: int | None = None
+        self,
+        reader: streams.Reader,
+        job: Job,
+        tenant_id: int,
+        after: int | None = None,
+        heavy: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
     ) -> AsyncIterator[dict[str, Any] | object]:
         """The response's stream events from the start, or those numbered after `after`; HEARTBEAT
         while the job is silent. The job's stream is rendered one entry at a time, so the numbering is
@@ -165,7 +170,12 @@ class Responses(Completions):
                 for e in fresh(r.render(ev)):
                     yield e
             return
-        async with contextlib.aclosing(follow_batches(reader, job.id, check, last_id="0-0")) as batches:
+        following = (
+            follow_batches(reader, job.id, check, last_id="0-0", heavy=heavy)  # a backlog: inside the tenant's gate
+            if heavy is not None
+            else follow_batches(reader, job.id, check, last_id="0-0")
+        )
+        async with contextlib.aclosing(following) as batches:
             async for batch in batches:
                 if batch is HEARTBEAT:
                     yield HEARTBEAT
