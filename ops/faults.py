@@ -728,12 +728,23 @@ def _load_and_faults(
         pg.start()
 
     def streaming_jobs() -> int:
+        """Streams mid-flight: started a while ago and less than half written (the stream's own
+        length, from Redis), so a kill that follows cuts one rather than landing after its end."""
+        import redis as redis_lib
+
+        from core.infra.streams import stream_key
+
         with db.connect() as conn:
             q = (
-                "SELECT count(*) FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
+                "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
                 " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
             )
-            return conn.scalar(text(q)) or 0
+            ids = list(conn.scalars(text(q)))
+        try:
+            with redis_lib.Redis.from_url(rd.url) as r:
+                return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < n_tokens // 2)
+        except redis_lib.RedisError:
+            return 0
 
     def api(sig: int) -> Callable[[], None]:
         def go() -> None:
