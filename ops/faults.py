@@ -53,7 +53,7 @@ import httpx
 import httpx2  # the openai SDK's HTTP client (its fork of httpx)
 import openai
 
-from ops.harness import Stack, events, free_port
+from ops.harness import Stack, events, free_port, refuse_writes
 from ops.harness import wait_for as _wait_for
 
 MODEL = "smollm2-135m-instruct"
@@ -160,24 +160,9 @@ class OwnRedis:
         import redis as redis_lib
 
         r = redis_lib.Redis(port=self.port)
-        snapdir = self.snapshots
-        if how == "oom":
-            r.config_set("maxmemory-policy", "noeviction")
-            r.config_set("maxmemory", "1")
-        else:
-            shutil.rmtree(snapdir)  # the disk is gone: the next snapshot fails
-            # Writes stop after a failed snapshot only while save points are set; Redis then retries the
-            # snapshot every few seconds itself, so ours is only scheduled (BGSAVE SCHEDULE).
-            r.config_set("save", "3600 1")
-            r.config_set("stop-writes-on-bgsave-error", "yes")
-            r.bgsave(schedule=True)
-            wait_for(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "err", 30, "a failed snapshot")
+        lift = refuse_writes(r, how, self.snapshots)
         time.sleep(seconds)
-        if how == "oom":
-            r.config_set("maxmemory", "0")
-        else:
-            snapdir.mkdir(exist_ok=True)
-            r.config_set("save", "")  # no save points: the failed snapshot no longer stops writes
+        lift()
         r.close()
 
 

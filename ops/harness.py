@@ -59,6 +59,41 @@ SPOOL = [sys.executable, "-m", "core.cli"]
 CORE = ("api", "dispatcher", "worker")  # the processes a whole Spool is made of
 
 
+def refuse_writes(rds: redis_lib.Redis, how: str, snapshots: Path) -> Callable[[], None]:
+    """Put a Redis that serves into refusing writes, as `OOM` (past `maxmemory` under `noeviction`)
+    or `MISCONF` (its snapshot directory gone); returns what lifts the refusal. `snapshots` is the
+    server's `dir` (fixed at start)."""
+    if how == "oom":
+        rds.config_set("maxmemory-policy", "noeviction")
+        rds.config_set("maxmemory", "1")  # any write now exceeds it
+        return lambda: rds.config_set("maxmemory", "0")
+    import shutil
+
+    shutil.rmtree(snapshots, ignore_errors=True)  # the disk is gone: the next snapshot fails
+    # Writes stop after a failed snapshot only while save points are set; Redis then retries the
+    # snapshot every few seconds itself, so one may be running already: BGSAVE then errors "in
+    # progress" (its SCHEDULE option waits for an AOF rewrite only), and that one fails as well.
+    rds.config_set("save", "3600 1")
+    rds.config_set("stop-writes-on-bgsave-error", "yes")
+    try:
+        rds.bgsave()
+    except redis_lib.ResponseError as exc:
+        if "in progress" not in str(exc):
+            raise
+
+    def failed() -> bool:
+        info = rds.info("persistence")
+        return int(info["rdb_bgsave_in_progress"]) == 0 and info["rdb_last_bgsave_status"] == "err"
+
+    wait_for(failed, 30, "a failed snapshot")
+
+    def lift() -> None:
+        snapshots.mkdir(exist_ok=True)
+        rds.config_set("save", "")  # no save points: the failed snapshot no longer stops writes
+
+    return lift
+
+
 @dataclass
 class Stack:
     """Spool's own processes, started with `spool` as an operator would, on the environment given

@@ -41,7 +41,7 @@ from core.jobs.service import Completions
 from core.protocol import render
 from core.tenancy.keys import Principal
 from ops import factories
-from ops.harness import free_port, wait_for
+from ops.harness import free_port, refuse_writes, wait_for
 from tests.integration.conftest import IT_DB
 from tests.integration.test_create_completion import MODEL, Broker, CharTokenizer
 from workers import retry
@@ -81,24 +81,19 @@ class OwnRedis:
 
     # -- refusals: each puts the server into it, and returns what takes it out again -------------
     def oom(self) -> Callable[[], None]:
-        self.admin.config_set("maxmemory-policy", "noeviction")
-        self.admin.config_set("maxmemory", "1")  # any write now exceeds it
-        return lambda: self.admin.config_set("maxmemory", "0")
+        return refuse_writes(self.admin, "oom", self.data)
 
     def misconf(self) -> Callable[[], None]:
-        shutil.rmtree(self.data, ignore_errors=True)  # the disk is gone: the next snapshot fails
-        self.admin.config_set("save", "3600 1")
-        self.admin.config_set("stop-writes-on-bgsave-error", "yes")
-        # SCHEDULE: Redis itself retries a failed snapshot every few seconds while save points are set,
-        # so one may be running already (a plain BGSAVE then errors "already in progress").
-        self.admin.bgsave(schedule=True)
-        wait_for(lambda: self.admin.info("persistence")["rdb_last_bgsave_status"] == "err", 10, "a failed save")
+        return refuse_writes(self.admin, "misconf", self.data)
 
-        def lift() -> None:
-            self.data.mkdir(exist_ok=True)
-            self.admin.config_set("save", "")  # no snapshots configured: the failed one no longer stops writes
-
-        return lift
+    def reset(self) -> None:
+        """Out of every refusal at once: for a refusal whose setup itself failed half-way, so that the
+        module's later tests never start on a server left refusing."""
+        self.data.mkdir(exist_ok=True)
+        for key, value in (("save", ""), ("maxmemory", "0"), ("min-replicas-to-write", "0")):
+            self.admin.config_set(key, value)
+        self.admin.replicaof("NO", "ONE")
+        self.admin.config_set("replica-serve-stale-data", "yes")
 
     def readonly(self) -> Callable[[], None]:
         self.admin.replicaof("127.0.0.1", free_port())  # a failover made it a replica (of nothing reachable)
@@ -139,7 +134,11 @@ def own_redis() -> Iterator[OwnRedis]:
 
 @contextmanager
 def refusing(server: OwnRedis, name: str) -> Iterator[Callable[[], None]]:
-    lift = REFUSALS[name][1](server)
+    try:
+        lift = REFUSALS[name][1](server)
+    except BaseException:
+        server.reset()
+        raise
     try:
         yield lift
     finally:
