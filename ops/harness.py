@@ -66,7 +66,11 @@ def refuse_writes(rds: redis_lib.Redis, how: str, snapshots: Path) -> Callable[[
     if how == "oom":
         rds.config_set("maxmemory-policy", "noeviction")
         rds.config_set("maxmemory", "1")  # any write now exceeds it
-        return lambda: rds.config_set("maxmemory", "0")
+
+        def lift_oom() -> None:
+            rds.config_set("maxmemory", "0")
+
+        return lift_oom
     import shutil
 
     shutil.rmtree(snapshots, ignore_errors=True)  # the disk is gone: the next snapshot fails
