@@ -151,3 +151,60 @@ def test_a_sequence_displaced_again_while_it_replays_keeps_every_token(engine):
     assert engine.preemptions - before >= 5, "the interactive arrivals should have displaced r repeatedly"
     assert tokens["r"] == alone["r"], "the twice-displaced sequence lost part of its context"
     assert tokens["b"] == alone["b"]
+
+
+def _scoring_run(engine, specs: list[SeqSpec]) -> tuple[dict, dict, dict]:
+    """Step `specs` to the end: each key's prompt entries, the step of its PromptEvent, and the step
+    of its first token."""
+    for s in specs:
+        engine.add(s)
+    entries: dict = {}
+    prompt_at: dict = {}
+    first: dict = {}
+    step = 0
+    while engine.has_work():
+        for ev in engine.step():
+            if isinstance(ev, PromptEvent):
+                entries[ev.key], prompt_at[ev.key] = ev.entries, step
+            elif ev.token_id is not None:
+                first.setdefault(ev.key, step)
+        step += 1
+    return entries, prompt_at, first
+
+
+def test_prompt_scoring_is_spread_over_steps_while_others_go_on(monkeypatch):
+    """Two sequences scoring 300-token prompts (echo with logprobs) no longer fill whole steps with
+    scored rows: a third request's prompt goes in at once and its tokens come while they are still
+    scoring, and their scores are those of each prompt scored alone in one pass."""
+    from workers.engine import llamacpp
+
+    eng = LlamaCppEngine("smollm2", smollm2_gguf(), n_ctx=4096, max_batch=4, interactive_slots=0)
+    ids = eng.tokenize("one two three " * 100)[:300]
+    p = GenerationParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+
+    def scorer(key: str) -> SeqSpec:
+        return SeqSpec(key, ids, 2, p, 7, prompt_logprobs=2, prompt_logprobs_len=len(ids))
+
+    other = spec(eng, "other", "Hello, my name is", 6, False)
+    entries, prompt_at, first = _scoring_run(eng, [scorer("s0"), scorer("s1"), other])
+    steps = (len(ids) - 1) // llamacpp.SCORE_CHUNK - 1  # whole chunks of 64, the last one with the rest
+    assert prompt_at["s0"] >= steps and prompt_at["s1"] >= 2 * steps, prompt_at  # one chunk a step
+    assert first["other"] <= 1 < min(prompt_at["s0"], prompt_at["s1"]), (first, prompt_at)  # it went on meanwhile
+
+    solo, at, _ = _scoring_run(eng, [scorer("solo")])  # scored alone, in chunks
+    assert at["solo"] == steps
+    monkeypatch.setattr(llamacpp, "SCORE_CHUNK", 10**6)  # the reference: every row in one step
+    ref, at, _ = _scoring_run(eng, [scorer("ref")])
+    assert at["ref"] == 0
+
+    def lps(key: str, got: dict) -> list[float]:
+        return [lp for lp, _, _ in got[key][1:]]
+
+    assert len(solo["solo"]) == len(ref["ref"]) == len(ids)
+    assert lps("solo", solo) == pytest.approx(lps("ref", ref), abs=1e-4)  # chunking itself changes no score
+    assert [[t for t, _ in e[2]] for e in solo["solo"][1:]] == [[t for t, _ in e[2]] for e in ref["ref"][1:]]
+    # Beside another sequence, llama.cpp splits the step into equal pieces per sequence (split_equal),
+    # and pieces under 64 rows take another kernel: the same scores up to that kernel's rounding.
+    for key in ("s0", "s1"):
+        assert len(entries[key]) == len(ids)
+        assert lps(key, entries) == pytest.approx(lps("ref", ref), abs=0.5)

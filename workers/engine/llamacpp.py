@@ -147,6 +147,15 @@ class _Seq:
 # The shortest cached prefix worth opening a new run of slots for (see `_Lane.pick_slot`).
 _FAR_PREFIX = 256
 
+# Prompt positions scored (echo with logprobs, prompt_logprobs) in one decode step: one chunk of one
+# sequence. Each scored position is a row of output logits (the vocabulary projection, ~57 MFLOP for
+# SmolLM2) plus a log-softmax and a top-k here: 8 sequences' prompts scored in batches of 512 rows held
+# every other sequence's next token for ~2 s a step on 2 cores, and a new request's prompt waited
+# behind several such steps. A chunk is 64 positions (the rest of a prompt, if under 128): llama.cpp's
+# CPU matrix product takes another kernel below 64 rows, and its logprobs then differ from one pass's
+# by up to 0.4 (SmolLM2 Q4_1); from 64 rows up they are the same, so chunking changes no score.
+SCORE_CHUNK = 64
+
 
 class _Lane:
     """The llama.cpp context (its KV cache and slots) that decodes every live sequence together.
@@ -434,6 +443,7 @@ class LlamaCppEngine(VocabEngine):
             s.pos += 1
             samplers.append((s, n))
             n += 1
+        scoring = False  # one sequence's scoring chunk per step
         for s in ordered:  # prompt chunks fill the rest of the batch
             if not s.pending or n >= lane.n_batch:
                 continue
@@ -441,8 +451,14 @@ class LlamaCppEngine(VocabEngine):
             # The prompt in chunks as large as the batch allows, up to its end; generated tokens
             # (replay) one per step, exactly as they were decoded the first time.
             take = min(prompt_left, lane.n_batch - n) if prompt_left > 0 else 1
-            if prompt_left <= 0:
-                s.replay -= 1
+            if s.prompt_lp is not None and (scored := max(0, s.spec.prompt_logprobs_len - 1 - s.pos)):
+                # its positions still to score lead its chunk: a whole scoring chunk, or wait a step
+                want = scored if scored < 2 * SCORE_CHUNK else SCORE_CHUNK
+                if scoring or lane.n_batch - n < want:
+                    continue
+                scoring = True
+                if scored > want:
+                    take = want
             chunk, s.pending = s.pending[:take], s.pending[take:]
             for i, tok in enumerate(chunk):
                 last = not s.pending and i == take - 1
