@@ -33,8 +33,8 @@ def _not_found(job_id: str) -> APIError:
     return APIError(404, f"No job with id {job_id[:128]!r}.", param="job_id", code="job_not_found")
 
 
-async def _get(completions: Completions, job_id: str, tenant_id: int) -> Job | None:
-    return await completions.get(job_id, tenant_id) if _ID.fullmatch(job_id) else None
+async def _get(completions: Completions, job_id: str, tenant_id: int, *, without_result: bool = False) -> Job | None:
+    return await completions.get(job_id, tenant_id, without_result=without_result) if _ID.fullmatch(job_id) else None
 
 
 # A job object with more scores than this (logprobs) or this much text is built and encoded on a
@@ -96,8 +96,8 @@ async def job_events(
     """Replay the job as OpenAI completion chunks from the start, or after `Last-Event-ID` (the
     header, or the `last_event_id` query parameter for clients that cannot set headers)."""
     # Many readers of one job share one lookup (what is read here never changes; the stream and the
-    # terminal check read the rest).
-    row = await _EVENT_ROWS.get((job_id, tenant.id), lambda: _get(completions, job_id, tenant.id))
+    # terminal check read the rest), without the job's result: each stream holds its row.
+    row = await _EVENT_ROWS.get((job_id, tenant.id), lambda: _get(completions, job_id, tenant.id, without_result=True))
     if row is None:
         raise _not_found(job_id)
     given = request.headers.get("last-event-id") or last_event_id or "0-0"

@@ -188,9 +188,10 @@ class Completions:
         ms = settings_for(body.model, self.settings)
         return tok, ms, translate(body, ms, tok, compile=False)
 
-    async def get(self, job_id: str, tenant_id: int) -> Job | None:
+    async def get(self, job_id: str, tenant_id: int, *, without_result: bool = False) -> Job | None:
+        query = transitions.get_for_tenant(job_id, tenant_id, without_result=without_result)
         async with self.sessions() as session:
-            return (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
+            return (await session.execute(query)).scalar()
 
     async def wait(self, reader: streams.Reader, job: Job, tenant_id: int, timeout_s: float) -> Job | None:
         """`job` with its ending (state, result, usage, error and times) filled in once it has ended;

@@ -36,6 +36,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.orm import defer
 
 from core.infra.orm import Job
 from core.jobs.states import TERMINAL_STATES, JobKind, JobState
@@ -433,9 +434,12 @@ ENDING = select(*(_JOBS.c[n] for n in ENDING_COLUMNS)).where(
 )
 
 
-def get_for_tenant(job_id: str, tenant_id: int):
-    """The job, if it belongs to `tenant_id` (another tenant's job is simply not found)."""
-    return select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
+def get_for_tenant(job_id: str, tenant_id: int, *, without_result: bool = False):
+    """The job, if it belongs to `tenant_id` (another tenant's job is simply not found).
+    `without_result`: all but the result, which raises if read (a stream of the job's events needs
+    none of it, and 200 replays of a job with 14,000 logprob entries each held its parsed JSON)."""
+    query = select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
+    return query.options(defer(Job.result, raiseload=True)) if without_result else query
 
 
 def is_terminal(state: str) -> bool:
