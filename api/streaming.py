@@ -166,12 +166,15 @@ async def sse_chunks(
                 # Everything that arrived while this client was being written to goes out in one
                 # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
                 items = cast(list, batch)
+                del batch  # neither the events nor their bytes are held while waiting for the next batch
                 if _weight(items) > OFF_LOOP_WEIGHT:  # a heavy batch: follow_batches holds its gate place
                     out = await anyio.to_thread.run_sync(frame, chunks, items)
                 else:
                     out = frame(chunks, items)
+                del items
                 if out:
                     yield out
+                del out
     finally:
         task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, member, counted))
         _UNCOUNTING.add(task)

@@ -144,6 +144,8 @@ async def follow_batches(
     # The backlog first, in pages this reader pulls alone and only as its caller asks (each inside
     # `heavy()`): the shared read serves live tails, so one tenant's 200 replays of a long job are
     # never re-read, parsed and queued for every follower of the process at once.
+    # Nothing of a page is kept while waiting for the gate again: 200 replays waiting there each
+    # held their last decoded page (+680 MiB in the API) when these names outlived the block.
     pos = last_id
     while True:
         async with heavy():
@@ -151,14 +153,17 @@ async def follow_batches(
                 page = await reader.page(job_id, pos, PAGE)
             except TRANSIENT:
                 page = []  # Redis away: the shared read below waits it out and tells the silence
+            full, pos = len(page) == PAGE, page[-1][0] if page else pos
             if page:
                 out, ended = batch_of(page, await decode_all([raw for _, raw in page]))
+                del page
                 yield out
+                del out
                 if ended:
                     return
-        if len(page) < PAGE:
+            page = []
+        if not full:
             break
-        pos = page[-1][0]
     if at != last_id:
         pos = at
     async with contextlib.aclosing(reader.read_batches(job_id, pos, block_ms)) as reading:
@@ -176,7 +181,9 @@ async def follow_batches(
             big = len(entries) > OFF_LOOP_ENTRIES or sum(len(raw) for _, raw in entries) > HEAVY_BYTES
             async with heavy() if big else _no_gate():
                 out, ended = batch_of(entries, await decode_all([raw for _, raw in entries]))
+                del entries
                 yield out
+                del out
             if ended:
                 return
 

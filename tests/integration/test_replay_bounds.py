@@ -201,3 +201,60 @@ def test_one_tenants_heavy_replays_take_turns_and_never_hold_another_tenants(rds
 
     monkeypatch.setattr(streaming, "frame", frame)
     asyncio.run(scenario())
+
+
+def test_a_replay_waiting_for_its_turn_holds_nothing_of_its_last_page(rds, monkeypatch):
+    """200 replays of one long job took the API to +700 MiB: each one, waiting for its tenant's gate
+    before its next page, still held the last page it had been given (decoded events and framed
+    bytes). Now, between pages, none of its decoded events are alive."""
+    import gc
+
+    from core.jobs import stream as job_stream
+
+    job_id = "replay-holds-nothing"
+    rds.delete(streams.stream_key(job_id))
+    streams.raise_fence(rds, job_id, 1, 60)
+    streams.append_fenced(rds, job_id, 1, [encode(d) for _, d in _scored_deltas(400)], 60, 1)
+    monkeypatch.setattr(job_stream, "PAGE", 100)
+    gate = streaming.TenantGate()
+    monkeypatch.setattr(streaming, "HEAVY", gate)
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, (Delta, TokenScore)) for o in gc.get_objects())
+
+    async def scenario() -> None:
+        arc = kv.async_client(IT_REDIS)
+        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        before = alive()
+        gen = streaming.sse_chunks(
+            _record(job_id, logprobs=3), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=1
+        )
+        try:
+            first = await anext(gen)  # the first page, framed: the replay holds the tenant's one place
+            assert b" w0" in first and b" w99" in first and b" w100" not in first
+            assert alive() - before >= 200  # its 100 deltas and their scores, inside the gate
+            taken, release = asyncio.Event(), asyncio.Event()
+
+            async def other_replay() -> None:  # the tenant's next build, queued for the place
+                async with gate.hold(1, 1):
+                    taken.set()
+                    await release.wait()
+
+            holder = asyncio.create_task(other_replay())
+            await asyncio.sleep(0)
+            nxt = asyncio.create_task(anext(gen))  # gives its place up, then waits for it again
+            await asyncio.wait_for(taken.wait(), 10)
+            await asyncio.sleep(0.05)
+            assert not nxt.done()
+            assert alive() - before == 0  # waiting: nothing of the first page is held
+            release.set()
+            second = await asyncio.wait_for(nxt, 10)
+            assert b" w100" in second and b" w199" in second
+            await holder
+        finally:
+            await gen.aclose()
+            await hub.aclose()
+            await arc.aclose()
+
+    asyncio.run(scenario())
