@@ -334,10 +334,11 @@ class Settings(BaseSettings):
         "where each entry left off is kept for `events_ttl_s`, so a resume from any event id stays exact).",
     )
     replays_per_tenant: int = Field(
-        8,
+        2,
         ge=1,
         description="Heavy builds one tenant may run at once on one API process (a replay's backlog framed, a "
-        "large job object encoded, each on a thread); its further ones wait their turn. Live followers hold none.",
+        "large job object encoded, each on a thread); its further ones wait their turn. Live followers hold none. "
+        "Pure Python under the GIL: more at once add no speed and make every other request wait longer.",
     )
 
     @property

@@ -42,6 +42,8 @@ class Victims:
     ttfts: list[float] = field(default_factory=list)
     errors: list[int] = field(default_factory=list)
     short_s: list[float] = field(default_factory=list)  # the victims' short non-streamed requests
+    short_at: list[float] = field(default_factory=list)  # ... and when each was sent (monotonic)
+    gap_at: list[float] = field(default_factory=list)  # when each gap ended (monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def _one(self) -> None:
@@ -62,6 +64,7 @@ class Victims:
                             self.ttfts.append(now - t0)
                         else:
                             self.gaps.append(now - last)
+                            self.gap_at.append(now)
                         last = now
 
     def _short(self) -> None:
@@ -71,6 +74,7 @@ class Victims:
                 t0 = time.monotonic()
                 r = http.post("/v1/completions", json=body)
                 self.short_s.append(time.monotonic() - t0)
+                self.short_at.append(t0)
                 if r.status_code != 200:
                     self.errors.append(r.status_code)
                 time.sleep(0.5)
@@ -350,6 +354,7 @@ def concurrent_replays_200(st: Stack, statuses: list[int], out: dict) -> None:
     with st.http(st.keys["beta"]) as http:
         body = {"model": "default", "prompt": "Go", "max_tokens": 600, "ignore_eos": True, "logprobs": 5, "n": 4}
         job = http.post("/v1/completions", json=body, timeout=600).json()["id"]
+    out["replays_began_at_s"] = round(time.monotonic() - out["began"], 1)
 
     # The 200 readers run in a process of their own: 200 client threads in this one would take the
     # GIL from the victims' threads and measure the harness, not Spool.
@@ -460,10 +465,17 @@ def run(st: Stack, name: str) -> dict:
             attack = threading.Thread(target=SCENARIOS[name], args=(st, statuses))
         else:
             attack = threading.Thread(target=SCENARIOS_WITH_FIGURES[name], args=(st, statuses, figures))
+        began = time.monotonic()
+        figures["began"] = began
         attack.start()
         while attack.is_alive():
             peak = [max(peak[0], rss_mib(api)), max(peak[1], rss_mib(worker))]
             attack.join(0.2)
+    began = figures.pop("began")
+
+    def at(times: list[float], values: list[float]) -> float | None:  # when the worst one happened
+        return round(times[values.index(max(values))] - began, 1) if values else None
+
     return {
         "scenario": name,
         "gap_p99_s": round(p99(v.gaps), 3),
@@ -475,6 +487,9 @@ def run(st: Stack, name: str) -> dict:
         "attacker_statuses": sorted(set(statuses)),
         "victim_slowest_s": round(max(v.short_s, default=0.0), 2),
         "victim_short_p50_s": round(statistics.median(v.short_s), 2) if v.short_s else None,
+        # seconds after the attack began: where in it the worst gap ended and the slowest request started
+        "gap_max_at_s": at(v.gap_at, v.gaps),
+        "victim_slowest_at_s": at(v.short_at, v.short_s),
         "fivexx": sum(s >= 500 for s in statuses + v.errors),
         **figures,
     }
