@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -16,7 +17,7 @@ from core.generation import chat_template
 from core.infra.tokenizers import tokenizer_for
 from tests import openapi
 from tests.conftest import MODEL, job_row, wait_for
-from tests.sse import collect
+from tests.sse import collect, events
 
 WEATHER = {
     "type": "function",
@@ -383,15 +384,24 @@ STORY = [
 def test_a_chat_without_max_tokens_runs_to_the_models_stop_or_the_context_end(stack):
     """No max_tokens: up to the model's stop or the context's end (OpenAI, vLLM), not completions' 16."""
     client = stack.openai()
-    r = client.chat.completions.create(model=MODEL, messages=STORY, temperature=0)
+
+    def streamed_run() -> list:
+        return list(
+            client.chat.completions.create(
+                model=MODEL, messages=STORY, temperature=0, stream=True, stream_options={"include_usage": True}
+            )
+        )
+
+    # Both at once: the engine decodes the two ~1,000-token runs in the same steps (one after the other
+    # took a minute of the suite).
+    with ThreadPoolExecutor(1) as pool:
+        later = pool.submit(streamed_run)
+        r = client.chat.completions.create(model=MODEL, messages=STORY, temperature=0)
+        chunks = later.result(300)
     c = r.choices[0]
     assert r.usage.completion_tokens > 16, r.usage
     # SmolLM2-135M rambles on greedily: it fills the test stack's 1024-token context (991 tokens here).
     assert c.finish_reason == "stop" or r.usage.total_tokens == 1024, (c.finish_reason, r.usage)
-    streamed = client.chat.completions.create(
-        model=MODEL, messages=STORY, temperature=0, stream=True, stream_options={"include_usage": True}
-    )
-    chunks = list(streamed)
     assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == c.message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
@@ -399,10 +409,11 @@ def test_a_chat_without_max_tokens_runs_to_the_models_stop_or_the_context_end(st
 def test_a_chat_without_max_tokens_reserves_the_rest_of_the_context(stack):
     """Costs stay bounded: admission takes prompt + (context - prompt) from the token limits, not 16."""
     key = stack.new_tenant("unbounded-chat", tpm=100_000)
-    with stack.http(key) as http:
-        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": STORY, "temperature": 0})
-    assert r.status_code == 200, r.text
-    assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100_000 - 1024  # the test stack's context
+    body = {"model": MODEL, "messages": STORY, "temperature": 0, "stream": True}
+    with stack.http(key) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        # what admission took is in the headers, before any token: no need to wait for ~1,000 of them
+        assert r.status_code == 200, r.read()
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100_000 - 1024  # the test stack's context
 
 
 def test_continue_final_message_and_response_format_answers_are_not_cut_at_16(stack):
@@ -422,15 +433,22 @@ def test_continue_final_message_and_response_format_answers_are_not_cut_at_16(st
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] > 16, body
     jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
-    r = _chat(
-        stack,
-        messages=[*STORY, {"role": "assistant", "content": "Once upon a time, in a village by the mountains,"}],
-        continue_final_message=True,
-        add_generation_prompt=False,
-        temperature=0,
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] > 16, r.json()
+    body = {
+        "model": MODEL,
+        "messages": [*STORY, {"role": "assistant", "content": "Once upon a time, in a village by the mountains,"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "temperature": 0,
+        "stream": True,
+    }
+    pieces = 0  # content chunks, each at least one token: past 16, it was not cut at completions' default
+    with stack.http(stack.keys["alpha"]) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for ev in events(r):
+            if ev.data == "[DONE]" or pieces > 16:
+                break  # it runs on to the context's end (~1,000 tokens): 17 are enough to know
+            pieces += sum(1 for c in json.loads(ev.data)["choices"] if c["delta"].get("content"))
+    assert pieces > 16
 
 
 def test_chat_top_logprobs_20_returns_20_alternatives(stack):

@@ -22,10 +22,15 @@ import pytest
 from ops.faults import OwnPostgres, OwnRedis
 from tests.conftest import MODEL, Stack, running_stack, wait_for
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("redis-server") is None or not list(__import__("pathlib").Path("/usr/lib/postgresql").glob("*/bin")),
-    reason="needs redis-server and PostgreSQL's server binaries",
-)
+# wallclock: its time is two 30 s outages; ops/test.sh runs it beside the rest
+pytestmark = [
+    pytest.mark.wallclock,
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None
+        or not list(__import__("pathlib").Path("/usr/lib/postgresql").glob("*/bin")),
+        reason="needs redis-server and PostgreSQL's server binaries",
+    ),
+]
 
 OUTAGE_S = 30.0
 
