@@ -1,4 +1,4 @@
-"""Alembic environment: the URL from Spool's settings, the metadata from core/models.py."""
+"""Alembic environment: the URL from Spool's settings, the metadata from core/infra/orm.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ through core/protocol/responses.to_chat), all or nothing.
 Runs in a thread of the dispatcher process (`run_validator`, given its sessions, Redis and
 settings by `spool dispatcher`), never in the API. The whole file is
 read one chunk at a time, lines are
-validated one by one and inserted in slices of 1,000 in ONE transaction: if any line is bad, the
+validated one by one and COPYed into a staging table in ONE transaction (`validate`): if any line is bad, the
 batch fails listing every bad line (up to SPOOL_BATCH_MAX_ERRORS) and no job exists; if the
 process dies midway, nothing was committed and another replica picks the batch up when its
 validation lease lapses.

@@ -1,8 +1,9 @@
 """Per-job event streams in Redis: `job:{id}:events`, one JSON payload per entry.
 
-A Redis stream (XADD with a cap and a TTL) rather than PUBLISH: a reader that attaches late, or
-reconnects with `Last-Event-ID` (the stream entry id), replays exactly what it has not seen. This
-module only moves payloads; what they mean is core/generation/events.py.
+A Redis stream (XADD, never trimmed while the job runs, with a TTL: see `queue_append`) rather
+than PUBLISH: a reader that attaches late, or reconnects with `Last-Event-ID` (the stream entry id),
+replays exactly what it has not seen. This module only moves payloads; what they mean is
+core/generation/events.py.
 """
 
 from __future__ import annotations

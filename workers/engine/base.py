@@ -1,4 +1,5 @@
-"""The engine interface every backend implements (llama.cpp now, ExLlamaV2 next).
+"""The engine interface every backend implements (llama.cpp, ExLlamaV2, ExLlamaV3, and the null
+and paced engines of the tests and benchmarks).
 
 Deliberately close to ExLlamaV2's dynamic generator (enqueue / iterate / cancel): the engine keeps
 its own set of live sequences and advances all of them by one step per `step()` call, batching
