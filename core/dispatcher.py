@@ -21,7 +21,7 @@ from core import retention
 from core.batches import progress as batches
 from core.batches import webhooks
 from core.config import Settings
-from core.generation.events import ErrorInfo, Failed
+from core.generation.events import ErrorInfo
 from core.infra import heap, redis_keys, transient
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.db import Listener
@@ -175,9 +175,7 @@ class Dispatcher:
         attempts = {r.id: r.attempt for r in rows}
         for job_id, message in over.items():
             err = ErrorInfo(message=message, type="tokens", code="rate_limit_exceeded")
-            stmt = jobs.fail_queued(job_id, attempts[job_id], err.model_dump(mode="json"))
-            # Ended like every job (usage row, settle, terminal event): the lifecycle's one way.
-            self.lifecycle._end(stmt, "failed", Failed(attempt=attempts[job_id], error=err))
+            self.lifecycle.fail_queued(job_id, attempts[job_id], err)
         return [p for p in picks if p not in wait and p not in over]
 
     def _gauges(self, session: Session) -> None:

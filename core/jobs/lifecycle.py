@@ -389,6 +389,13 @@ class Lifecycle:
                 E2E.labels(row.model, row.kind).observe((row.finished_at - row.created_at).total_seconds())
         return row is not None
 
+    def fail_queued(self, job_id: str, attempt: int, error: ErrorInfo) -> bool:
+        """A queued job that must never start (the dispatcher's batch line over its tenant's daily
+        tokens): failed like every ending (usage row, settle, terminal event). False if it was no
+        longer queued."""
+        stmt = transitions.fail_queued(job_id, attempt, error.model_dump(mode="json"))
+        return self._end(stmt, JobState.failed.value, Failed(attempt=attempt, error=error)) is not None
+
     def fail(self, job: Job | Claimed, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
         """`u`: what to bill; by default what the job's stream delivered (`delivered`)."""
         if u is None:
