@@ -89,6 +89,7 @@ class OwnPostgres:
         # root's) would not do, so it gets a fresh folder of its own under the system temp dir.
         base = Path(tempfile.mkdtemp(prefix="spool-faults-pg-")) if self.as_user else workdir
         self.port, self.data = free_port(), base / "pg"
+        self.listen = "127.0.0.1"  # more addresses (comma-separated) for clients on other hosts (netns)
 
     @property
     def url(self) -> str:
@@ -108,7 +109,7 @@ class OwnPostgres:
         self._run(str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "spool")
 
     def start(self) -> None:
-        opts = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c max_connections=300"
+        opts = f"-p {self.port} -k {self.data} -c listen_addresses={self.listen} -c max_connections=300"
         self._run(
             str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.data / "log"), "-w", "start"
         )
