@@ -37,7 +37,6 @@ from ops.faults import OwnPostgres
 from ops.harness import free_port, wait_for
 
 pytestmark = [
-    pytest.mark.wallclock,  # waiting on the bounds, on servers of its own: beside the rest (ops/test.sh)
     pytest.mark.skipif(
         os.geteuid() != 0
         or shutil.which("ip") is None

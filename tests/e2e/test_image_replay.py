@@ -22,9 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ops/docker/cuda-install.sh"
 PINS = dict(re.findall(r"^([A-Z0-9_]+_VERSION)=(\S+)$", SCRIPT.read_text(), re.M))
 
-# wallclock: most of its time is pip waiting on the package registry; ops/test.sh runs it beside the rest
-pytestmark = pytest.mark.wallclock
-
 
 def _replay(target: str, report: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
