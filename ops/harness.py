@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,8 +72,6 @@ def refuse_writes(rds: redis_lib.Redis, how: str, snapshots: Path) -> Callable[[
             rds.config_set("maxmemory", "0")
 
         return lift_oom
-    import shutil
-
     shutil.rmtree(snapshots, ignore_errors=True)  # the disk is gone: the next snapshot fails
     # Writes stop after a failed snapshot only while save points are set; Redis then retries the
     # snapshot every few seconds itself, so one may be running already: BGSAVE then errors "in
@@ -306,10 +305,13 @@ def migrated_database(db_url: str, env: dict[str, str] | None = None) -> None:
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
+    from core.infra.dbadmin import drop_database
+
     digest = hashlib.sha256()
     for f in sorted((ROOT / "migrations").rglob("*.py")):
         digest.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
     template = f"spool_tpl_{digest.hexdigest()[:16]}"
+    drop_database(db_url)
     url = make_url(db_url)
     admin = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
     try:
@@ -318,7 +320,6 @@ def migrated_database(db_url: str, env: dict[str, str] | None = None) -> None:
             def exists(name: str) -> bool:
                 return conn.scalar(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}) is not None
 
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
             if not exists(template):
                 building = f"{template}_{os.getpid()}"  # published by a rename: never seen half-built
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{building}" WITH (FORCE)'))

@@ -436,8 +436,8 @@ ENDING = select(*(_JOBS.c[n] for n in ENDING_COLUMNS)).where(
 
 def get_for_tenant(job_id: str, tenant_id: int, *, without_result: bool = False):
     """The job, if it belongs to `tenant_id` (another tenant's job is simply not found).
-    `without_result`: all but the result, which raises if read (a stream of the job's events needs
-    none of it, and 200 replays of a job with 14,000 logprob entries each held its parsed JSON)."""
+    `without_result`: all but the result, which raises if read (a stream of the job's events holds
+    its row for as long as it runs and needs none of the result)."""
     query = select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
     return query.options(defer(Job.result, raiseload=True)) if without_result else query
 
