@@ -148,16 +148,19 @@ async def sse_chunks(
     # when nobody follows it). The count goes up and back down in tasks of their own: a stream
     # cancelled at any moment, even while its increment is in flight, still takes back exactly what
     # it added, so a client that hangs up at once does not leave a phantom reader behind.
+    # A job that had already ended when this stream began has nothing to cancel: its readers are not
+    # counted (200 replays of an ended job once cost 400 Redis round trips in their first second).
     member = uuid.uuid4().hex
-    counted = asyncio.ensure_future(_count_reader(rds, job.id, member))
+    counted = None if transitions.is_terminal(job.state) else asyncio.ensure_future(_count_reader(rds, job.id, member))
     try:
         renewed = time.monotonic()
-        await asyncio.shield(counted)
+        if counted is not None:
+            await asyncio.shield(counted)
         check = terminal_row_check(job.id, tenant_id)
         gate = functools.partial(HEAVY.hold, tenant_id, heavy_cap)
         async with contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id, heavy=gate)) as batches:
             async for batch in batches:
-                if time.monotonic() - renewed > READER_RENEW_S and counted.result():
+                if time.monotonic() - renewed > READER_RENEW_S and counted is not None and counted.result():
                     renewed = time.monotonic()
                     await _count_reader(rds, job.id, member)
                 if batch is HEARTBEAT:
@@ -176,9 +179,10 @@ async def sse_chunks(
                     yield out
                 del out
     finally:
-        task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, member, counted))
-        _UNCOUNTING.add(task)
-        task.add_done_callback(_UNCOUNTING.discard)
+        if counted is not None:
+            task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, member, counted))
+            _UNCOUNTING.add(task)
+            task.add_done_callback(_UNCOUNTING.discard)
 
 
 _UNCOUNTING: set[asyncio.Task] = set()

@@ -85,6 +85,39 @@ def test_a_lapsed_reader_lease_never_leaves_a_negative_count(rds):
     asyncio.run(scenario())
 
 
+def test_a_replay_of_an_ended_job_is_not_counted_as_a_reader(rds):
+    """Readers are counted so that a live job is not cancelled under someone who follows it. An
+    ended job has nothing to cancel: 200 replays of one cost 400 Redis round trips for nothing."""
+    job_id = "readers-ended"
+    rds.delete(streams.stream_key(job_id), redis_keys.readers(job_id))
+    streams.raise_fence(rds, job_id, 1, 60)
+    streams.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text=" a", token_ids=[1]))], 60, 1)
+    ended = _record(job_id)
+    ended.state = JobState.succeeded.value
+
+    async def scenario() -> None:
+        arc = kv.async_client(IT_REDIS)
+        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        try:
+            live = streaming.sse_chunks(_record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8)
+            assert b" a" in await anext(live)
+            assert await streaming.readers(arc, job_id) == 1  # the same stream, followed while live, counts
+            await live.aclose()
+            for _ in range(100):  # uncounted by a task of its own
+                if await streaming.readers(arc, job_id) == 0:
+                    break
+                await asyncio.sleep(0.02)
+            replay = streaming.sse_chunks(ended, 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8)
+            assert b" a" in await anext(replay)
+            await asyncio.sleep(0.1)  # a count in flight would have landed
+            assert await streaming.readers(arc, job_id) == 0
+            await replay.aclose()
+        finally:
+            await hub.aclose()
+
+    asyncio.run(scenario())
+
+
 def _scored_deltas(n: int) -> list[tuple[str | None, Delta]]:
     return [
         (
