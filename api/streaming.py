@@ -144,43 +144,64 @@ async def sse_chunks(
     framed on threads, at most `heavy_cap` of the tenant's at once (`HEAVY`, held from its decoding
     until it has been sent)."""
     chunks = chunks_for(job, include_usage, fingerprint)
-    # This reader is counted while it follows the job (a disconnected stream's job is cancelled only
-    # when nobody follows it). The count goes up and back down in tasks of their own: a stream
-    # cancelled at any moment, even while its increment is in flight, still takes back exactly what
-    # it added, so a client that hangs up at once does not leave a phantom reader behind.
-    # A job that had already ended when this stream began has nothing to cancel: its readers are not
-    # counted (200 replays of an ended job once cost 400 Redis round trips in their first second).
-    member = uuid.uuid4().hex
-    counted = None if transitions.is_terminal(job.state) else asyncio.ensure_future(_count_reader(rds, job.id, member))
-    try:
-        renewed = time.monotonic()
-        if counted is not None:
-            await asyncio.shield(counted)
-        check = terminal_row_check(job.id, tenant_id)
-        gate = functools.partial(HEAVY.hold, tenant_id, heavy_cap)
-        async with contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id, heavy=gate)) as batches:
-            async for batch in batches:
-                if time.monotonic() - renewed > READER_RENEW_S and counted is not None and counted.result():
-                    renewed = time.monotonic()
-                    await _count_reader(rds, job.id, member)
-                if batch is HEARTBEAT:
-                    yield sse_comment("keep-alive")
-                    continue
-                # Everything that arrived while this client was being written to goes out in one
-                # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
-                items = cast(list, batch)
-                del batch  # neither the events nor their bytes are held while waiting for the next batch
-                if _weight(items) > OFF_LOOP_WEIGHT:  # a heavy batch: follow_batches holds its gate place
-                    out = await anyio.to_thread.run_sync(frame, chunks, items)
-                else:
-                    out = frame(chunks, items)
-                del items
-                if out:
-                    yield out
-                del out
-    finally:
-        if counted is not None:
-            task = asyncio.get_running_loop().create_task(_uncount_reader(rds, job.id, member, counted))
+    check = terminal_row_check(job.id, tenant_id)
+    gate = functools.partial(HEAVY.hold, tenant_id, heavy_cap)
+    async with (
+        ReaderLease(rds, job.id, live=not transitions.is_terminal(job.state)) as lease,
+        contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id, heavy=gate)) as batches,
+    ):
+        async for batch in batches:
+            await lease.renew()
+            if batch is HEARTBEAT:
+                yield sse_comment("keep-alive")
+                continue
+            # Everything that arrived while this client was being written to goes out in one
+            # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
+            items = cast(list, batch)
+            del batch  # neither the events nor their bytes are held while waiting for the next batch
+            if _weight(items) > OFF_LOOP_WEIGHT:  # a heavy batch: follow_batches holds its gate place
+                out = await anyio.to_thread.run_sync(frame, chunks, items)
+            else:
+                out = frame(chunks, items)
+            del items
+            if out:
+                yield out
+            del out
+
+
+class ReaderLease:
+    """This stream, counted among its job's readers while it follows the job (a disconnected stream's
+    job is cancelled only when nobody follows it), its lease renewed as it goes.
+
+    The count goes up and back down in tasks of their own: a stream cancelled at any moment, even
+    while its increment is in flight, still takes back exactly what it added, so a client that hangs
+    up at once leaves no phantom reader behind. A job that had already ended when the stream began
+    (`live=False`) has nothing to cancel and is not counted: 200 replays of one cost 400 Redis round
+    trips at intake, on the loop every other stream shares."""
+
+    def __init__(self, rds: aioredis.Redis, job_id: str, *, live: bool = True) -> None:
+        self._rds, self._job_id, self._live = rds, job_id, live
+        self._member = uuid.uuid4().hex
+        self._counted: asyncio.Future[bool] | None = None
+        self._renewed = time.monotonic()
+
+    async def __aenter__(self) -> ReaderLease:
+        if self._live:
+            self._counted = asyncio.ensure_future(_count_reader(self._rds, self._job_id, self._member))
+            await asyncio.shield(self._counted)
+        return self
+
+    async def renew(self) -> None:
+        if self._counted is None or time.monotonic() - self._renewed < READER_RENEW_S or not self._counted.result():
+            return
+        self._renewed = time.monotonic()
+        await _count_reader(self._rds, self._job_id, self._member)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._counted is not None:
+            task = asyncio.get_running_loop().create_task(
+                _uncount_reader(self._rds, self._job_id, self._member, self._counted)
+            )
             _UNCOUNTING.add(task)
             task.add_done_callback(_UNCOUNTING.discard)
 

@@ -197,9 +197,8 @@ class JobRunner:
         self.redis = redis_client
         self.sessions = sessions
         self.worker_name = worker_name
-        self.lifecycle = Lifecycle(sessions, redis_client, settings)
         # One Redis round trip per decode step for all this worker's sequences, not one per sequence.
-        self.lifecycle.appender = streams.GroupAppender(redis_client)
+        self.lifecycle = Lifecycle(sessions, redis_client, settings, appender=streams.GroupAppender(redis_client))
         # Every attempt's engine events become stream entries on one thread (workers/pump.py).
         self.pump = StreamPump(redis_client, settings)
         # Every running job's cancel key asked in one round trip, not one EXISTS per job per 0.5 s.

@@ -4,12 +4,9 @@ how to answer and frames its stream events as SSE."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
@@ -22,9 +19,8 @@ from api.bodies import INLINE_BYTES, json_body, openapi_body
 from api.deps import LifecycleDep, TenantDep, current_principal
 from api.errors import APIError
 from api.routes.completions import _StreamOrCancel, _wait_unless_draining
-from api.streaming import HEAVY, sse_comment
+from api.streaming import HEAVY, ReaderLease, sse_comment
 from core.config import Settings, get_settings
-from core.infra import redis_keys
 from core.jobs import transitions
 from core.jobs.responses import Responses
 from core.jobs.stream import HEARTBEAT
@@ -102,7 +98,7 @@ async def get_response(
     events = responses.events(
         request.app.state.hub, job, tenant.id, starting_after, heavy=_gate(tenant.id, get_settings())
     )
-    return _Rejoin(_framed(events, request.app.state.redis, job.id))
+    return _Rejoin(_framed(events, request.app.state.redis, job.id, live=not transitions.is_terminal(job.state)))
 
 
 @router.post("/{response_id}/cancel", response_model=None, responses=_ANSWERS)
@@ -149,45 +145,22 @@ async def list_input_items(
 # -- the stream ------------------------------------------------------------------------------------
 
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
-# A reader of a job is counted (api/streaming.readers) while it follows it: a disconnected stream's
-# job is cancelled only when nobody follows it after the grace period.
-_LEASE_S = 600
 
 
-async def _framed(events: AsyncIterator[Any], rds: Any, job_id: str) -> AsyncIterator[tuple[bytes, bool]]:
+async def _framed(
+    events: AsyncIterator[Any], rds: Any, job_id: str, *, live: bool = True
+) -> AsyncIterator[tuple[bytes, bool]]:
     """Events as SSE (`event:` its type, `id:` its sequence number), with keep-alive comments; each
-    with whether it was the last."""
-    member = uuid.uuid4().hex
-    await _count(rds, job_id, member)
-    try:
+    with whether it was the last. The stream of a live job counts as one of its readers."""
+    async with ReaderLease(rds, job_id, live=live) as lease:
         async for e in events:
+            await lease.renew()
             if e is HEARTBEAT:
                 yield sse_comment("keep-alive"), False
                 continue
             raw = json.dumps(e, separators=(",", ":"))
             frame = format_sse_event(data_str=raw, event=e["type"], id=str(e["sequence_number"]))
             yield frame, e["type"] in _TERMINAL
-    finally:
-        task = asyncio.get_running_loop().create_task(_uncount(rds, job_id, member))
-        _PENDING.add(task)
-        task.add_done_callback(_PENDING.discard)
-
-
-_PENDING: set[asyncio.Task] = set()
-
-
-async def _count(rds: Any, job_id: str, member: str) -> None:
-    with contextlib.suppress(Exception):  # best effort: a Redis outage must not end the stream
-        key, now = redis_keys.readers(job_id), time.time()
-        pipe = rds.pipeline(transaction=False)
-        pipe.zadd(key, {member: now + _LEASE_S})
-        pipe.expire(key, _LEASE_S)
-        await pipe.execute()
-
-
-async def _uncount(rds: Any, job_id: str, member: str) -> None:
-    with contextlib.suppress(Exception):
-        await rds.zrem(redis_keys.readers(job_id), member)
 
 
 async def _bytes(stream: AsyncIterator[tuple[bytes, bool]]) -> AsyncIterator[bytes]:

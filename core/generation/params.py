@@ -75,6 +75,11 @@ class GenerationParams(BaseModel):
         return cls.model_validate({k: v for k, v in data.items() if k not in _RETIRED})
 
     @property
+    def greedy(self) -> bool:
+        """The one rule every engine follows: a temperature of 0 (or below) takes the most likely token."""
+        return self.temperature <= 0
+
+    @property
     def candidates(self) -> int:
         """Sequences generated per prompt."""
         return max(self.n, self.best_of)

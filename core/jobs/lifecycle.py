@@ -188,9 +188,16 @@ def _stored(job: Job, row: Any) -> None:
 
 
 class Lifecycle:
-    def __init__(self, sessions: sessionmaker[Session], rds: redis.Redis, settings: Settings) -> None:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        rds: redis.Redis,
+        settings: Settings,
+        appender: streams.GroupAppender | None = None,
+    ) -> None:
+        """`appender`: a worker's, grouping every running job's appends into one round trip a step."""
         self.sessions, self.redis, self.settings = sessions, rds, settings
-        self.appender: streams.GroupAppender | None = None
+        self.appender = appender
 
     # -- events ------------------------------------------------------------------------------
     def publish(

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid
 from core.generation import capabilities, chat_template, constraints
-from core.generation.params import DEFAULT_DRY_BREAKERS, GenerationParams
+from core.generation.params import GenerationParams
 from core.generation.prompt import Prompt
 from core.generation.tokenizer import Tokenizer, context_length
 from core.protocol.errors import from_validation
@@ -315,32 +315,34 @@ def to_generation(
     _fit_context(req, settings, tok, prompts, want)
     _bound_logprobs(req, settings, prompts, want, best_of, logprobs, context_length(tok, settings))
 
-    top_k = req.top_k or 0
+    # What the client left out takes GenerationParams' own default (one table, not restated here).
+    given = {
+        "min_tokens": req.min_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "typical_p": req.typical_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "dry_multiplier": req.dry_multiplier,
+        "dry_base": req.dry_base,
+        "dry_allowed_length": req.dry_allowed_length,
+        "dry_sequence_breakers": None if req.dry_sequence_breakers is None else tuple(req.dry_sequence_breakers),
+        "mirostat_tau": req.mirostat_tau,
+        "mirostat_eta": req.mirostat_eta,
+        "cache_prompt": req.cache_prompt,
+    }
     params = GenerationParams(
+        **{k: v for k, v in given.items() if v is not None},
         max_tokens=want,
-        min_tokens=req.min_tokens or 0,
         ignore_eos=bool(req.ignore_eos),
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(top_k, 0),
-        min_p=req.min_p or 0.0,
-        typical_p=1.0 if req.typical_p is None else req.typical_p,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        dry_multiplier=req.dry_multiplier or 0.0,
-        dry_base=1.75 if req.dry_base is None else req.dry_base,
-        dry_allowed_length=2 if req.dry_allowed_length is None else req.dry_allowed_length,
+        top_k=max(req.top_k or 0, 0),
         penalty_last_n=None if req.repeat_last_n in (None, -1) else req.repeat_last_n,
-        dry_sequence_breakers=tuple(req.dry_sequence_breakers)
-        if req.dry_sequence_breakers is not None
-        else DEFAULT_DRY_BREAKERS,
         # Fireworks has no switch: a target or learning rate alone turns Mirostat 2.0 on.
         mirostat=req.mirostat
         if req.mirostat is not None
         else (2 if {"mirostat_tau", "mirostat_eta"} & req.model_fields_set else 0),
-        mirostat_tau=5.0 if req.mirostat_tau is None else req.mirostat_tau,
-        mirostat_eta=0.1 if req.mirostat_eta is None else req.mirostat_eta,
         logit_bias=bias,
         # Picked here when the client gave none: on record, and a resumed attempt stays seeded.
         seed=(req.seed if seeded and req.seed is not None else secrets.randbits(63)) % 2**63,
@@ -351,7 +353,6 @@ def to_generation(
         echo=bool(req.echo),
         prompt_logprobs=req.prompt_logprobs,
         grammar=grammar,
-        cache_prompt=True if req.cache_prompt is None else req.cache_prompt,
     )
     # A constraint not compiled yet still asks the engine whether it can honour one.
     asked = params.model_copy(update={"grammar": "pending"}) if constrained and grammar is None else params

@@ -99,7 +99,9 @@ def test_a_replay_of_an_ended_job_is_not_counted_as_a_reader(rds):
         arc = kv.async_client(IT_REDIS)
         hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
         try:
-            live = streaming.sse_chunks(_record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8)
+            live = streaming.sse_chunks(
+                _record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8
+            )
             assert b" a" in await anext(live)
             assert await streaming.readers(arc, job_id) == 1  # the same stream, followed while live, counts
             await live.aclose()

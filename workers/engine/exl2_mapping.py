@@ -160,7 +160,7 @@ def sampler_settings(p: GenerationParams, dry_breakers: frozenset[int] | None = 
             dry_allowed_length=p.dry_allowed_length,
             dry_sequence_breakers=dry_breakers,
         )
-    if p.temperature <= 0:
+    if p.greedy:
         # Greedy as `Settings.greedy()` does it: top-k 1 on the untempered row (the C++ sampler also
         # turns any temperature under 0.01 into top-k 1). Penalties, bias and DRY still apply first.
         s.update(temperature=1.0, top_k=1)

@@ -38,7 +38,7 @@ def sampler_args(p: GenerationParams, dry_breakers: frozenset[int] | None = None
         raise Unsupported(f"exllamav3 cannot honour {refused}")
     window = WHOLE_SEQUENCE if p.penalty_last_n is None else p.penalty_last_n
     off = window == 0  # llama.cpp's `repeat_last_n: 0`: penalties off (exllamav3 has no empty window)
-    greedy = p.temperature == 0.0
+    greedy = p.greedy
     return {
         "rep_p": 1.0 if off else p.repetition_penalty,
         "freq_p": 0.0 if off else p.frequency_penalty,

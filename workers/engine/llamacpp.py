@@ -61,7 +61,7 @@ def sampler_plan(p: GenerationParams, seed: int, n_vocab: int, n_ctx: int) -> Pl
     seed32 = seed & 0xFFFFFFFF
     if seed32 == 0xFFFFFFFF:  # LLAMA_DEFAULT_SEED: llama.cpp would draw a random seed instead
         seed32 = 0xFFFFFFFE
-    if p.temperature <= 0:
+    if p.greedy:
         plan.append(("greedy", ()))
         return plan
     if p.mirostat:
