@@ -90,13 +90,15 @@ class OwnPostgres:
         base = Path(tempfile.mkdtemp(prefix="spool-faults-pg-")) if self.as_user else workdir
         self.port, self.data = free_port(), base / "pg"
         self.listen = "127.0.0.1"  # more addresses (comma-separated) for clients on other hosts (netns)
+        self.wrap: list[str] = []  # a prefix for its commands: `ip netns exec NS` runs it on another "host"
+        self.trusted: list[str] = []  # networks (CIDR) whose clients may log in too, by trust as the rest
 
     @property
     def url(self) -> str:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/spool"
 
     def _run(self, *argv: str) -> None:
-        subprocess.run([*self.as_user, *argv], check=True, capture_output=True)
+        subprocess.run([*self.wrap, *self.as_user, *argv], check=True, capture_output=True)
 
     def init(self) -> None:
         self.data.mkdir(parents=True)
@@ -105,6 +107,8 @@ class OwnPostgres:
             shutil.chown(self.data.parent, "postgres")
             shutil.chown(self.data, "postgres")
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        with open(self.data / "pg_hba.conf", "a") as hba:
+            hba.writelines(f"host all all {cidr} trust\n" for cidr in self.trusted)
         self.start()
         self._run(str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "spool")
 
@@ -120,7 +124,7 @@ class OwnPostgres:
 
     def stop(self, mode: str = "fast") -> None:
         subprocess.run(
-            [*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"],
+            [*self.wrap, *self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"],
             capture_output=True,
         )
 
@@ -203,17 +207,26 @@ class Outcome:
     cut: list[str] = field(default_factory=list)
 
 
+def from_balancer(r: httpx.Response | httpx2.Response) -> bool:
+    """An error page of the load balancer in front (ops/cluster.py's HAProxy): a backend that died
+    before it answered. Spool's own errors are JSON."""
+    return r.status_code in (502, 503, 504) and r.headers.get("content-type", "").startswith("text/html")
+
+
 @dataclass
 class Tally:
     http_5xx: int = 0
     http_503: int = 0
+    balancer: int = 0  # the balancer's own 502/503/504 (no backend answered): counted apart, retried
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def saw(self, r: httpx.Response | httpx2.Response) -> None:
         if r.status_code >= 500:
             with self.lock:
-                if r.status_code == 503 and "retry-after" in r.headers:
+                if from_balancer(r):
+                    self.balancer += 1
+                elif r.status_code == 503 and "retry-after" in r.headers:
                     self.http_503 += 1
                 else:
                     self.http_5xx += 1
@@ -336,6 +349,10 @@ class Client:
                 r = self.http.post("/v1/completions", json=_body(prompt, max_tokens, user=tag))
                 self.tally.saw(r)
             except RETRYABLE:
+                out.cut.append(tag)
+                time.sleep(0.5)
+                continue
+            if from_balancer(r):  # the API behind it died before answering: as a broken connection
                 out.cut.append(tag)
                 time.sleep(0.5)
                 continue
@@ -545,6 +562,7 @@ class Report:
     stuck: int = 0
     http_5xx: int = 0
     http_503_refusals_retried: int = 0
+    balancer_errors: int = 0  # the load balancer's own error pages (ops/cluster.py), retried by clients
     batch_lines: int = 0
     reattached_streams: int = 0
     resumed_jobs: int = 0  # jobs that ran more than one attempt
@@ -595,23 +613,20 @@ def run(
     return report
 
 
-def _load_and_faults(
-    st: Stack,
-    pg: OwnPostgres,
-    rd: OwnRedis,
-    key: str,
-    rng: random.Random,
-    short: bool,
-    worker_kills: int | None,
-    report: Report,
-    only: set[str] | None = None,
-    rounds: int = 1,
+N_TOKENS = 40  # every client request's length (greedy, ignore_eos)
+
+
+def load_and_audit(
+    base_url: str, key: str, db_url: str, rng: random.Random, short: bool, report: Report, inject: Callable[[], None]
 ) -> Report:
+    """The harness's clients against `base_url` while `inject()` runs the faults; then every client's
+    outcome audited against the ledger at `db_url` (lost, duplicated, wrong, stuck, 5xx) into `report`.
+    The fault harness (one host) and the cluster harness (ops/cluster.py) share it."""
     tally = Tally()
-    n_tokens = 40
+    n_tokens = N_TOKENS
     prompts = [f"Fault test {i}: once upon a time" for i in range(12)]
     # What an undisturbed run answers: greedy, so every disturbed run must give exactly this.
-    ref_client = Client(st.base_url, key, tally)
+    ref_client = Client(base_url, key, tally)
     reference, chat_reference, response_reference = {}, {}, {}
     for p in prompts:
         r = ref_client.http.post("/v1/completions", json=_body(p, n_tokens))
@@ -640,7 +655,7 @@ def _load_and_faults(
     lock = threading.Lock()
 
     def loop(kind: str) -> None:
-        c, sdk = Client(st.base_url, key, tally), SdkClient(st.base_url, key, tally)
+        c, sdk = Client(base_url, key, tally), SdkClient(base_url, key, tally)
         while not stop.is_set():
             p = rng.choice(prompts)
             if kind == "keyless":  # a burst at once, so that the API stores them together
@@ -660,7 +675,7 @@ def _load_and_faults(
     batch_prompts = [prompts[i % len(prompts)] for i in range(24 if short else 60)]
 
     def batch() -> None:
-        c = Client(st.base_url, key, tally)
+        c = Client(base_url, key, tally)
         batch_result["id"], batch_result["texts"] = c.batch(batch_prompts, n_tokens)
         batch_result["jobs"] = c.line_jobs
 
@@ -674,115 +689,13 @@ def _load_and_faults(
 
     from sqlalchemy import create_engine, text
 
-    db = create_engine(pg.url, pool_pre_ping=True)
-
-    def running_jobs() -> int:
-        with db.connect() as conn:
-            return conn.scalar(text("SELECT count(*) FROM jobs WHERE state = 'running'")) or 0
-
-    gap = 3.0 if short else 5.0
-
-    def kill_worker() -> None:
-        try:
-            wait_for(running_jobs, 20, "a job mid-generation")
-        except TimeoutError:
-            report.problems.append("no job was running when a worker kill was due")
-        st.signal("worker", signal.SIGKILL)
-        st.start_worker()
-
-    def redis_restart() -> None:
-        rd.kill()
-        time.sleep(2)
-        rd.start()
-
-    def postgres_restart() -> None:
-        pg.stop("immediate")
-        time.sleep(3)
-        pg.start()
-
-    def redis_outage() -> None:
-        rd.kill()
-        time.sleep(LONG_OUTAGE_S)
-        rd.start()
-
-    def redis_refusal(how: str) -> Callable[[], None]:
-        return lambda: rd.refuse_writes(how, LONG_OUTAGE_S)
-
-    def postgres_outage() -> None:
-        pg.stop("immediate")
-        time.sleep(LONG_OUTAGE_S)
-        pg.start()
-
-    def streaming_jobs() -> int:
-        """Streams mid-flight: started a while ago and less than half written (the stream's own
-        length, from Redis), so a kill that follows cuts one rather than landing after its end."""
-        import redis as redis_lib
-
-        from core.infra.streams import stream_key
-
-        with db.connect() as conn:
-            q = (
-                "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
-                " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
-            )
-            ids = list(conn.scalars(text(q)))
-        try:
-            with redis_lib.Redis.from_url(rd.url) as r:
-                return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < n_tokens // 2)
-        except redis_lib.RedisError:
-            return 0
-
-    def api(sig: int) -> Callable[[], None]:
-        def go() -> None:
-            # Cut streams mid-flight, as the worker kills cut jobs mid-generation: a faster engine
-            # finishes short streams before a blind kill lands, and then nothing re-attaches.
-            try:
-                wait_for(streaming_jobs, 20, "a stream mid-generation")
-            except TimeoutError:
-                report.problems.append("no stream was running when an API kill was due")
-            st.signal("api", sig)
-            st.start_api()
-
-        return go
-
-    def dispatcher_kill() -> None:
-        st.signal("dispatcher", signal.SIGKILL)
-        time.sleep(1)
-        st.start("dispatcher", "dispatcher")
-
-    kills = worker_kills if worker_kills is not None else (3 if short else 20)
-    schedule: list[tuple[str, Callable[[], None]]] = [("worker SIGKILL", kill_worker)] * kills
-    schedule += [
-        ("redis SIGKILL + restart empty", redis_restart),
-        ("postgres stop -m immediate + restart", postgres_restart),
-        ("api SIGTERM", api(signal.SIGTERM)),
-        ("api SIGKILL", api(signal.SIGKILL)),
-        ("dispatcher SIGKILL", dispatcher_kill),
-    ]
-    if not short or only is not None:  # CI's short run keeps to the brief outages
-        schedule += [
-            (f"redis-30s away {LONG_OUTAGE_S:.0f} s (SIGKILL, restarted empty)", redis_outage),
-            (f"postgres-30s away {LONG_OUTAGE_S:.0f} s (stop -m immediate, restart)", postgres_outage),
-            (f"redis-oom refuses writes {LONG_OUTAGE_S:.0f} s (maxmemory 1, noeviction)", redis_refusal("oom")),
-            (f"redis-misconf refuses writes {LONG_OUTAGE_S:.0f} s (a failed snapshot)", redis_refusal("misconf")),
-        ]
-    # Worker kills spread among the other faults, in a fixed order.
-    others, kills_only = schedule[kills:], schedule[:kills]
-    if only is not None:
-        others = [(n, f) for n, f in others if n.split()[0] in only] * max(1, rounds)
-    order = kills_only[: kills // 2] + others[:2] + kills_only[kills // 2 :] + others[2:]
-    time.sleep(gap)
-    for name, fault in order:
-        print(f"[{time.strftime('%H:%M:%S')}] fault: {name}", flush=True)
-        fault()
-        report.faults.append(name)
-        time.sleep(gap)
-
+    inject()
     stop.set()
     for t in threads:
         t.join(timeout=900)
 
     # -- the audit: what the clients saw, against the ledger ---------------------------------------
+    db = create_engine(db_url, pool_pre_ping=True)
     with db.connect() as conn:
         rows = conn.execute(text('SELECT id, state, attempt, kind, "user" FROM jobs')).all()
     by_id = {r.id: r for r in rows}
@@ -843,9 +756,138 @@ def _load_and_faults(
             )
     report.requests += len(batch_prompts)
     report.http_5xx, report.http_503_refusals_retried = tally.http_5xx, tally.http_503
+    report.balancer_errors = tally.balancer
     report.problems += tally.errors[:20]
     db.dispose()
     return report
+
+
+def _load_and_faults(
+    st: Stack,
+    pg: OwnPostgres,
+    rd: OwnRedis,
+    key: str,
+    rng: random.Random,
+    short: bool,
+    worker_kills: int | None,
+    report: Report,
+    only: set[str] | None = None,
+    rounds: int = 1,
+) -> Report:
+    """The one-host schedule: process kills, restarts and outages, under `load_and_audit`'s load."""
+    from sqlalchemy import create_engine, text
+
+    db = create_engine(pg.url, pool_pre_ping=True)
+    n_tokens = N_TOKENS
+
+    def inject() -> None:
+
+        def running_jobs() -> int:
+            with db.connect() as conn:
+                return conn.scalar(text("SELECT count(*) FROM jobs WHERE state = 'running'")) or 0
+
+        gap = 3.0 if short else 5.0
+
+        def kill_worker() -> None:
+            try:
+                wait_for(running_jobs, 20, "a job mid-generation")
+            except TimeoutError:
+                report.problems.append("no job was running when a worker kill was due")
+            st.signal("worker", signal.SIGKILL)
+            st.start_worker()
+
+        def redis_restart() -> None:
+            rd.kill()
+            time.sleep(2)
+            rd.start()
+
+        def postgres_restart() -> None:
+            pg.stop("immediate")
+            time.sleep(3)
+            pg.start()
+
+        def redis_outage() -> None:
+            rd.kill()
+            time.sleep(LONG_OUTAGE_S)
+            rd.start()
+
+        def redis_refusal(how: str) -> Callable[[], None]:
+            return lambda: rd.refuse_writes(how, LONG_OUTAGE_S)
+
+        def postgres_outage() -> None:
+            pg.stop("immediate")
+            time.sleep(LONG_OUTAGE_S)
+            pg.start()
+
+        def streaming_jobs() -> int:
+            """Streams mid-flight: started a while ago and less than half written (the stream's own
+            length, from Redis), so a kill that follows cuts one rather than landing after its end."""
+            import redis as redis_lib
+
+            from core.infra.streams import stream_key
+
+            with db.connect() as conn:
+                q = (
+                    "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
+                    " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
+                )
+                ids = list(conn.scalars(text(q)))
+            try:
+                with redis_lib.Redis.from_url(rd.url) as r:
+                    return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < n_tokens // 2)
+            except redis_lib.RedisError:
+                return 0
+
+        def api(sig: int) -> Callable[[], None]:
+            def go() -> None:
+                # Cut streams mid-flight, as the worker kills cut jobs mid-generation: a faster engine
+                # finishes short streams before a blind kill lands, and then nothing re-attaches.
+                try:
+                    wait_for(streaming_jobs, 20, "a stream mid-generation")
+                except TimeoutError:
+                    report.problems.append("no stream was running when an API kill was due")
+                st.signal("api", sig)
+                st.start_api()
+
+            return go
+
+        def dispatcher_kill() -> None:
+            st.signal("dispatcher", signal.SIGKILL)
+            time.sleep(1)
+            st.start("dispatcher", "dispatcher")
+
+        kills = worker_kills if worker_kills is not None else (3 if short else 20)
+        schedule: list[tuple[str, Callable[[], None]]] = [("worker SIGKILL", kill_worker)] * kills
+        schedule += [
+            ("redis SIGKILL + restart empty", redis_restart),
+            ("postgres stop -m immediate + restart", postgres_restart),
+            ("api SIGTERM", api(signal.SIGTERM)),
+            ("api SIGKILL", api(signal.SIGKILL)),
+            ("dispatcher SIGKILL", dispatcher_kill),
+        ]
+        if not short or only is not None:  # CI's short run keeps to the brief outages
+            schedule += [
+                (f"redis-30s away {LONG_OUTAGE_S:.0f} s (SIGKILL, restarted empty)", redis_outage),
+                (f"postgres-30s away {LONG_OUTAGE_S:.0f} s (stop -m immediate, restart)", postgres_outage),
+                (f"redis-oom refuses writes {LONG_OUTAGE_S:.0f} s (maxmemory 1, noeviction)", redis_refusal("oom")),
+                (f"redis-misconf refuses writes {LONG_OUTAGE_S:.0f} s (a failed snapshot)", redis_refusal("misconf")),
+            ]
+        # Worker kills spread among the other faults, in a fixed order.
+        others, kills_only = schedule[kills:], schedule[:kills]
+        if only is not None:
+            others = [(n, f) for n, f in others if n.split()[0] in only] * max(1, rounds)
+        order = kills_only[: kills // 2] + others[:2] + kills_only[kills // 2 :] + others[2:]
+        time.sleep(gap)
+        for name, fault in order:
+            print(f"[{time.strftime('%H:%M:%S')}] fault: {name}", flush=True)
+            fault()
+            report.faults.append(name)
+            time.sleep(gap)
+
+    try:
+        return load_and_audit(st.base_url, key, pg.url, rng, short, report, inject)
+    finally:
+        db.dispose()
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -418,11 +419,17 @@ def claim_next(sessions: sessionmaker[Session], lease_s: float) -> str | None:
         return got
 
 
-def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings, poll_s: float = 2.0) -> None:
-    """Validate batches one at a time, forever (a dispatcher thread). Safe with several running: a
-    batch is claimed under a lease, and taken over when the lease of a dead validator lapses."""
+def run_validator(
+    sessions: sessionmaker[Session],
+    rds: Any,
+    settings: Settings,
+    poll_s: float = 2.0,
+    stop: threading.Event | None = None,
+) -> None:
+    """Validate batches one at a time, until `stop` (a dispatcher thread: forever). Safe with several
+    running: a batch is claimed under a lease, and taken over when the lease of a dead validator lapses."""
     _warm(settings)
-    while True:
+    while stop is None or not stop.is_set():
         batch_id = None
         try:
             batch_id = claim_next(sessions, settings.batch_validation_lease_s)
@@ -435,11 +442,17 @@ def run_validator(sessions: sessionmaker[Session], rds: Any, settings: Settings,
             log.warning("batch validation: Postgres/Redis unavailable; will retry", exc_info=True)
             time.sleep(poll_s)
         except Exception:
+            if not batch_id:
+                # No batch's fault: the claim or the wait failed in a way that is not an outage (a
+                # Redis refusing this client, say). Wait and ask again: this loop once spun here,
+                # logging thousands of tracebacks a second.
+                log.exception("batch validation: error outside any batch; will retry")
+                time.sleep(poll_s)
+                continue
             # Not an outage: the file itself breaks validation. Retrying would loop forever (a
             # poison batch); fail it, with a message that shows no internals.
             log.exception("batch %s: validation failed; failing the batch", batch_id)
-            if batch_id:
-                give_up(sessions, batch_id)
+            give_up(sessions, batch_id)
 
 
 def _warm(settings: Settings) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 
 from core.config import get_settings
+from core.infra import kv
 
 RUN_JOB = "spool.run_job"
 RUN_JOBS = "spool.run_jobs"  # several jobs of one queue in one message: one claim, one Celery round trip
@@ -62,7 +63,7 @@ def celery_app() -> Celery:
         # for the instant between delivery and ack, at two Redis round trips and a new client object
         # per message (a fifth of a worker's CPU on short jobs). A message lost with a killed worker
         # is re-sent by the dispatcher, as it was before (the hash's visibility timeout is an hour).
-        broker_transport_options={"ack_emulation": False, "queue_order_strategy": "priority"},
+        broker_transport_options={"ack_emulation": False, "queue_order_strategy": "priority", **kv.KEEPALIVE},
         worker_send_task_events=False,
     )
     return app

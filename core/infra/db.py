@@ -20,7 +20,17 @@ from core.config import Settings, get_settings
 # An unreachable Postgres fails a connection attempt in seconds (then callers retry). The API's
 # statements are short: none may hold a connection for more than a minute (batch validation's long
 # COPY runs on the sync engine, in the dispatcher).
-_CONNECT = {"connect_timeout": 5}
+# A Postgres host that vanishes (powered off, partitioned: no FIN, no RST) must not hold a caller for
+# TCP's own ~15 minutes of retransmissions: libpq's keepalives find an idle connection's dead peer in
+# ~25 s, and `tcp_user_timeout` drops one whose sent data goes unacknowledged for 30 s (mid-query).
+_CONNECT = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 _API_STATEMENT_MS = 60_000
 
 

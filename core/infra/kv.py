@@ -4,6 +4,7 @@ stale pooled connection after a restart is retried instead of surfacing as an er
 from __future__ import annotations
 
 import hashlib
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,11 +19,19 @@ from core.infra import transient
 # with Postgres's, in core/infra/transient.py; importing it registers those refusals with redis-py.
 TRANSIENT = transient.REDIS
 
+# TCP keepalives on every Redis connection (ours and the Celery consumer's): a Redis host that vanishes
+# (no FIN, no RST) is found dead on an idle connection in ~25 s, not TCP's two hours.
+KEEPALIVE: dict[str, Any] = {
+    "socket_keepalive": True,
+    "socket_keepalive_options": {socket.TCP_KEEPIDLE: 10, socket.TCP_KEEPINTVL: 5, socket.TCP_KEEPCNT: 3},
+}
+
 _OPTIONS: dict[str, Any] = {
     "socket_timeout": 15.0,  # longer than any XREAD BLOCK we issue (2 s)
     "socket_connect_timeout": 5.0,
     "health_check_interval": 15,
     "retry_on_error": [ConnectionError, TimeoutError],
+    **KEEPALIVE,
 }
 
 

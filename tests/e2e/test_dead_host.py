@@ -79,14 +79,8 @@ def host() -> Iterator[tuple[str, str]]:
 def pg(tmp_path) -> Iterator[OwnPostgres]:
     server = OwnPostgres(tmp_path)
     server.listen = f"127.0.0.1,{ROOT_IP}"
-    server.data.mkdir(parents=True)
-    server.data.parent.chmod(0o755)
-    shutil.chown(server.data.parent, "postgres")
-    shutil.chown(server.data, "postgres")
-    server._run(str(server.bin / "initdb"), "-D", str(server.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-    with open(server.data / "pg_hba.conf", "a") as hba:  # the other host may log in (trust, as the rest)
-        hba.write(f"host all all {HOST_IP}/32 trust\n")
-    server.start()
+    server.trusted = [f"{HOST_IP}/32"]  # the other host may log in
+    server.init()
     try:
         yield server
     finally:
