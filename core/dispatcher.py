@@ -37,6 +37,11 @@ from core.tenancy import admission
 log = logging.getLogger(__name__)
 
 WAKE_COALESCE_S = 0.05
+# A worker Redis has not heard from (workers.LIVE_S without a heartbeat) that still holds running jobs
+# loses them once this dispatcher has seen it silent this much longer, reading Redis all along: long
+# enough for every worker to beat again after a Redis restart (workers.HEARTBEAT_S) before anyone is
+# judged.
+UNHEARD_S = 5.0
 
 
 class Dispatcher:
@@ -51,6 +56,7 @@ class Dispatcher:
         # Free batch slots a woken pass waits for: a message's worth, but no more than a worker
         # holds in reserve (its prefetched lines are what keeps its engine full until then).
         self.refill_at = max(1, min(settings.batch_group, settings.prefetch_for(settings.max_batch)))
+        self.unheard: dict[str, float] = {}  # a worker holding running jobs -> since when Redis has not heard it
 
     def tick(self, woken: bool = False) -> dict[str, int]:
         """One pass. Returns counts for logs and tests. `woken`: a pass that follows a send or a wake
@@ -65,7 +71,10 @@ class Dispatcher:
             sent = 0
             if upkeep:
                 self._next_upkeep = time.monotonic() + s.dispatcher_interval_s
+                revoked = self._revoke_unheard(session)
                 counts = self.lifecycle.reap()
+                if revoked:
+                    counts["revoked"] = revoked
                 # A job dispatched but unclaimed past the timeout: re-send it unless its message is
                 # still waiting in its queue (slow, not lost). Under any backlog a lost message is found.
                 stale = session.execute(
@@ -95,6 +104,42 @@ class Dispatcher:
         if any(v for k, v in counts.items() if k != "sent"):
             log.info("dispatcher: %s", counts)
         return counts
+
+    def _revoke_unheard(self, session: Session) -> int:
+        """A worker cut from Redis but not from Postgres keeps renewing its leases, so its jobs'
+        streams stay silent for as long as the cut lasts. Redis stops hearing its heartbeats; once
+        this dispatcher has seen one silent for UNHEARD_S more while it could read Redis itself, the
+        worker's running jobs get their leases ended, and `reap` re-queues them in this same pass:
+        another worker resumes each from what its stream delivered. The cut worker finds its next
+        renewal refused and stops; an append it still has in flight is refused by the stream's fence.
+        Redis away for this dispatcher too: nobody is judged (it is an outage, not a cut)."""
+        models = self.settings.model_ids
+        holders = set(session.scalars(jobs.running_holders(models)))
+        if not holders:
+            self.unheard.clear()
+            return 0
+        try:
+            heard = {w.name for m in models for w in workers.live(self.rds, m)}
+        except transient.REDIS:
+            self.unheard.clear()
+            return 0
+        now = time.monotonic()
+        self.unheard = {w: self.unheard.get(w, now) for w in holders - heard if w}
+        due = sorted(w for w, since in self.unheard.items() if now - since >= UNHEARD_S)
+        if not due:
+            return 0
+        ended = session.execute(jobs.end_leases_of(due)).all()
+        session.commit()
+        for w in due:
+            del self.unheard[w]
+        log.warning(
+            "workers %s: unheard in Redis for %.0f s while renewing leases in Postgres (cut from Redis?): "
+            "%d running jobs go to other workers",
+            due,
+            workers.LIVE_S + UNHEARD_S,
+            len(ended),
+        )
+        return len(ended)
 
     def keep_batches(self) -> dict[str, int]:
         """Batch bookkeeping (counts, expiry, cancellation, finalization), webhooks, gauges and the

@@ -63,7 +63,9 @@ PREFIX = "spc"  # every namespace, link and bridge made here starts with it (lef
 BRIDGE = f"{PREFIX}-br"
 HOSTS = {"data": 10, "cache": 11, "api1": 21, "api2": 22, "work1": 31, "work2": 32}
 API_PORT, REDIS_PORT = 8000, 6379
-PARTITION_S = 20.0  # > SPOOL_LEASE_S (3) and the dispatcher's re-send (SPOOL_DISPATCH_TIMEOUT_S, 8)
+# Longer than SPOOL_LEASE_S (3), the dispatcher's re-send (SPOOL_DISPATCH_TIMEOUT_S, 8) and the time
+# after which the dispatcher gives a worker Redis no longer hears away (LIVE_S 10 + UNHEARD_S 5).
+PARTITION_S = 30.0
 DOWN_S = 8.0  # how long a dead host stays dead before it is started again
 SCENARIOS = ("worker-redis", "worker-postgres", "worker-isolated", "api-death", "worker-death")
 SHORT = ("worker-redis", "api-death")  # CI's run
@@ -293,17 +295,41 @@ class ClusterReport(Report):
     scenarios: dict[str, dict] = field(default_factory=dict)
 
 
-def _on_host(c: Cluster, host: str) -> Callable[[], int]:
-    """How many jobs `host`'s worker is running right now (a job's `worker` is `hostname:pid`)."""
+def _on_host(c: Cluster, host: str) -> Callable[[], list[tuple[str, int]]]:
+    """The jobs (id, attempt) `host`'s worker is running right now (a job's `worker` is `hostname:pid`)."""
     db = create_engine(c.db_url, pool_pre_ping=True)
 
-    def count() -> int:
+    def held() -> list[tuple[str, int]]:
         pid = c.procs[host][1].pid
         with db.connect() as conn:
-            q = text("SELECT count(*) FROM jobs WHERE state = 'running' AND worker = :w")
-            return conn.scalar(q, {"w": f"{socket.gethostname()}:{pid}"}) or 0
+            q = text("SELECT id, attempt FROM jobs WHERE state = 'running' AND worker = :w")
+            return [(r.id, r.attempt) for r in conn.execute(q, {"w": f"{socket.gethostname()}:{pid}"})]
 
-    return count
+    return held
+
+
+def _fate(c: Cluster, held: list[tuple[str, int]], since: float) -> dict:
+    """What became of the jobs a cut or dead worker held: how many another attempt took over, and how
+    long after the fault the last of them ended (seconds, from the jobs' own rows)."""
+    if not held:
+        return {"held": 0}
+    db = create_engine(c.db_url, pool_pre_ping=True)
+    deadline = time.monotonic() + 120
+    q = text("SELECT id, attempt, extract(epoch from finished_at) AS f FROM jobs WHERE id = ANY(:ids)")
+    while True:
+        with db.connect() as conn:
+            rows = conn.execute(q, {"ids": [i for i, _ in held]}).all()
+        if all(r.f is not None for r in rows) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    db.dispose()
+    first = dict(held)
+    ended = [float(r.f) for r in rows if r.f is not None]
+    return {
+        "held": len(held),
+        "taken_over": sum(1 for r in rows if r.attempt > first[r.id]),
+        "last_ended_s_after_fault": round(max(ended) - since, 1) if ended else None,
+    }
 
 
 @contextmanager
@@ -323,16 +349,18 @@ def _scenario(c: Cluster, name: str, report: ClusterReport) -> None:
     with _timed(report, name) as row:
         if name in ("worker-redis", "worker-postgres", "worker-isolated"):
             try:
-                wait_for(running, 30, "a job running")
+                held = wait_for(running, 30, "a job running")
             except TimeoutError:
-                row["problem"] = "no job was running when the partition began"
+                held, row["problem"] = [], "no job was running when the partition began"
             peers = {"worker-redis": ["cache"], "worker-postgres": ["data"], "worker-isolated": ["cache", "data"]}[name]
+            since = time.time()
             for p in peers:
                 c.net.cut("work1", p)
             row["cut_from"] = peers
             time.sleep(PARTITION_S)
             for p in peers:
                 c.net.heal("work1", p)
+            row |= _fate(c, held, since)
         elif name == "api-death":
             time.sleep(2)  # streams under way through both API hosts
             c.net.link("api1", False)
@@ -343,12 +371,14 @@ def _scenario(c: Cluster, name: str, report: ClusterReport) -> None:
             c.start_api("api1")
         elif name == "worker-death":
             try:
-                wait_for(running, 30, "a job running")
+                held = wait_for(running, 30, "a job running")
             except TimeoutError:
-                row["problem"] = "no job was running when the host died"
+                held, row["problem"] = [], "no job was running when the host died"
+            since = time.time()
             row["killed"] = c.kill_host("work1")
             time.sleep(DOWN_S)
             c.start_worker("work1")
+            row |= _fate(c, held, since)
         else:
             raise ValueError(name)
     time.sleep(4)  # the load goes on between faults

@@ -323,9 +323,11 @@ class Attempt:
             return
         self._next_wait_renew = now + self.settings.lease_s / 3
         try:
-            self.runner.renew(self.job)
+            owned = self.runner.renew(self.job)
         except TRANSIENT:
-            pass  # Postgres away too: the lease may lapse, and the job resumes elsewhere
+            return  # Postgres away too: the lease may lapse, and the job resumes elsewhere
+        if not owned:  # the dispatcher gave the job to another worker (this one is cut from Redis)
+            raise streams.Fenced(f"job {self.job.id}: attempt {self.job.attempt} lost its lease while Redis was away")
 
     def _on_cancel(self) -> None:
         """Called by the worker's cancel watch (workers/cancels.py) when the job's cancel key is set."""

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Insert,
     Integer,
     Interval,
+    Select,
     String,
     Table,
     Update,
@@ -391,6 +392,26 @@ def touch_stale_dispatched(timeout_s: float, limit: int, models: list[str]) -> U
         .where(Job.id.in_(stale), Job.state == JobState.dispatched.value)
         .values(dispatched_at=func.now())
         .returning(Job.id, Job.attempt, Job.model, Job.kind)
+    )
+
+
+def running_holders(models: Sequence[str]) -> Select:
+    """The workers (`hostname:pid`) holding running jobs of these models."""
+    return (
+        select(Job.worker)
+        .where(Job.state == JobState.running.value, Job.model.in_(models), Job.worker.is_not(None))
+        .distinct()
+    )
+
+
+def end_leases_of(holders: Sequence[str]) -> Update:
+    """The running jobs of these workers with their leases ended now: `requeue_lapsed` takes them next
+    (a worker Redis no longer hears, whose jobs' streams would stay silent; core/dispatcher.py)."""
+    return (
+        update(Job)
+        .where(Job.state == JobState.running.value, Job.worker.in_(holders))
+        .values(lease_until=func.now() - timedelta(seconds=1))
+        .returning(Job.id, Job.worker)
     )
 
 
