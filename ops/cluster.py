@@ -315,7 +315,10 @@ def _fate(c: Cluster, held: list[tuple[str, int]], since: float) -> dict:
         return {"held": 0}
     db = create_engine(c.db_url, pool_pre_ping=True)
     deadline = time.monotonic() + 120
-    q = text("SELECT id, attempt, extract(epoch from finished_at) AS f FROM jobs WHERE id = ANY(:ids)")
+    q = text(
+        "SELECT id, attempt, extract(epoch from started_at) AS s, extract(epoch from finished_at) AS f"
+        " FROM jobs WHERE id = ANY(:ids)"
+    )
     while True:
         with db.connect() as conn:
             rows = conn.execute(q, {"ids": [i for i, _ in held]}).all()
@@ -325,9 +328,12 @@ def _fate(c: Cluster, held: list[tuple[str, int]], since: float) -> dict:
     db.dispose()
     first = dict(held)
     ended = [float(r.f) for r in rows if r.f is not None]
+    moved = [r for r in rows if r.attempt > first[r.id]]
     return {
         "held": len(held),
-        "taken_over": sum(1 for r in rows if r.attempt > first[r.id]),
+        "taken_over": len(moved),
+        # when the last of them was claimed again (its new attempt started) and when the last ended
+        "last_resumed_s_after_fault": round(max(float(r.s) for r in moved) - since, 1) if moved else None,
         "last_ended_s_after_fault": round(max(ended) - since, 1) if ended else None,
     }
 
@@ -344,7 +350,7 @@ def _timed(report: ClusterReport, name: str) -> Iterator[dict]:
 _T0 = time.monotonic()
 
 
-def _scenario(c: Cluster, name: str, report: ClusterReport) -> None:
+def _scenario(c: Cluster, name: str, report: ClusterReport, partition_s: float) -> None:
     running = _on_host(c, "work1")
     with _timed(report, name) as row:
         if name in ("worker-redis", "worker-postgres", "worker-isolated"):
@@ -357,7 +363,7 @@ def _scenario(c: Cluster, name: str, report: ClusterReport) -> None:
             for p in peers:
                 c.net.cut("work1", p)
             row["cut_from"] = peers
-            time.sleep(PARTITION_S)
+            time.sleep(partition_s)
             for p in peers:
                 c.net.heal("work1", p)
             row |= _fate(c, held, since)
@@ -384,7 +390,9 @@ def _scenario(c: Cluster, name: str, report: ClusterReport) -> None:
     time.sleep(4)  # the load goes on between faults
 
 
-def run(scenarios: tuple[str, ...], workdir: Path | None = None, seed: int = 7) -> ClusterReport:
+def run(
+    scenarios: tuple[str, ...], workdir: Path | None = None, seed: int = 7, partition_s: float = PARTITION_S
+) -> ClusterReport:
     workdir = workdir or Path(tempfile.mkdtemp(prefix="spool-cluster-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {workdir}", flush=True)
@@ -402,12 +410,13 @@ def run(scenarios: tuple[str, ...], workdir: Path | None = None, seed: int = 7) 
         def inject() -> None:
             time.sleep(4)
             for name in scenarios:
-                _scenario(c, name, report)
+                _scenario(c, name, report, partition_s)
                 report.faults.append(name)
 
         load_and_audit(c.base_url, c.key, c.db_url, random.Random(seed), True, report, inject)
         logs = "".join(c.log(n) for n in ("work1", "work2") if (workdir / f"{n}.log").exists())
-        report.stale_attempts_refused = logs.count("was superseded by a newer attempt")
+        # An attempt told it no longer owns its job: by the lease's compare-and-set, or the stream's fence.
+        report.stale_attempts_refused = logs.count("lost its lease") + logs.count("was superseded")
     finally:
         c.down()
         signal.signal(signal.SIGTERM, old)
@@ -422,6 +431,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     ap.add_argument("--clean", action="store_true", help="only remove what an interrupted run left")
+    ap.add_argument("--partition-s", type=float, default=PARTITION_S, help="how long a worker host stays cut")
     args = ap.parse_args()
     if args.clean:
         clean()
@@ -432,7 +442,7 @@ def main() -> None:
     unknown = set(chosen) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenarios: {sorted(unknown)}")
-    report = run(chosen, args.workdir)
+    report = run(chosen, args.workdir, partition_s=args.partition_s)
     body = asdict(report)
     print(json.dumps(body, indent=2))
     if args.json:

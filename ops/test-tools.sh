@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Tools only the test suite needs, from Debian's packages: headless Chromium and its driver (the
-# status-page test) and promtool (checks the alert rules). promtool is taken out of the `prometheus`
-# package without installing it, so no Prometheus service is set up. Safe to run again; where apt
-# is missing it says so, and the tests that need these skip with that reason.
+# status-page test), HAProxy (the cluster harness) and promtool (checks the alert rules). promtool is
+# taken out of the `prometheus` package without installing it, so no Prometheus service is set up.
+# Safe to run again; where apt is missing it says so, and the tests that need these skip with that
+# reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -12,6 +13,13 @@ command -v apt-get >/dev/null || { echo "test-tools: no apt-get; chromium/promto
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+fi
+
+# HAProxy: the cluster harness's load balancer (ops/cluster.py, tests/e2e/test_cluster.py). Debian's
+# package is installed, and its service is not started (the harness runs its own with its own config).
+if ! command -v haproxy >/dev/null; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 fi
 
 if [ ! -x .venv/bin/promtool ] && ! command -v promtool >/dev/null; then

@@ -1,0 +1,45 @@
+"""Issue 39, CI's short run of the cluster harness (ops/cluster.py): six network-namespace hosts
+behind HAProxy, under the fault harness's mixed load (streamed, non-streamed, async, keyless, chat,
+Responses and batch requests; the `openai` SDK among the clients). A worker host is cut from Redis
+for 20 s while it generates (its processes running, no FIN or RST), then an API host's link is cut
+under streams and its processes SIGKILLed. The audit: every accepted job ended exactly once with the
+text of an undisturbed run, no 5xx from Spool, streams resumed through the other API host, and the
+cut worker's jobs taken over by the other worker while the cut lasted. `python -m ops.cluster` runs
+every scenario (docs/reliability.md has its figures)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ops import cluster
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0
+    or shutil.which("ip") is None
+    or shutil.which("haproxy") is None
+    or shutil.which("redis-server") is None
+    or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")),
+    reason="needs root, iproute2, HAProxy (ops/test-tools.sh), redis-server and PostgreSQL's server binaries",
+)
+
+
+def test_a_partition_and_an_api_host_death_lose_nothing(tmp_path):
+    report = cluster.run(cluster.SHORT, tmp_path / "cluster", partition_s=20.0)
+    assert report.clean, report.problems
+    assert (report.lost, report.duplicated, report.wrong, report.stuck, report.http_5xx) == (0, 0, 0, 0, 0)
+    assert report.requests >= 60 and report.batch_lines == 24
+    assert report.faults == list(cluster.SHORT)
+    cut = report.scenarios["worker-redis"]
+    assert cut["held"] >= 1, cut  # the cut came while the worker generated
+    # Taken over by the next attempt (the other worker) while the cut lasted: before, the cut worker
+    # kept renewing its leases in Postgres and its jobs stayed attempt 1, silent until the heal.
+    assert cut["taken_over"] == cut["held"], cut
+    death = report.scenarios["api-death"]
+    assert death["killed"] == ["api1"]
+    assert report.reattached_streams >= 1  # streams cut with api1 resumed through api2 (Last-Event-ID)
+    # Nothing of the cluster is left behind: namespaces, links, processes.
+    assert not [n for n in cluster._ip("netns", "list").split() if n.startswith(f"{cluster.PREFIX}-")]
