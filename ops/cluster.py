@@ -233,7 +233,8 @@ class Cluster:
             self.start_worker(host)
         self.lb_port = free_port()
         cfg = self.workdir / "haproxy.cfg"
-        cfg.write_text(haproxy_config(self.lb_port))
+        apis = {h: f"{addr(h)}:{API_PORT}" for h in ("api1", "api2")}
+        cfg.write_text(haproxy_config(f"127.0.0.1:{self.lb_port}", apis))
         log = open(self.workdir / "haproxy.log", "ab")
         self.procs["haproxy"] = ("root", subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=log, stderr=log))
         wait_for(self._ready, 60, "the cluster ready through the balancer")
@@ -254,19 +255,21 @@ class Cluster:
         clean()
 
 
-def haproxy_config(port: int) -> str:
-    """Round robin over the API hosts, checked every second on /health (two misses: down, and its
-    open streams are cut so their clients resume on the other host at once). /ready is not the check:
-    its "no live worker" holds for every API host at once, and taking them all out would refuse the
-    async jobs and batches Spool queues meanwhile. A POST that got no answer is retried on the other
-    host only when it carries an Idempotency-Key (retrying a keyless one could run it twice)."""
-    servers = "\n".join(f"  server {h} {addr(h)}:{API_PORT} check" for h in ("api1", "api2"))
+def haproxy_config(bind: str, servers: dict[str, str]) -> str:
+    """HAProxy in front of Spool's API hosts (the harness's, and ops/haproxy.example.cfg, which a unit
+    test holds to this). Round robin, each host checked every second on /health; two misses and it is
+    out, its open streams cut so their clients resume on another host at once (`Last-Event-ID`).
+    /ready is not the check: its "no live worker" holds for every API host at once, and taking them
+    all out would refuse the async jobs and batches Spool queues meanwhile. A POST that got no answer
+    is retried on another host only when it carries an Idempotency-Key: a keyless one could run twice."""
+    lines = "\n".join(f"  server {name} {where} check" for name, where in servers.items())
     return f"""global
   maxconn 4000
 
 defaults
   mode http
   timeout connect 2s
+  # streams stay open as long as a completion runs
   timeout client 600s
   timeout server 600s
   timeout http-request 30s
@@ -275,7 +278,7 @@ defaults
   retry-on conn-failure empty-response response-timeout
 
 frontend spool
-  bind 127.0.0.1:{port}
+  bind {bind}
   http-request disable-l7-retry if METH_POST !{{ req.hdr(idempotency-key) -m found }}
   default_backend apis
 
@@ -284,7 +287,7 @@ backend apis
   option httpchk GET /health
   http-check expect status 200
   default-server inter 1s fall 2 rise 2 on-marked-down shutdown-sessions
-{servers}
+{lines}
 """
 
 
