@@ -113,9 +113,11 @@ class _Download(StreamingResponse):
     """A download's bytes, its slot held (and renewed) from the first byte to the last, given back
     however the response ends. No database session is held here: each chunk is read in one of its own."""
 
+    media_type = "application/jsonl"  # what /openapi.json declares for the route (its response_class)
+
     def __init__(self, d: service.Download) -> None:
         headers = {"content-length": str(d.file.bytes), "content-disposition": _disposition(d.file.filename)}
-        super().__init__(d.chunks(), media_type="application/jsonl", headers=headers)
+        super().__init__(d.chunks(), media_type=self.media_type, headers=headers)
         self.download = d
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -128,7 +130,17 @@ class _Download(StreamingResponse):
             await self.download.close()
 
 
-@router.get("/{file_id}/content")
+@router.get(
+    "/{file_id}/content",
+    status_code=200,
+    response_class=_Download,
+    responses={
+        200: {
+            "description": "The file's bytes (JSON Lines: a batch's input, output or errors)",
+            "content": {"application/jsonl": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
 async def file_content(file_id: str, tenant: TenantDep, redis: RedisDep, settings: SettingsDep) -> StreamingResponse:
     """The file's bytes; at most SPOOL_DOWNLOAD_CONCURRENCY of a tenant's at once (429 past it)."""
     most = settings.download_concurrency

@@ -80,6 +80,8 @@ async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, finger
 @router.get(
     "/{job_id}/events",
     response_model=None,
+    status_code=200,
+    response_class=EventSourceResponse,
     responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}},
 )
 async def job_events(

@@ -87,3 +87,15 @@ def test_a_wrong_body_does_not_fit():
     del body["choices"]
     with pytest.raises(jsonschema.ValidationError):
         _validate(body, _answers("/v1/completions")["200"]["content"]["application/json"]["schema"])
+
+
+@pytest.mark.parametrize(
+    ("path", "media_type"),
+    [("/v1/jobs/{job_id}/events", "text/event-stream"), ("/v1/files/{file_id}/content", "application/jsonl")],
+)
+def test_routes_that_answer_no_json_declare_only_what_they_send(path, media_type):
+    """A replayed stream is SSE and a file's content its bytes: neither was to be declared as a JSON
+    body with no schema (what FastAPI adds by default), which clients generated from the document
+    would try to parse."""
+    content = _doc()["paths"][path]["get"]["responses"]["200"]["content"]
+    assert list(content) == [media_type]
