@@ -38,24 +38,22 @@ iproute2, HAProxy, redis-server and PostgreSQL's server binaries.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from sqlalchemy import create_engine, text
 
-from ops.faults import MODEL, OwnPostgres, Report, load_and_audit, wait_for
+from ops.faults import MODEL, TIMINGS, OwnPostgres, Report, finish, load_and_audit, wait_for
 from ops.harness import ROOT, SPOOL, free_port
 
 NET = "10.213.8"
@@ -162,15 +160,7 @@ class Cluster:
             "SPOOL_REDIS_URL": f"redis://{addr('cache')}:{REDIS_PORT}/0",
             "SPOOL_API_HOST": "0.0.0.0",
             "SPOOL_API_PORT": str(API_PORT),
-            # The fault harness's timings: recovery paths run in seconds.
-            "SPOOL_LEASE_S": "3",
-            "SPOOL_DISPATCH_TIMEOUT_S": "8",
-            "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
-            "SPOOL_INFRA_RETRY_S": "120",
-            "SPOOL_N_CTX": "1024",
-            "SPOOL_BATCH_VALIDATION_LEASE_S": "5",
-            "SPOOL_MAX_ATTEMPTS": "50",
-            "PYTHONUNBUFFERED": "1",
+            **TIMINGS,
             **extra,
         }
 
@@ -445,12 +435,7 @@ def main() -> None:
     unknown = set(chosen) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenarios: {sorted(unknown)}")
-    report = run(chosen, args.workdir, partition_s=args.partition_s)
-    body = asdict(report)
-    print(json.dumps(body, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(body, indent=2))
-    sys.exit(0 if report.clean else 1)
+    finish(run(chosen, args.workdir, partition_s=args.partition_s), args.json)
 
 
 if __name__ == "__main__":

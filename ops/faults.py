@@ -171,6 +171,19 @@ class OwnRedis:
         r.close()
 
 
+# The harnesses' timings (this one's and ops/cluster.py's): recovery paths run in seconds.
+TIMINGS = {
+    "SPOOL_LEASE_S": "3",
+    "SPOOL_DISPATCH_TIMEOUT_S": "8",
+    "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
+    "SPOOL_INFRA_RETRY_S": "120",
+    "SPOOL_N_CTX": "1024",
+    "SPOOL_BATCH_VALIDATION_LEASE_S": "5",
+    "SPOOL_MAX_ATTEMPTS": "50",  # 20+ kills: a job may be hit several times
+    "PYTHONUNBUFFERED": "1",
+}
+
+
 def _stack(workdir: Path, db_url: str, redis_url: str) -> Stack:
     """Spool's own processes (ops/harness.Stack, as the tests drive them), logs in the work folder."""
     port = free_port()
@@ -179,14 +192,7 @@ def _stack(workdir: Path, db_url: str, redis_url: str) -> Stack:
         "SPOOL_DATABASE_URL": db_url,
         "SPOOL_REDIS_URL": redis_url,
         "SPOOL_API_PORT": str(port),
-        "SPOOL_LEASE_S": "3",
-        "SPOOL_DISPATCH_TIMEOUT_S": "8",
-        "SPOOL_DISPATCHER_INTERVAL_S": "0.5",
-        "SPOOL_INFRA_RETRY_S": "120",
-        "SPOOL_N_CTX": "1024",
-        "SPOOL_BATCH_VALIDATION_LEASE_S": "5",
-        "SPOOL_MAX_ATTEMPTS": "50",  # 20+ kills: a job may be hit several times
-        "PYTHONUNBUFFERED": "1",
+        **TIMINGS,
     }
     return Stack(env=env, logdir=workdir, port=port, worker_metrics=False)
 
@@ -905,11 +911,16 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
-    report = run(args.short, args.worker_kills, args.workdir, only=only, rounds=args.rounds)
-    body = {k: v for k, v in asdict(report).items()}
-    print(json.dumps(body, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(body, indent=2))
+    finish(run(args.short, args.worker_kills, args.workdir, only=only, rounds=args.rounds), args.json)
+
+
+def finish(report: Report, json_path: Path | None) -> None:
+    """Print the report (and write it to `json_path`); exit 0 only if it is clean. Shared by
+    `python -m ops.faults` and `python -m ops.cluster`."""
+    body = json.dumps(asdict(report), indent=2)
+    print(body)
+    if json_path:
+        json_path.write_text(body)
     sys.exit(0 if report.clean else 1)
 
 
