@@ -167,16 +167,44 @@ def profiled(pids: dict[str, int], out: Path | None, tag: str) -> Iterator[None]
 Calls = Callable[[], dict[str, int]]
 
 
-def redis_calls(url: str) -> Calls:
+# Counters that are traffic, not Redis commands: reported apart (per token, per job) in docs/scaling.md.
+TRAFFIC = ("redis_bytes_in", "redis_bytes_out", "pg_transactions", "pg_rows_written")
+
+
+def redis_calls(url: str, database: str | None = None) -> Calls:
     """Commands Redis has served so far, by name (`INFO commandstats`): how many round trips a token
-    or a job costs, which CPU seconds alone do not say."""
+    or a job costs, which CPU seconds alone do not say. Also its network bytes in and out, and, given
+    the bench's database, Postgres's committed transactions and rows written in it (pg_stat_database):
+    what one Postgres and one Redis carry per token and per job, for sizing them (docs/scaling.md)."""
     import redis as redis_lib
 
     client = redis_lib.Redis.from_url(url)
+    db = None
+    if database is not None:
+        from sqlalchemy import create_engine
+
+        from ops import harness
+
+        db = create_engine(harness.TEST_DB.rsplit("/", 1)[0] + "/postgres")
 
     def read() -> dict[str, int]:
         stats = client.info("commandstats")
-        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+        out = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+        net = client.info("stats")
+        out["redis_bytes_in"], out["redis_bytes_out"] = net["total_net_input_bytes"], net["total_net_output_bytes"]
+        if db is not None:
+            from sqlalchemy import text
+
+            with db.connect() as conn:
+                row = conn.execute(
+                    text(
+                        "SELECT xact_commit + xact_rollback, tup_inserted + tup_updated + tup_deleted"
+                        " FROM pg_stat_database WHERE datname = :d"
+                    ),
+                    {"d": database},
+                ).one()
+            out["pg_transactions"], out["pg_rows_written"] = int(row[0]), int(row[1])
+        return out
 
     return read
 
@@ -198,7 +226,12 @@ def measured(
 
 
 def _per(served: dict[str, int], n: int, top: int = 6) -> dict[str, float]:
-    return {k: v / n for k, v in sorted(served.items(), key=lambda kv: -kv[1])[:top]}
+    commands = {k: v for k, v in served.items() if k not in TRAFFIC}
+    return {k: v / n for k, v in sorted(commands.items(), key=lambda kv: -kv[1])[:top]}
+
+
+def _traffic(served: dict[str, int], n: int) -> dict[str, float]:
+    return {k: served[k] / n for k in TRAFFIC if k in served}
 
 
 def run_levels(
@@ -243,6 +276,7 @@ def run_levels(
                 "cpu_ms_per_token": {k: 1000 * v / toks for k, v in cpu.items()},
                 "spool_cpu_ms_per_token": 1000 * sum(v for k, v in cpu.items() if k != "client") / toks,
                 "redis_calls_per_token": _per(served, toks),
+                "traffic_per_token": _traffic(served, toks),
             }
         )
     if a.short_jobs:
@@ -267,6 +301,7 @@ def run_levels(
                 "cpu_ms_per_job": {k: 1000 * v / jobs for k, v in cpu.items()},
                 "spool_cpu_ms_per_job": 1000 * sum(v for k, v in cpu.items() if k != "client") / jobs,
                 "redis_calls_per_job": _per(served, jobs),
+                "traffic_per_job": _traffic(served, jobs),
             }
         )
     return rows
@@ -301,6 +336,10 @@ def print_rows(rows: list[dict]) -> None:
         if per:
             unit = "token" if "redis_calls_per_token" in r else "job"
             print(f"       Redis calls per {unit}: " + "  ".join(f"{k} {v:.3f}" for k, v in per.items()), flush=True)
+        traffic = r.get("traffic_per_token") or r.get("traffic_per_job")
+        if traffic:
+            unit = "token" if "traffic_per_token" in r else "job"
+            print(f"       traffic per {unit}: " + "  ".join(f"{k} {v:.2f}" for k, v in traffic.items()), flush=True)
         for e in r.get("errors") or []:
             print(f"       failure: {e}", flush=True)
 
@@ -405,7 +444,7 @@ def paced_stack(
             cwd = os.readlink(f"/proc/{pid}/cwd")
             if Path(cwd) != root.resolve():
                 raise RuntimeError(f"{name} runs from {cwd}, not {root}")
-        yield st.base_url, st.keys["alpha"], meters, pids, redis_calls(redis_url)
+        yield st.base_url, st.keys["alpha"], meters, pids, redis_calls(redis_url, database)
     print(f"stack logs ({root}): {logdir}", flush=True)
 
 
