@@ -14,6 +14,7 @@ class Outcome(StrEnum):
     lost = "lost"  # another attempt owns it now (lease lapsed, fenced, or cancelled meanwhile)
     abandoned = "abandoned"  # the infrastructure stayed away: its lease lapses and the next attempt resumes
     skipped = "skipped"  # not claimable: a duplicate or stale message
+    unclaimed = "unclaimed"  # Postgres away for this worker: its message goes back to the queue for another
 
 
 class JobError(Exception):

@@ -25,10 +25,12 @@ class Abandoned(Exception):
 LETTING_GO: tuple[type[BaseException], ...] = (Abandoned, *TRANSIENT)
 
 
-def retrying(settings: Settings, what: str, fn: Any, *args: Any, on_wait: Any = None, **kw: Any) -> Any:
-    """Call `fn` until Postgres/Redis answer, with a bounded backoff, up to `infra_retry_s`.
-    `on_wait` runs before each pause (an attempt keeps its lease while Redis is away)."""
-    deadline = time.monotonic() + settings.infra_retry_s
+def retrying(
+    settings: Settings, what: str, fn: Any, *args: Any, on_wait: Any = None, budget_s: float | None = None, **kw: Any
+) -> Any:
+    """Call `fn` until Postgres/Redis answer, with a bounded backoff, up to `budget_s` (default
+    `infra_retry_s`). `on_wait` runs before each pause (an attempt keeps its lease while Redis is away)."""
+    deadline = time.monotonic() + (settings.infra_retry_s if budget_s is None else budget_s)
     backoff = 0.2
     while True:
         try:

@@ -49,6 +49,12 @@ from workers.retry import LETTING_GO, TRANSIENT, Abandoned, retrying
 
 log = logging.getLogger(__name__)
 
+# A message whose jobs this worker cannot claim (Postgres away for it: a partition, or an outage) goes
+# back to its queue after this long, for another worker that can. Retrying the claim for the whole
+# `infra_retry_s` held it here until the dispatcher's re-send (SPOOL_DISPATCH_TIMEOUT_S, 60 s by
+# default), which could land on the same cut-off worker again.
+CLAIM_RETRY_S = 3.0
+
 
 def tenant_cap(settings: Settings, max_batch: int) -> int:
     """Sequences of one tenant a worker's engine holds at once: `tenant_max_sequences`, or every slot
@@ -212,10 +218,10 @@ class JobRunner:
     # -- entrypoint -------------------------------------------------------------------------
     def run(self, job_id: str, attempt: int) -> Outcome:
         try:
-            job = retrying(self.settings, f"claim {job_id}", self._claim, job_id, attempt)
+            job = retrying(self.settings, f"claim {job_id}", self._claim, job_id, attempt, budget_s=CLAIM_RETRY_S)
         except Abandoned:
-            log.warning("job %s attempt %s: could not claim; the dispatcher re-sends it", job_id, attempt)
-            return Outcome.abandoned
+            log.warning("job %s attempt %s: could not claim (Postgres away); its message goes back", job_id, attempt)
+            return Outcome.unclaimed
         if job is None:
             log.info("job %s attempt %s: not claimable (duplicate or stale message); skipped", job_id, attempt)
             return Outcome.skipped
@@ -226,10 +232,10 @@ class JobRunner:
         the API): claimed in one statement, then run side by side, each an ordinary attempt (its own
         lease, fence, events and settlement)."""
         try:
-            jobs = retrying(self.settings, f"claim {len(pairs)} jobs", self._claim_many, pairs)
+            jobs = retrying(self.settings, f"claim {len(pairs)} jobs", self._claim_many, pairs, budget_s=CLAIM_RETRY_S)
         except Abandoned:
-            log.warning("could not claim %d jobs; the dispatcher re-sends them", len(pairs))
-            return [Outcome.abandoned] * len(pairs)
+            log.warning("could not claim %d jobs (Postgres away); their message goes back", len(pairs))
+            return [Outcome.unclaimed] * len(pairs)
         if len(jobs) < len(pairs):
             skipped = len(pairs) - len(jobs)
             log.info("%d of %d jobs not claimable (duplicate or stale message); skipped", skipped, len(pairs))

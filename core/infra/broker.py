@@ -128,7 +128,8 @@ def _broker() -> Any:
     return kv.client(get_settings().celery_broker_url)
 
 
-def _send(task: str, args: list[Any], queue: str) -> None:
+def send(task: str, args: list[Any], queue: str) -> None:
+    """One task message onto `queue` (blocking I/O): its far end, behind what already waits there."""
     _broker().lpush(queue, task_message(task, args, queue))
 
 
@@ -183,7 +184,7 @@ class AsyncSender:
 
 def send_run_jobs(pairs: list[tuple[str, int]], model: str) -> None:
     """Publish one `run_jobs([[job_id, attempt], ...])` message (batch lines of one model)."""
-    _send(RUN_JOBS, [[list(p) for p in pairs]], queue_for(model, "batch"))
+    send(RUN_JOBS, [[list(p) for p in pairs]], queue_for(model, "batch"))
 
 
 def send_deliver_webhook(batch_id: str, body: str) -> None:
