@@ -188,7 +188,11 @@ class ReaderLease:
     async def __aenter__(self) -> ReaderLease:
         if self._live:
             self._counted = asyncio.ensure_future(_count_reader(self._rds, self._job_id, self._member))
-            await asyncio.shield(self._counted)
+            try:
+                await asyncio.shield(self._counted)
+            except BaseException:  # cancelled while counting: no __aexit__ follows, take it back here
+                self._uncount()
+                raise
         return self
 
     async def renew(self) -> None:
@@ -198,12 +202,16 @@ class ReaderLease:
         await _count_reader(self._rds, self._job_id, self._member)
 
     async def __aexit__(self, *exc: object) -> None:
+        self._uncount()
+
+    def _uncount(self) -> None:
         if self._counted is not None:
             task = asyncio.get_running_loop().create_task(
                 _uncount_reader(self._rds, self._job_id, self._member, self._counted)
             )
             _UNCOUNTING.add(task)
             task.add_done_callback(_UNCOUNTING.discard)
+            self._counted = None
 
 
 _UNCOUNTING: set[asyncio.Task] = set()

@@ -37,11 +37,10 @@ from core.tenancy import admission
 log = logging.getLogger(__name__)
 
 WAKE_COALESCE_S = 0.05
-# A worker Redis has not heard from (workers.LIVE_S without a heartbeat) that still holds running jobs
-# loses them once this dispatcher has seen it silent this much longer, reading Redis all along: long
-# enough for every worker to beat again after a Redis restart (workers.HEARTBEAT_S) before anyone is
-# judged.
-UNHEARD_S = 5.0
+# A worker that holds running jobs while its heartbeat has not moved for this long, by this
+# dispatcher's own clock and while it could read Redis all along, loses them: LIVE_S, and 5 s more
+# so that every worker beats again after a Redis restart (workers.HEARTBEAT_S) before anyone is judged.
+UNHEARD_S = workers.LIVE_S + 5.0
 
 
 class Dispatcher:
@@ -56,7 +55,8 @@ class Dispatcher:
         # Free batch slots a woken pass waits for: a message's worth, but no more than a worker
         # holds in reserve (its prefetched lines are what keeps its engine full until then).
         self.refill_at = max(1, min(settings.batch_group, settings.prefetch_for(settings.max_batch)))
-        self.unheard: dict[str, float] = {}  # a worker holding running jobs -> since when Redis has not heard it
+        # A worker holding running jobs -> (its last heartbeat value seen, when it last moved by our clock).
+        self.heard: dict[str, tuple[float | None, float]] = {}
 
     def tick(self, woken: bool = False) -> dict[str, int]:
         """One pass. Returns counts for logs and tests. `woken`: a pass that follows a send or a wake
@@ -107,36 +107,47 @@ class Dispatcher:
 
     def _revoke_unheard(self, session: Session) -> int:
         """A worker cut from Redis but not from Postgres keeps renewing its leases, so its jobs'
-        streams stay silent for as long as the cut lasts. Redis stops hearing its heartbeats; once
-        this dispatcher has seen one silent for UNHEARD_S more while it could read Redis itself, the
-        worker's running jobs get their leases ended, and `reap` re-queues them in this same pass:
+        streams stay silent for as long as the cut lasts. Redis stops receiving its heartbeats; once
+        this dispatcher has seen one's heartbeat stand still for UNHEARD_S, reading Redis itself all
+        along, the worker's running jobs are re-queued with their next attempt in one statement:
         another worker resumes each from what its stream delivered. The cut worker finds its next
         renewal refused and stops; an append it still has in flight is refused by the stream's fence.
-        Redis away for this dispatcher too: nobody is judged (it is an outage, not a cut)."""
+        A heartbeat counts as heard when its value changes, timed by this dispatcher's clock: a worker
+        host whose clock runs behind is never judged for it. Redis away for this dispatcher too:
+        nobody is judged (it is an outage, not a cut), and every worker's silence starts afresh."""
         models = self.settings.model_ids
-        holders = set(session.scalars(jobs.running_holders(models)))
+        holders = {w for w in session.scalars(jobs.running_holders(models)) if w}
         if not holders:
-            self.unheard.clear()
+            self.heard.clear()
             return 0
         try:
-            heard = {w.name for m in models for w in workers.live(self.rds, m)}
+            beats: dict[str, float] = {}
+            for m in models:
+                beats |= workers.beats(self.rds, m)
         except transient.REDIS:
-            self.unheard.clear()
+            self.heard.clear()
             return 0
         now = time.monotonic()
-        self.unheard = {w: self.unheard.get(w, now) for w in holders - heard if w}
-        due = sorted(w for w, since in self.unheard.items() if now - since >= UNHEARD_S)
+        heard: dict[str, tuple[float | None, float]] = {}
+        for w in holders:
+            value, last = beats.get(w), self.heard.get(w)
+            if last is None or (value is not None and value != last[0]):
+                heard[w] = (value, now)  # first seen, or its heartbeat moved
+            else:
+                heard[w] = last
+        self.heard = heard
+        due = sorted(w for w, (_, since) in heard.items() if now - since >= UNHEARD_S)
         if not due:
             return 0
-        ended = session.execute(jobs.end_leases_of(due)).all()
+        ended = session.execute(jobs.requeue_held_by(due, self.settings.max_attempts)).all()
         session.commit()
         for w in due:
-            del self.unheard[w]
+            del self.heard[w]
         log.warning(
-            "workers %s: unheard in Redis for %.0f s while renewing leases in Postgres (cut from Redis?): "
+            "workers %s: heartbeat still for %.0f s while renewing leases in Postgres (cut from Redis?): "
             "%d running jobs go to other workers",
             due,
-            workers.LIVE_S + UNHEARD_S,
+            UNHEARD_S,
             len(ended),
         )
         return len(ended)

@@ -294,9 +294,12 @@ def _on_host(c: Cluster, host: str) -> Callable[[], list[tuple[str, int]]]:
 
     def held() -> list[tuple[str, int]]:
         pid = c.procs[host][1].pid
-        with db.connect() as conn:
-            q = text("SELECT id, attempt FROM jobs WHERE state = 'running' AND worker = :w")
-            return [(r.id, r.attempt) for r in conn.execute(q, {"w": f"{socket.gethostname()}:{pid}"})]
+        try:
+            with db.connect() as conn:
+                q = text("SELECT id, attempt FROM jobs WHERE state = 'running' AND worker = :w")
+                return [(r.id, r.attempt) for r in conn.execute(q, {"w": f"{socket.gethostname()}:{pid}"})]
+        finally:
+            db.dispose()
 
     return held
 
@@ -319,11 +322,13 @@ def _fate(c: Cluster, held: list[tuple[str, int]], since: float) -> dict:
             break
         time.sleep(0.5)
     db.dispose()
+    # A job that ended in the instant between the look and the fault was not held by the fault.
+    rows = [r for r in rows if r.f is None or float(r.f) > since]
     first = dict(held)
     ended = [float(r.f) for r in rows if r.f is not None]
     moved = [r for r in rows if r.attempt > first[r.id]]
     return {
-        "held": len(held),
+        "held": len(rows),
         "taken_over": len(moved),
         # when the last of them was claimed again (its new attempt started) and when the last ended
         "last_resumed_s_after_fault": round(max(float(r.s) for r in moved) - since, 1) if moved else None,

@@ -695,8 +695,10 @@ def load_and_audit(
 
     from sqlalchemy import create_engine, text
 
-    inject()
-    stop.set()
+    try:
+        inject()
+    finally:  # a fault that raised must not leave the clients running after the stack is gone
+        stop.set()
     for t in threads:
         t.join(timeout=900)
 

@@ -93,24 +93,29 @@ def _heartbeat(name: str, s, loop, slots: int) -> None:
 
     def beat_forever() -> None:
         while True:
-            pace.say()
-            stalled = loop.stalled_for()
-            if stalled > s.engine_stall_s:
-                logging.getLogger(__name__).critical(
-                    "engine wedged for %.0fs: leaving (a supervisor restarts me)", stalled
-                )
-                try:
-                    workers.gone(rds, model, name)
-                finally:
-                    os._exit(70)  # a wedged C call cannot be interrupted; exit without waiting for it
-            waiting = loop.waiting_count()
-            RUNNING.labels(model, name).set(max(loop.live_count() - waiting, 0))
-            WAITING.labels(model, name).set(waiting)
             try:
-                workers.beat(rds, model, name, slots, s.interactive_slots)
-            except Exception:
-                logging.getLogger(__name__).warning("heartbeat failed; retrying", exc_info=True)
+                beat_once()
+            except Exception:  # a thread that died here would leave a working worker unheard: its jobs
+                # would be given to others (core/dispatcher.py) while it goes on taking new ones
+                logging.getLogger(__name__).exception("heartbeat pass failed; going on")
             time.sleep(workers.HEARTBEAT_S)
+
+    def beat_once() -> None:
+        pace.say()
+        stalled = loop.stalled_for()
+        if stalled > s.engine_stall_s:
+            logging.getLogger(__name__).critical("engine wedged for %.0fs: leaving (a supervisor restarts me)", stalled)
+            try:
+                workers.gone(rds, model, name)
+            finally:
+                os._exit(70)  # a wedged C call cannot be interrupted; exit without waiting for it
+        waiting = loop.waiting_count()
+        RUNNING.labels(model, name).set(max(loop.live_count() - waiting, 0))
+        WAITING.labels(model, name).set(waiting)
+        try:
+            workers.beat(rds, model, name, slots, s.interactive_slots)
+        except Exception:
+            logging.getLogger(__name__).warning("heartbeat failed; retrying", exc_info=True)
 
     workers.beat(rds, model, name, slots, s.interactive_slots)
     threading.Thread(target=beat_forever, name="heartbeat", daemon=True).start()

@@ -21,8 +21,9 @@ from core.config import Settings, get_settings
 # statements are short: none may hold a connection for more than a minute (batch validation's long
 # COPY runs on the sync engine, in the dispatcher).
 # A Postgres host that vanishes (powered off, partitioned: no FIN, no RST) must not hold a caller for
-# TCP's own ~15 minutes of retransmissions: libpq's keepalives find an idle connection's dead peer in
-# ~25 s, and `tcp_user_timeout` drops one whose sent data goes unacknowledged for 30 s (mid-query).
+# TCP's own ~15 minutes of retransmissions: libpq's keepalives probe an idle connection after 10 s,
+# and `tcp_user_timeout` (which on Linux also bounds the probes) drops a connection whose data or
+# probes go unacknowledged for 30 s. Options a platform's libpq lacks are ignored by it.
 _CONNECT = {
     "connect_timeout": 5,
     "keepalives": 1,

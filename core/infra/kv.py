@@ -21,9 +21,19 @@ TRANSIENT = transient.REDIS
 
 # TCP keepalives on every Redis connection (ours and the Celery consumer's): a Redis host that vanishes
 # (no FIN, no RST) is found dead on an idle connection in ~25 s, not TCP's two hours.
+# (TCP_KEEPIDLE is Linux's name; macOS calls it TCP_KEEPALIVE. A unix:// socket takes none of this.)
+_IDLE = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
 KEEPALIVE: dict[str, Any] = {
     "socket_keepalive": True,
-    "socket_keepalive_options": {socket.TCP_KEEPIDLE: 10, socket.TCP_KEEPINTVL: 5, socket.TCP_KEEPCNT: 3},
+    "socket_keepalive_options": {
+        opt: value
+        for opt, value in (
+            (_IDLE, 10),
+            (getattr(socket, "TCP_KEEPINTVL", None), 5),
+            (getattr(socket, "TCP_KEEPCNT", None), 3),
+        )
+        if opt is not None
+    },
 }
 
 _OPTIONS: dict[str, Any] = {
@@ -31,20 +41,23 @@ _OPTIONS: dict[str, Any] = {
     "socket_connect_timeout": 5.0,
     "health_check_interval": 15,
     "retry_on_error": [ConnectionError, TimeoutError],
-    **KEEPALIVE,
 }
+
+
+def _options(url: str) -> dict[str, Any]:
+    return _OPTIONS if url.startswith("unix://") else {**_OPTIONS, **KEEPALIVE}
 
 
 def client(url: str, **kw: Any) -> redis.Redis:
     from redis.retry import Retry
 
-    return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 3), **_OPTIONS, **kw)
+    return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 3), **_options(url), **kw)
 
 
 def async_client(url: str, **kw: Any) -> aioredis.Redis:
     from redis.asyncio.retry import Retry
 
-    return aioredis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 3), **_OPTIONS, **kw)
+    return aioredis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 3), **_options(url), **kw)
 
 
 class Lua:

@@ -404,14 +404,22 @@ def running_holders(models: Sequence[str]) -> Select:
     )
 
 
-def end_leases_of(holders: Sequence[str]) -> Update:
-    """The running jobs of these workers with their leases ended now: `requeue_lapsed` takes them next
-    (a worker Redis no longer hears, whose jobs' streams would stay silent; core/dispatcher.py)."""
+def requeue_held_by(holders: Sequence[str], max_attempts: int) -> Update:
+    """The running jobs of these workers -> queued with the next attempt, in this one statement (a
+    worker Redis no longer hears, whose jobs' streams would stay silent; core/dispatcher.py). Ending
+    their leases for the reaper's next statement left a window in which the cut worker, which still
+    reaches Postgres, renewed them back. A job on its last attempt is left to `fail_lapsed` (its
+    lease ended here)."""
     return (
         update(Job)
         .where(Job.state == JobState.running.value, Job.worker.in_(holders))
-        .values(lease_until=func.now() - timedelta(seconds=1))
-        .returning(Job.id, Job.worker)
+        .values(
+            state=case((Job.attempt < max_attempts, JobState.queued.value), else_=Job.state),
+            attempt=case((Job.attempt < max_attempts, Job.attempt + 1), else_=Job.attempt),
+            lease_until=case((Job.attempt < max_attempts, null()), else_=func.now() - timedelta(seconds=1)),
+            dispatched_at=case((Job.attempt < max_attempts, null()), else_=Job.dispatched_at),
+        )
+        .returning(Job.id, Job.model)
     )
 
 

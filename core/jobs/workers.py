@@ -93,6 +93,13 @@ async def failures_async(rds: Any, model: str) -> list[WorkerFailure]:
     return _failures(await rds.hgetall(redis_keys.live_workers(model)), time.time())
 
 
+def beats(rds: Any, model: str) -> dict[str, float]:
+    """Every started worker's last heartbeat time, as it wrote it (by its own clock): to be compared
+    only with an earlier reading of the same worker (core/dispatcher.py), never with another clock."""
+    out = (_parse(n, body) for n, body in rds.hgetall(redis_keys.live_workers(model)).items())
+    return {w.name: w.seen for w in out if isinstance(w, WorkerInfo)}
+
+
 def batch_capacity(rds: Any, model: str) -> int:
     return sum(w.batch_slots for w in live(rds, model))
 

@@ -1,14 +1,16 @@
 """Issue 39: a worker cut from Redis but not from Postgres kept renewing its leases, so its jobs'
 streams stayed silent for the whole partition (40 s in the first cluster run) while another worker
 could have resumed them. The dispatcher, which reads both, now ends the leases of a worker Redis has
-stopped hearing (no heartbeat) once it has seen it silent for UNHEARD_S more; the reaper re-queues
-its jobs in the same pass. A worker that beats again in time (after a Redis restart emptied the
-heartbeat hash) is never judged, nor is anyone while the dispatcher cannot read Redis itself.
+stopped hearing once its heartbeat has stood still for UNHEARD_S by the dispatcher's own clock, and
+re-queues its jobs in that same statement. A worker that beats again in time (after a Redis restart
+emptied the heartbeat hash) is never judged, nor is one whose clock runs behind, nor anyone while the
+dispatcher cannot read Redis itself.
 Real Postgres and Redis, in-process; the cluster harness shows it with a real partition
 (`python -m ops.cluster --only worker-redis`)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -17,6 +19,7 @@ import redis as redis_lib
 
 from core import dispatcher as dispatcher_mod
 from core.dispatcher import Dispatcher
+from core.infra import redis_keys
 from core.infra.orm import Job
 from core.jobs import workers
 from core.jobs.states import JobState
@@ -82,6 +85,30 @@ def test_a_worker_that_beats_again_in_time_is_never_judged(session, sessions, rd
         assert (j.state, j.attempt) == (JobState.running.value, 1)
     finally:
         workers.gone(rds, model, "slow-host:3")
+
+
+def test_a_worker_whose_clock_runs_behind_is_heard_all_the_same(
+    session, sessions, rds, it_settings, monkeypatch, model
+):
+    """Its heartbeats carry times a minute old by the dispatcher's clock, but they move."""
+    monkeypatch.setattr(dispatcher_mod, "UNHEARD_S", 0.5)
+    t = factories.tenant(session)
+    j = _held(session, t, "behind-host:5", model)
+    d = _dispatcher(sessions, rds, it_settings, model)
+
+    def beat_a_minute_behind() -> None:
+        body = {"batch_slots": 1, "interactive_slots": 1, "t": time.time() - 60}
+        rds.hset(redis_keys.live_workers(model), "behind-host:5", json.dumps(body))
+
+    try:
+        for _ in range(3):
+            beat_a_minute_behind()
+            assert "revoked" not in _upkeep(d)
+            time.sleep(0.3)
+        session.expire_all()
+        assert (j.state, j.attempt) == (JobState.running.value, 1)
+    finally:
+        workers.gone(rds, model, "behind-host:5")
 
 
 def test_nobody_is_judged_while_the_dispatcher_cannot_read_redis(session, sessions, it_settings, monkeypatch, model):
