@@ -3,6 +3,7 @@ ones, and a displaced batch sequence continues to exactly the text it would have
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import pytest
@@ -153,9 +154,9 @@ def test_a_sequence_displaced_again_while_it_replays_keeps_every_token(engine):
     assert tokens["b"] == alone["b"]
 
 
-def _scoring_run(engine, specs: list[SeqSpec]) -> tuple[dict, dict, dict]:
+def _scoring_run(engine, specs: list[SeqSpec], scored: list[bool] | None = None) -> tuple[dict, dict, dict]:
     """Step `specs` to the end: each key's prompt entries, the step of its PromptEvent, and the step
-    of its first token."""
+    of its first token; `scored` gets, per step, whether it held a prompt-scoring chunk."""
     for s in specs:
         engine.add(s)
     entries: dict = {}
@@ -168,6 +169,8 @@ def _scoring_run(engine, specs: list[SeqSpec]) -> tuple[dict, dict, dict]:
                 entries[ev.key], prompt_at[ev.key] = ev.entries, step
             elif ev.token_id is not None:
                 first.setdefault(ev.key, step)
+        if scored is not None:
+            scored.append(engine._lane.scored_last)
         step += 1
     return entries, prompt_at, first
 
@@ -186,10 +189,14 @@ def test_prompt_scoring_is_spread_over_steps_while_others_go_on(monkeypatch):
         return SeqSpec(key, ids, 2, p, 7, prompt_logprobs=2, prompt_logprobs_len=len(ids))
 
     other = spec(eng, "other", "Hello, my name is", 6, False)
-    entries, prompt_at, first = _scoring_run(eng, [scorer("s0"), scorer("s1"), other])
+    scored: list[bool] = []
+    entries, prompt_at, first = _scoring_run(eng, [scorer("s0"), scorer("s1"), other], scored)
     steps = (len(ids) - 1) // llamacpp.SCORE_CHUNK - 1  # whole chunks of 64, the last one with the rest
     assert prompt_at["s0"] >= steps and prompt_at["s1"] >= 2 * steps, prompt_at  # one chunk a step
     assert first["other"] <= 1 < min(prompt_at["s0"], prompt_at["s1"]), (first, prompt_at)  # it went on meanwhile
+    # While `other` generates (its 6 tokens from its first), a scoring chunk goes in every other step.
+    during = scored[first["other"] + 1 : first["other"] + 6]
+    assert any(during) and not any(a and b for a, b in itertools.pairwise(during)), scored
 
     solo, at, _ = _scoring_run(eng, [scorer("solo")])  # scored alone, in chunks
     assert at["solo"] == steps
