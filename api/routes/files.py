@@ -113,11 +113,9 @@ class _Download(StreamingResponse):
     """A download's bytes, its slot held (and renewed) from the first byte to the last, given back
     however the response ends. No database session is held here: each chunk is read in one of its own."""
 
-    media_type = "application/jsonl"  # what /openapi.json declares for the route (its response_class)
-
     def __init__(self, d: service.Download) -> None:
         headers = {"content-length": str(d.file.bytes), "content-disposition": _disposition(d.file.filename)}
-        super().__init__(d.chunks(), media_type=self.media_type, headers=headers)
+        super().__init__(d.chunks(), media_type="application/jsonl", headers=headers)
         self.download = d
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -132,8 +130,7 @@ class _Download(StreamingResponse):
 
 @router.get(
     "/{file_id}/content",
-    status_code=200,
-    response_class=_Download,
+    response_class=Response,  # no JSON body in the document (the bytes are declared below)
     responses={
         200: {
             "description": "The file's bytes (JSON Lines: a batch's input, output or errors)",

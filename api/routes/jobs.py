@@ -80,8 +80,9 @@ async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, finger
 @router.get(
     "/{job_id}/events",
     response_model=None,
-    status_code=200,
-    response_class=EventSourceResponse,
+    # A plain Response class: FastAPI would run an EventSourceResponse route as an SSE producer, and it
+    # adds no JSON body to the document for a class with no media type (the stream is declared below).
+    response_class=Response,
     responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}},
 )
 async def job_events(
