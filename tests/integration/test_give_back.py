@@ -68,3 +68,28 @@ def test_an_unclaimed_message_goes_back_to_the_queue_it_came_from(broker_redis):
     assert tasks.give_back({"routing_key": batch}, broker.RUN_JOBS, [[["line-1", 1], ["line-2", 1]]])
     assert broker.queued_jobs(broker_redis, MODEL) == {("job-1", 3), ("line-1", 1), ("line-2", 1)}
     assert not tasks.give_back({}, broker.RUN_JOB, ["job-2", 1])  # no queue named: the dispatcher re-sends it
+
+
+def test_the_task_gives_back_what_its_runner_could_not_claim(broker_redis, rds, it_settings, monkeypatch):
+    """The Celery task bodies, as a worker runs them: a real runner (null engine) whose Postgres is
+    away, and the message's own delivery info naming its queue."""
+    from workers import tasks
+
+    away = create_engine("postgresql+psycopg://postgres@127.0.0.1:1/spool", connect_args=db.connect_args(it_settings))
+    loop = EngineLoop(NullEngine("smollm2-135m-instruct", n_ctx=512, max_batch=2))
+    monkeypatch.setattr(tasks, "runner", lambda: JobRunner(loop, it_settings, rds, sessionmaker(bind=away), "cut:2"))
+    queue, batch = broker.queue_for(MODEL), broker.queue_for(MODEL, "batch")
+    try:
+        tasks.run_job.push_request(delivery_info={"exchange": "", "routing_key": queue})
+        try:
+            assert tasks.run_job.run("job-task", 4) == Outcome.unclaimed
+        finally:
+            tasks.run_job.pop_request()
+        tasks.run_jobs.push_request(delivery_info={"exchange": "", "routing_key": batch})
+        try:
+            assert tasks.run_jobs.run([["line-9", 1]]) == [Outcome.unclaimed]
+        finally:
+            tasks.run_jobs.pop_request()
+        assert broker.queued_jobs(broker_redis, MODEL) == {("job-task", 4), ("line-9", 1)}
+    finally:
+        away.dispose()
