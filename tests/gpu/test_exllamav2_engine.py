@@ -1,55 +1,28 @@
-"""ExLlamaV2Engine on a real GPU, with a tiny random-weight Llama (tests/gpu/conftest.py).
-
-Random weights make the text meaningless but the mechanics checkable: lengths, determinism,
-cancellation, grammar masks, logit bias, logprobs, prompt scores and prefix reuse.
+"""ExLlamaV2Engine on a real GPU, with a tiny random-weight Llama (tests/gpu/conftest.py): what this
+engine does beyond what both engines promise (test_exllama_engines.py). Random weights make the text
+meaningless but the mechanics checkable: the pinned library's settings and job arguments, SmolLM2's
+token ids, prompt scores, min_tokens, held partial characters, grammar ends, every sampler, priority.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections import defaultdict
-from collections.abc import Hashable
 from typing import Any
 
 import pytest
 
 from core.generation.params import GenerationParams
+from tests.gpu.drive import finish, run, spec, tokens
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.exl2_mapping import SETTINGS_FIELDS, sampler_settings
 
 pytestmark = pytest.mark.gpu
 
-PROMPT = "Once upon a time, in a land far away, there lived"
 
-
-def spec(engine: Any, key: Hashable, n: int, prompt: str = PROMPT, scope: Any = None, **params: Any) -> SeqSpec:
-    p = GenerationParams(**{"seed": 7, **params})
-    ids = engine.tokenize(prompt)
-    extra = {}
-    if p.prompt_logprobs is not None:
-        extra = {"prompt_logprobs": p.prompt_logprobs, "prompt_logprobs_len": len(ids)}
-    return SeqSpec(key=key, prompt_ids=ids, max_new_tokens=n, params=p, seed=p.seed, cache_scope=scope, **extra)
-
-
-def run(engine: Any, specs: list[SeqSpec], max_steps: int = 5000) -> dict[Hashable, list]:
-    for s in specs:
-        engine.add(s)
-    out: dict[Hashable, list] = defaultdict(list)
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return out
-        for ev in engine.step():
-            out[ev.key].append(ev)
-    raise AssertionError("engine did not finish")
-
-
-def tokens(events: list) -> list[int]:
-    return [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id is not None]
-
-
-def finish(events: list) -> str | None:
-    return next((e.finish_reason for e in events if isinstance(e, TokenEvent) and e.finish_reason), None)
+@pytest.fixture
+def engine(exllamav2_engine: Any) -> Any:
+    return exllamav2_engine
 
 
 def test_settings_fields_match_the_installed_exllamav2(cuda):
@@ -81,58 +54,6 @@ def test_tokenizer(engine):
     assert b"".join(engine.token_bytes(t) for t in ids) == b"Hello world"
     assert engine.tokenize("<|im_start|>") == [1]
     assert engine.token_bytes(2) == b"" and engine.token_text(2) == "<|im_end|>"
-
-
-def test_greedy_generates_max_new_tokens(engine):
-    out = run(engine, [spec(engine, "g", 24, temperature=0, ignore_eos=True)])["g"]
-    assert isinstance(out[0], PromptEvent)
-    assert len(tokens(out)) == 24 and finish(out) == "length"
-    again = run(engine, [spec(engine, "g2", 24, temperature=0, ignore_eos=True)])["g2"]
-    assert tokens(again) == tokens(out)
-
-
-def test_same_seed_same_tokens(engine):
-    a = run(engine, [spec(engine, "a", 32, temperature=1.0, ignore_eos=True, seed=11)])["a"]
-    b = run(engine, [spec(engine, "b", 32, temperature=1.0, ignore_eos=True, seed=11)])["b"]
-    assert tokens(a) == tokens(b) and len(tokens(a)) == 32
-
-
-def test_batch_runs_together(engine):
-    specs = [spec(engine, f"s{i}", 16, temperature=1.0, ignore_eos=True, seed=i) for i in range(4)]
-    out = run(engine, specs)
-    assert all(len(tokens(out[s.key])) == 16 and finish(out[s.key]) == "length" for s in specs)
-
-
-def test_cancel_stops_a_sequence_and_spares_the_others(engine):
-    engine.add(spec(engine, "keep", 40, temperature=0, ignore_eos=True))
-    engine.add(spec(engine, "drop", 400, temperature=0, ignore_eos=True))
-    seen: dict[str, list] = defaultdict(list)
-    while len(tokens(seen["drop"])) < 3:
-        for ev in engine.step():
-            seen[ev.key].append(ev)
-    engine.cancel("drop")
-    after = run(engine, [])
-    assert "drop" not in after
-    assert len(tokens(seen["keep"] + after["keep"])) == 40
-    assert not engine.has_work()
-
-
-def test_regex_constraint_holds(engine):
-    from llguidance import LLMatcher
-
-    pattern = r"[0-9]{3}-[a-z]{2}"
-    matcher = LLMatcher(engine.ll_tokenizer(), LLMatcher.grammar_from_regex(pattern), log_level=0)
-    s = dataclasses.replace(spec(engine, "re", 30, temperature=1.0), matcher=matcher)
-    out = run(engine, [s])["re"]
-    text = b"".join(engine.token_bytes(t) for t in tokens(out)).decode()
-    assert re.fullmatch(pattern, text), text
-    assert finish(out) == "stop"
-
-
-def test_logit_bias_wins_greedy(engine):
-    target = engine.tokenize(" banana")[0]
-    out = run(engine, [spec(engine, "lb", 8, temperature=0, ignore_eos=True, logit_bias={target: 100.0})])["lb"]
-    assert tokens(out) == [target] * 8
 
 
 def test_logprobs_and_prompt_scores(engine):
@@ -222,24 +143,3 @@ def test_a_sequence_that_cannot_start_fails_alone(engine):
     good = spec(engine, "good", 3, ignore_eos=True)
     out = run(engine, [bad, good])
     assert out["bad"][-1].error and len(tokens(out["good"])) == 3
-
-
-def test_prefix_reuse_within_a_tenant_never_across(engine):
-    """Paged (flash-attn) or not, a tenant's cached prompt serves that tenant only, and the PromptEvent's
-    `cached` (the usage's cached_tokens) says so. CI runs the same on the library's own generator with
-    CUDA stubbed (tests/unit/test_gpu_promises.py); this is the real cache."""
-    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)  # > 2 pages of 256 tokens
-    a1 = run(engine, [spec(engine, "a1", 2, prompt=long, scope="tenant-a", temperature=0)])["a1"]
-    a2 = run(engine, [spec(engine, "a2", 2, prompt=long, scope="tenant-a", temperature=0)])["a2"]
-    b1 = run(engine, [spec(engine, "b1", 2, prompt=long, scope="tenant-b", temperature=0)])["b1"]
-    assert isinstance(a1[0], PromptEvent) and a1[0].cached == 0
-    assert a2[0].cached >= 512 and b1[0].cached == 0
-
-
-def test_presence_and_frequency_leave_the_prompt_alone(engine):
-    prompt = "The cat. " * 60 + "The"
-    plain = run(engine, [spec(engine, "pp", 1, prompt=prompt, temperature=0, ignore_eos=True)])["pp"]
-    pen = spec(
-        engine, "pq", 1, prompt=prompt, temperature=0, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
-    )
-    assert tokens(run(engine, [pen])["pq"]) == tokens(plain)

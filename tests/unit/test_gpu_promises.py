@@ -4,7 +4,9 @@ exllamav2 and exllamav3 (.venv/gpu-contract, as in test_gpu_contract.py), with n
 - prefix reuse never crosses tenants, and `cached_tokens` counts only the tenant's own prefix;
 - presence and frequency penalties count the output only;
 - logprobs are of the model's row, before penalties, bias and the blocked EOS of min_tokens;
-- the EOS token that ends a sequence is reported with its logprob.
+- the EOS token that ends a sequence is reported with its logprob;
+- a job failing inside the library ends alone, and the scheduling both engines share
+  (exllama_base.ExLlamaEngine: priority, admission, cancel, a failed step) behaves alike.
 
 Each case runs in a subprocess (this file as a script), which stubs what needs CUDA and nothing
 else: the libraries' compiled extensions (a MagicMock module, with the few kernels these paths call
@@ -115,6 +117,28 @@ def test_a_jobs_failure_in_the_library_fails_that_sequence_alone(engine: str, co
     assert got["sampling"]["error"] and got["sampling"]["error"].startswith("engine error (")
     assert got["good"] == {"tokens": 6, "finish": "length", "error": None}
     assert got["left"] == {"has_work": False, "generator_jobs": 0}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_engines_schedule_alike(engine: str, contract_path: Path) -> None:  # noqa: F811
+    """The scheduling both engines share (exllama_base.ExLlamaEngine) over the library's generator, two
+    jobs of batch room: waiting interactive sequences start before batch ones; one that cannot start
+    fails alone and one of max_new_tokens 0 ends, both in the step that admits them; a cancelled one
+    says no more; a failed iterate() raises and leaves nothing behind, in the engine or the generator."""
+    got = run_case(f"{engine}:scheduling", contract_path)
+    assert got["first_step"] == [
+        ["bad", "failed: cannot start"],
+        ["p0", "prompt"],
+        ["p0", "length"],
+        ["good", "prompt"],
+        ["good", "token"],
+        ["gone", "prompt"],
+        ["gone", "token"],
+    ]
+    assert got["waiting_after_first_step"] == ["batch1", "batch2"]
+    assert got["ends"] == {"good": "length", "batch1": "length", "batch2": "length", "gone": None}
+    assert got["tokens"] == {"good": 3, "batch1": 3, "batch2": 3, "gone": 4}
+    assert got["iterate_failed"] == {"raised": "iterate failed", "has_work": False, "generator_jobs": 0}
 
 
 def test_exllamav3_keeps_the_cpu_engines_semantics(contract_path: Path) -> None:  # noqa: F811
@@ -433,6 +457,68 @@ def _errors(kind: str, gen: Any, tok: Any, model: Any) -> Any:
     }
 
 
+def _scheduling(kind: str, gen: Any, tok: Any, model: Any) -> Any:
+    from dataclasses import replace
+
+    from workers.engine.base import PromptEvent, TokenEvent
+
+    eng = _engine(kind, gen, tok, model)
+    eng.max_batch = 2
+    start = eng._start
+
+    def cannot_start(spec: Any) -> Any:
+        if spec.key == "bad":
+            raise RuntimeError("cannot start")
+        return start(spec)
+
+    eng._start = cannot_start
+    batch = [replace(_spec(f"batch{i}", "A", [3, 4, 5 + i], 3, ignore_eos=True), interactive=False) for i in (1, 2)]
+    interactive = [_spec("bad", "A", [3, 4, 9]), _spec("p0", "B", [3, 4, 9], 0)]
+    interactive += [_spec("good", "A", [5, 6, 7], 3, ignore_eos=True), _spec("gone", "A", [6, 7], 50, ignore_eos=True)]
+    for spec in [batch[0], *interactive, batch[1]]:
+        eng.add(spec)
+
+    def what(ev: Any) -> str:
+        if isinstance(ev, PromptEvent):
+            return "prompt"
+        return f"failed: {ev.error}" if ev.error else ev.finish_reason or "token"
+
+    first = [[ev.key, what(ev)] for ev in eng.step()]
+    waiting = sorted(eng.waiting_keys())
+    events: dict[str, list[Any]] = {}
+    for _ in range(3):  # "gone" makes three more tokens before it is cancelled
+        for ev in eng.step():
+            events.setdefault(ev.key, []).append(ev)
+    eng.cancel("gone")
+    for _ in range(40):
+        if not eng.has_work():
+            break
+        for ev in eng.step():
+            events.setdefault(ev.key, []).append(ev)
+    eng.add(_spec("x", "A", [3, 4, 5], 5, ignore_eos=True))
+    eng.step()
+
+    def fail() -> Any:
+        raise RuntimeError("iterate failed")
+
+    gen.iterate = fail
+    try:
+        eng.step()
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    tokens = {k: sum(w == "token" for key, w in first if key == k) for k in events}
+    for k, evs in events.items():
+        tokens[k] += sum(isinstance(e, TokenEvent) and e.token_id is not None for e in evs)
+    return {
+        "first_step": first,
+        "waiting_after_first_step": waiting,
+        "ends": {k: evs[-1].finish_reason for k, evs in events.items()},
+        "tokens": tokens,
+        "iterate_failed": {"raised": raised, "has_work": eng.has_work(), "generator_jobs": gen.num_remaining_jobs()},
+    }
+
+
 def _semantics(gen: Any, tok: Any, model: Any) -> Any:
     from workers.engine.base import TokenEvent
 
@@ -474,6 +560,8 @@ def _exl2(what: str) -> Any:
     )
     if what == "errors":
         return _errors("exllamav2", gen, tok, model)
+    if what == "scheduling":
+        return _scheduling("exllamav2", gen, tok, model)
     serial = iter(range(1000))
 
     def run(tenant: str, ids: list[int], n: int = 4, **params: Any) -> tuple[int, list[Any]]:
@@ -494,6 +582,8 @@ def _exl3(what: str) -> Any:
     gen = Generator(model=model, cache=cache, tokenizer=tok, max_batch_size=4, max_chunk_size=512)
     if what == "errors":
         return _errors("exllamav3", gen, tok, model)
+    if what == "scheduling":
+        return _scheduling("exllamav3", gen, tok, model)
     if what == "semantics":
         enqueue = gen.enqueue
 

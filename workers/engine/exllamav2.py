@@ -4,7 +4,8 @@ The dynamic generator is what base.py was modelled on: `enqueue` a job per seque
 advances every active job by one token (prefilling new prompts in chunks between), `cancel` drops a
 job. With flash-attn (>= 2.5.7) its cache is paged: jobs are batched continuously and a prompt whose
 leading 256-token pages are already cached by an earlier job of the same tenant skips them (job_class
-keeps tenants apart). Without flash-attn it runs unpaged, one job at a time.
+keeps tenants apart). Without flash-attn it runs unpaged, one job at a time. The scheduling around the
+generator (our queue, admission, cancel, step) is exllama_base.ExLlamaEngine's, shared with exllamav3.
 
 What the mapping cannot express is done here with the model at hand: logit bias as a padded
 vocabulary tensor, DRY breakers as token ids, the llguidance grammar as an `ExLlamaV2Filter`, and
@@ -15,25 +16,20 @@ exllamav2 compiles or loads a CUDA extension at import, which fails on a machine
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import time
-from collections.abc import Hashable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from workers.engine.base import ExLlamaTokens, PromptEvent, SeqSpec, TokenEvent, check_spec
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.exl2_mapping import (
     CACHE_CLASSES,
     SeqState,
     cache_tokens,
     chunk_size,
-    collect,
-    dry_breaker_ids,
     job_arguments,
     logit_bias_pairs,
     output_penalties,
@@ -42,18 +38,16 @@ from workers.engine.exl2_mapping import (
     stop_token_ids,
     unsupported,
 )
+from workers.engine.exllama_base import ExLlamaEngine, load_ll_tokenizer
 from workers.engine.gpu_plan import (
     UNCLAIMED,
     cache_salt,
     claim_pages,
     exl2_lengths,
     hashing_for,
-    kv_bytes_per_token,
     own_first_pages_only,
-    plan_cache,
     release_pages,
     salted_checksum,
-    weights_bytes,
 )
 
 KV_BYTES = {"fp16": 2, "q8": 1, "q6": 1, "q4": 1}  # bytes per cached K/V value, rounded up (scales included)
@@ -61,23 +55,6 @@ KV_BYTES = {"fp16": 2, "q8": 1, "q6": 1, "q4": 1}  # bytes per cached K/V value,
 log = logging.getLogger(__name__)
 
 SCORE_ROWS = 256  # prompt positions per log-softmax when scoring: bounds the float32 buffer
-
-
-def load_ll_tokenizer(folder: Path, n_vocab: int, eos_ids: list[int]) -> Any:
-    """llguidance's tokenizer for a model folder. Through transformers when it is installed (it also
-    folds in tokens that only tokenizer_config.json lists); otherwise from tokenizer.json directly,
-    which is what `llguidance.hf.from_tokenizer` hands to LLTokenizer in the end."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        from llguidance import LLTokenizer
-
-        text = (folder / "tokenizer.json").read_text(encoding="utf-8")
-        return LLTokenizer(text, n_vocab=n_vocab, eos_token=eos_ids)
-    from llguidance.hf import from_tokenizer
-
-    hf: Any = AutoTokenizer.from_pretrained(str(folder))  # llguidance accepts the fast tokenizer it returns
-    return from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos_ids)
 
 
 @cache
@@ -281,7 +258,9 @@ def gen_settings(p: Any, n_vocab: int, padded_vocab: int, breakers: frozenset[in
     return ExLlamaV2Sampler.Settings(**kw)
 
 
-class ExLlamaV2Engine(ExLlamaTokens):
+class ExLlamaV2Engine(ExLlamaEngine):
+    library = "exllamav2"
+
     def __init__(
         self,
         model_id: str,
@@ -294,19 +273,15 @@ class ExLlamaV2Engine(ExLlamaTokens):
         chunk: int = 2048,
         warmup: bool = True,
     ) -> None:
-        if not (Path(path) / "config.json").is_file():
-            raise ValueError(f"the exllamav2 engine needs a model folder with config.json (SPOOL_MODEL_PATH): {path}")
+        path = self._model_folder(path)
         if cache_quant not in CACHE_CLASSES:
             raise ValueError(f"cache quantization must be one of {sorted(CACHE_CLASSES)}, not {cache_quant!r}")
-        import torch
         from exllamav2.attn import has_flash_attn_with_paged
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("the exllamav2 engine needs a CUDA GPU")
-        self._torch = torch
+        self._torch = self._require_cuda()
         self.model_id = model_id
         self._chunk = chunk_size(chunk)
-        config = self._read_config(Path(path), n_ctx)
+        config = self._read_config(path, n_ctx)
         # arch_compat_overrides turns flash-attn off for models it cannot serve (softcap, sliding window).
         paged = bool(has_flash_attn_with_paged) and not config.no_flash_attn
         if not paged:
@@ -316,27 +291,17 @@ class ExLlamaV2Engine(ExLlamaTokens):
             )
         self.max_batch = max_batch if paged else 1
         size = cache_tokens(self.n_ctx, self.max_batch, cache_size, paged)
-        if paged:  # what was asked for, capped by free GPU memory (DoesNotFit with the numbers)
-            free, _total = torch.cuda.mem_get_info()
-            plan = plan_cache(
-                free_bytes=free,
-                weights_bytes=weights_bytes(Path(path)),
-                kv_bytes_per_token=kv_bytes_per_token(
-                    json.loads((Path(path) / "config.json").read_text()), KV_BYTES[cache_quant]
-                ),
-                n_ctx=self.n_ctx,
-                max_batch=self.max_batch,
-                requested_tokens=size,
-            )
+        if paged:  # what was asked for, capped by free GPU memory
+            plan = self._fit_cache(path, self.max_batch, size, KV_BYTES[cache_quant])
             size, self.max_batch = plan.cache_tokens, plan.max_batch
         self._load(config, CACHE_CLASSES[cache_quant], size, paged)
         if warmup:
             self._gen.warmup()  # kernel autotuning happens here rather than in the first request
-        self._load_vocabulary(config, Path(path))
+        self._load_vocabulary(config, path)
         self.attach(self._gen, self._tok, self._stop_ids, self.n_vocab)
         log.info(
             "exllamav2 engine: %s, ctx %d/seq, batch %d, cache %d tokens (%s), chunk %d, %s",
-            Path(path).name,
+            path.name,
             self.n_ctx,
             self.max_batch,
             size,
@@ -383,77 +348,12 @@ class ExLlamaV2Engine(ExLlamaTokens):
         self._add_bos = bool((self._tok.tokenizer_config_dict or {}).get("add_bos_token", False))
         self._ll = load_ll_tokenizer(path, self.n_vocab, self._stop_ids)
 
-    def attach(self, gen: Any, tok: Any, stop_ids: list[int], n_vocab: int) -> None:
-        """The engine's state around a built generator (the constructor's last step; the CI tests build
-        the library's own generator over a stand-in model and attach it here)."""
-        self._gen, self._tok, self._stop_ids, self.n_vocab = gen, tok, stop_ids, n_vocab
-        self._waiting: collections.deque[SeqSpec] = collections.deque()
-        self._ready: list[TokenEvent | PromptEvent] = []  # events owed without running the model
-        self._live: dict[Hashable, tuple[Any, SeqState]] = {}
-        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}
-        self._bytes: dict[int, bytes] = {}
-
     # -- sequences --------------------------------------------------------------------------
-    def add(self, spec: SeqSpec) -> None:
-        check_spec(spec, self.n_ctx, self.n_vocab)
+    def _check(self, spec: SeqSpec) -> None:
         bad = unsupported(spec.params)
         if bad:
             raise ValueError(f"not supported by the exllamav2 engine: {', '.join(bad)}")
         logit_bias_pairs(spec.params.logit_bias, self.n_vocab)
-        self._waiting.append(spec)
-
-    def cancel(self, key: Hashable) -> None:
-        self._waiting = collections.deque(s for s in self._waiting if s.key != key)
-        self._ready = [ev for ev in self._ready if ev.key != key]
-        live = self._live.pop(key, None)
-        if live is not None:
-            try:
-                self._gen.cancel(live[0])
-            except Exception:  # the loop calls cancel from its own error path: never raise here
-                log.exception("exllamav2 could not cancel %s", key)
-
-    def has_work(self) -> bool:
-        return bool(self._waiting or self._ready or self._live)
-
-    def waiting_keys(self) -> set[Hashable]:
-        """Sequences waiting for a slot (here, or in the generator's queue for cache pages): the
-        engine loop's watchdog does not count their wait as a stall."""
-        pending = {id(job) for job in self._gen.pending_jobs}
-        return {s.key for s in self._waiting} | {k for k, (job, _) in self._live.items() if id(job) in pending}
-
-    def step(self) -> list[TokenEvent | PromptEvent]:
-        out = self._ready + self._admit()
-        self._ready = []
-        if not self._live and not self._gen.num_remaining_jobs():
-            return out
-        try:
-            results = self._gen.iterate()
-        except Exception:
-            self._drop_all()
-            raise
-        return out + collect(results, self._live, self._gen, self.n_vocab)
-
-    def _drop_all(self) -> None:
-        """After a failed iterate() the generator's jobs are in an unknown state: forget them all."""
-        self._live.clear()
-        try:
-            self._gen.clear_queue()
-        except Exception:
-            log.exception("exllamav2 could not clear its queue")
-
-    def _admit(self) -> list[TokenEvent | PromptEvent]:
-        """Hand waiting sequences to the generator while it has batch room, interactive ones first.
-        The generator queues without limit; keeping the queue here keeps the priority ours."""
-        out: list[TokenEvent | PromptEvent] = []
-        while self._waiting and self._gen.num_remaining_jobs() < self.max_batch:
-            spec = next((w for w in self._waiting if w.interactive), self._waiting[0])
-            self._waiting.remove(spec)
-            try:
-                out.extend(self._start(spec))
-            except Exception as exc:  # a sequence that cannot start fails alone
-                log.exception("could not start sequence %s", spec.key)
-                out.append(TokenEvent.failed(spec.key, str(exc), time.monotonic()))
-        return out
 
     def _start(self, spec: SeqSpec) -> list[TokenEvent | PromptEvent]:
         p = spec.params
@@ -474,12 +374,6 @@ class ExLlamaV2Engine(ExLlamaTokens):
         p = spec.params
         breakers = self._breaker_ids(p.dry_sequence_breakers) if p.dry_multiplier > 0 else None
         return gen_settings(p, self.n_vocab, self._gen.padded_vocab_size, breakers)
-
-    def _breaker_ids(self, breakers: tuple[str, ...]) -> frozenset[int]:
-        if breakers not in self._breakers:
-            pieces = self._tok.get_id_to_piece_list(True)
-            self._breakers[breakers] = dry_breaker_ids(breakers, pieces)
-        return self._breakers[breakers]
 
     def _score_prompt(self, spec: SeqSpec) -> list[tuple[float | None, int | None, Any]]:
         """Log-probability, rank and top-k of prompt tokens 1..n-1, from one cache-less forward pass

@@ -8,38 +8,35 @@ logits, eos, eos_reason, job), so exl2_mapping.events_from_result turns them int
 come from `return_logits`: the job holds the model's row before the sampler stack (which writes its
 edits to a new buffer: penalties, bias, the blocked EOS of min_tokens are all out of place), i.e. the
 model's own distribution. Grammars run as an exllamav3 `Filter` over our already-advanced llguidance
-matcher. Sampler arguments: exl3_mapping. Cache size, batch and chunk: gpu_plan.
+matcher. Sampler arguments: exl3_mapping. Cache size, batch and chunk: gpu_plan. The scheduling
+around the generator (our queue, admission, cancel, step) is exllama_base.ExLlamaEngine's.
 
 exllamav3 and torch are imported only when an engine is built (they need CUDA). What the CI checks of
 this module run on the real library with its CUDA extension stubbed: tests/unit/test_gpu_promises.py.
-Needs a GPU to verify: tests/gpu/test_exllamav3_engine.py.
+Needs a GPU to verify: tests/gpu/test_exllama_engines.py (what both engines promise) and
+tests/gpu/test_exllamav3_engine.py.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import time
-from collections.abc import Hashable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from workers.engine.base import ExLlamaTokens, PromptEvent, SeqSpec, TokenEvent, check_spec
-from workers.engine.exl2_mapping import SeqState, collect, dry_breaker_ids, stop_token_ids
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
+from workers.engine.exl2_mapping import SeqState, stop_token_ids
 from workers.engine.exl3_mapping import Unsupported, job_args, output_window, sampler_args
+from workers.engine.exllama_base import ExLlamaEngine, load_ll_tokenizer
 from workers.engine.gpu_plan import (
     cache_salt,
     claim_pages,
     clamp_chunk,
     hashing_for,
-    kv_bytes_per_token,
     own_first_pages_only,
-    plan_cache,
     release_pages,
     salted_checksum,
-    weights_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -213,7 +210,9 @@ def make_job(
     return job
 
 
-class ExLlamaV3Engine(ExLlamaTokens):
+class ExLlamaV3Engine(ExLlamaEngine):
+    library = "exllamav3"
+
     def __init__(
         self,
         model_id: str,
@@ -224,27 +223,14 @@ class ExLlamaV3Engine(ExLlamaTokens):
         cache_size: int | None = None,
         chunk: int = 2048,
     ) -> None:
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"the exllamav3 engine needs a model folder with config.json (SPOOL_MODEL_PATH): {path}")
-        import torch
+        path = self._model_folder(path)
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("the exllamav3 engine needs a CUDA GPU")
+        self._require_cuda()
         self.model_id = model_id
-        raw = json.loads((path / "config.json").read_text())
         config = Config.from_directory(str(path))
         self.n_ctx = n_ctx
-        free, _total = torch.cuda.mem_get_info()
-        plan = plan_cache(
-            free_bytes=free,
-            weights_bytes=weights_bytes(path),
-            kv_bytes_per_token=kv_bytes_per_token(raw),
-            n_ctx=n_ctx,
-            max_batch=max_batch,
-            requested_tokens=cache_size,
-        )  # raises DoesNotFit with the numbers before anything is loaded
+        plan = self._fit_cache(path, max_batch, cache_size)
         self.max_batch = plan.max_batch
         self._chunk = clamp_chunk(chunk, n_ctx, plan.cache_tokens)
         self._model = Model.from_config(config)
@@ -260,8 +246,6 @@ class ExLlamaV3Engine(ExLlamaTokens):
         )
         eos_list = getattr(config, "eos_token_id_list", None) or []
         self.attach(gen, tok, stop_token_ids(tok.eos_token_id, eos_list))
-        from workers.engine.exllamav2 import load_ll_tokenizer
-
         self._ll = load_ll_tokenizer(path, self.n_vocab, self._stop_ids)
         self._add_bos = bool(getattr(self._tok, "add_bos", False))
         log.info(
@@ -273,90 +257,28 @@ class ExLlamaV3Engine(ExLlamaTokens):
             self._chunk,
         )
 
-    def attach(self, gen: Any, tok: Any, stop_ids: list[int]) -> None:
-        """The engine's state around a built `Generator` (the constructor's last step; the CI tests
-        build the library's own generator over a stand-in model and attach it here)."""
-        self._gen, self._tok, self._stop_ids = gen, tok, stop_ids
-        self.n_vocab = int(tok.actual_vocab_size)
-        self._waiting: collections.deque[SeqSpec] = collections.deque()
-        self._ready: list[TokenEvent | PromptEvent] = []
-        self._live: dict[Hashable, tuple[Any, SeqState]] = {}
-        self._bytes: dict[int, bytes] = {}
-        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}
+    def attach(self, gen: Any, tok: Any, stop_ids: list[int], n_vocab: int | None = None) -> None:
+        """As the base's; the vocabulary is the tokenizer's `actual_vocab_size` unless given."""
+        super().attach(gen, tok, stop_ids, int(tok.actual_vocab_size) if n_vocab is None else n_vocab)
 
     # -- sequences --------------------------------------------------------------------------
-    def add(self, spec: SeqSpec) -> None:
-        check_spec(spec, self.n_ctx, self.n_vocab)
+    def _check(self, spec: SeqSpec) -> None:
         if spec.prompt_logprobs is not None:
             raise ValueError("not supported by the exllamav3 engine: prompt_logprobs")
         try:
             sampler_args(spec.params)
         except Unsupported as exc:
             raise ValueError(str(exc)) from exc
-        self._waiting.append(spec)
 
-    def cancel(self, key: Hashable) -> None:
-        self._waiting = collections.deque(s for s in self._waiting if s.key != key)
-        self._ready = [ev for ev in self._ready if ev.key != key]
-        live = self._live.pop(key, None)
-        if live is not None:
-            try:
-                self._gen.cancel(live[0])
-            except Exception:  # called from the loop's own error path: never raise here
-                log.exception("exllamav3 could not cancel %s", key)
-
-    def has_work(self) -> bool:
-        return bool(self._waiting or self._ready or self._live)
-
-    def waiting_keys(self) -> set[Hashable]:
-        """Sequences waiting for a slot (here, or in the generator's queue for cache pages): the
-        engine loop's watchdog does not count their wait as a stall."""
-        pending = {id(job) for job in self._gen.pending_jobs}
-        return {s.key for s in self._waiting} | {k for k, (job, _) in self._live.items() if id(job) in pending}
-
-    def step(self) -> list[TokenEvent | PromptEvent]:
-        out = self._ready + self._admit()
-        self._ready = []
-        if not self._live and not self._gen.num_remaining_jobs():
-            return out
-        try:
-            results = self._gen.iterate()
-        except Exception:
-            self._live.clear()
-            try:
-                self._gen.clear_queue()
-            except Exception:
-                log.exception("exllamav3 could not clear its queue")
-            raise
-        return out + collect(results, self._live, self._gen, self.n_vocab)
-
-    def _admit(self) -> list[TokenEvent | PromptEvent]:
-        out: list[TokenEvent | PromptEvent] = []
-        while self._waiting and self._gen.num_remaining_jobs() < self.max_batch:
-            spec = next((w for w in self._waiting if w.interactive), self._waiting[0])
-            self._waiting.remove(spec)
-            try:
-                self._start(spec)
-            except Exception as exc:  # a sequence that cannot start fails alone
-                log.exception("could not start sequence %s", spec.key)
-                out.append(TokenEvent.failed(spec.key, str(exc), time.monotonic()))
-        return out
-
-    def _breaker_ids(self, p: Any) -> frozenset[int]:
-        if p.dry_sequence_breakers not in self._breakers:
-            pieces = self._tok.get_id_to_piece_list(True)
-            self._breakers[p.dry_sequence_breakers] = dry_breaker_ids(p.dry_sequence_breakers, pieces)
-        return self._breakers[p.dry_sequence_breakers]
-
-    def _start(self, spec: SeqSpec) -> None:
+    def _start(self, spec: SeqSpec) -> list[TokenEvent | PromptEvent]:
         p = spec.params
         if spec.max_new_tokens == 0:
-            self._ready += [PromptEvent(spec.key, 0), TokenEvent(spec.key, None, None, "length", t=time.monotonic())]
-            return
+            return [PromptEvent(spec.key, 0), TokenEvent(spec.key, None, None, "length", t=time.monotonic())]
         grammar = None
         if spec.matcher is not None:
             grammar = grammar_filter_class()(self._tok, spec.matcher, self.n_vocab)
-        breakers = self._breaker_ids(p) if p.dry_multiplier > 0 else None
+        breakers = self._breaker_ids(p.dry_sequence_breakers) if p.dry_multiplier > 0 else None
         job = make_job(spec, self._stop_ids, [grammar] if grammar is not None else None, breakers)
         self._gen.enqueue(job)
         self._live[spec.key] = (job, SeqState(spec.key, p.needs_token_logprobs, p.logprobs or 0, grammar=grammar))
+        return []
