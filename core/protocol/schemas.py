@@ -309,16 +309,9 @@ class ChatCompletion(_Response):
     usage: UsageObject | None = None
 
 
-class CompletionChunk(_Response):
+class CompletionChunk(Completion):
     """One `data:` event of a streamed completion: OpenAI's stream repeats the `text_completion`
     object with the new text of one choice (`usage` on the last, with `stream_options.include_usage`)."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageObject | None = None
 
 
 class ChatChunkChoice(_Response):
