@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import error_response
 from core.errors import DomainError
-from core.infra.kv import TRANSIENT
+from core.infra import transient
 from core.tenancy import admission
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class RequestRateGate:
         except DomainError as refused:
             await error_response(refused)(scope, receive, send)
             return
-        except TRANSIENT:
+        except transient.REDIS:
             # Redis away: let the request through; admission answers it (a 503) like any other.
             log.warning("request rate check skipped: Redis unavailable")
             await self.app(scope, receive, send)

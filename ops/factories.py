@@ -96,9 +96,7 @@ def batch(
     session.add(b)
     session.commit()
     for i in range(lines):
-        j = job(session, t, kind="batch", key_id=kw.get("key_id"))
-        j.batch_id, j.line_no, j.custom_id = b.id, i + 1, f"r{i}"
-    session.commit()
+        job(session, t, kind="batch", key_id=kw.get("key_id"), batch_id=b.id, line_no=i + 1, custom_id=f"r{i}")
     return b
 
 

@@ -51,7 +51,7 @@ def insert_backlog(
     params = GenerationParams(max_tokens=max_tokens, temperature=0, ignore_eos=True).to_json()
     rows = []
     for i in range(n):
-        job = jobs.new_job(
+        row = jobs.new_row(
             tenant_id=tenant_id,
             model=MODEL,
             params=params,
@@ -59,7 +59,7 @@ def insert_backlog(
             stream=False,
             kind=JobKind.batch,
         )
-        rows.append({c.key: getattr(job, c.key) for c in Job.__table__.columns if getattr(job, c.key) is not None})
+        rows.append({k: v for k, v in row.items() if v is not None})  # None left out: JSONB would store JSON null
     with db.begin() as conn:
         conn.execute(insert(Job), rows)
     return [r["id"] for r in rows]

@@ -19,6 +19,7 @@ from core.generation.params import GenerationParams, choice_index
 from core.generation.prompt import Prompt
 from core.infra import streams
 from core.infra.metrics import ITL, QUEUE_WAIT, TTFT
+from core.infra.transient import TRANSIENT
 from core.jobs.states import JobKind
 from core.jobs.transitions import Claimed
 from workers import choices, resume
@@ -26,7 +27,7 @@ from workers.choices import Choice
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.text import ChoiceText
 from workers.outcome import EngineError, JobError, Outcome
-from workers.retry import TRANSIENT, Abandoned, retrying
+from workers.retry import Abandoned, retrying
 
 if TYPE_CHECKING:
     from workers.runner import JobRunner

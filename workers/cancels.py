@@ -15,8 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from core.infra import streams
-from core.infra.kv import TRANSIENT
+from core.infra import streams, transient
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class CancelWatch:
             return
         try:
             found = self._redis.mget([streams.cancel_key(job_id) for job_id, _ in watched])
-        except TRANSIENT:
+        except transient.REDIS:
             return
         self.rounds += 1
         for (_, on_cancel), hit in zip(watched, found, strict=True):

@@ -19,12 +19,15 @@ import logging
 import queue
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from core.config import Settings
 from core.infra import streams
+from core.infra.backoff import Backoff, retry
+from core.infra.transient import TRANSIENT
 from workers.engine.base import PromptEvent, TokenEvent
-from workers.retry import TRANSIENT, Abandoned
+from workers.retry import Abandoned
 
 if TYPE_CHECKING:
     from workers.attempt import Attempt
@@ -86,21 +89,19 @@ class StreamPump:
     def _publish(self, out: list) -> None:
         ready = [(a, a.payloads(deltas)) for a, deltas in out]
         rebuilt: set[Attempt] = set()
-        deadline, backoff = time.monotonic() + self.settings.infra_retry_s, 0.2
+        # One wait for the whole publish, its rebuilt streams' appends included: one deadline.
+        wait = Backoff(self.settings.infra_retry_s, self.settings.lease_s / 3)
         ttl = self.settings.events_ttl_s
         while ready:
             appends = [streams.Append(a.job.id, a.job.attempt, payloads, ttl, len(a.log) + 1) for a, payloads in ready]
             try:
-                results = streams.append_many(self.redis, appends)
-            except TRANSIENT as exc:
-                if time.monotonic() + backoff > deadline:
-                    for a, _ in ready:
-                        a.stop(Abandoned(f"publish: {type(exc).__name__}"))
-                    return
-                log.warning("stream pump: Redis unreachable (%s); retrying in %.1fs", type(exc).__name__, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0, self.settings.lease_s / 3)
-                continue
+                results = retry(
+                    partial(streams.append_many, self.redis, appends), wait, retry_on=TRANSIENT, on_wait=_waiting
+                )
+            except TRANSIENT as exc:  # still away at the deadline
+                for a, _ in ready:
+                    a.stop(Abandoned(f"publish: {type(exc).__name__}"))
+                return
             self.flushes += 1
             lost = []
             for (a, payloads), append, r in zip(ready, appends, results, strict=True):
@@ -124,3 +125,7 @@ class StreamPump:
                     ready.append((a, payloads))
                 except Exception as exc:
                     a.stop(exc if not isinstance(exc, TRANSIENT) else Abandoned(f"publish: {type(exc).__name__}"))
+
+
+def _waiting(exc: Exception, pause: float) -> None:
+    log.warning("stream pump: Redis unreachable (%s); retrying in %.1fs", type(exc).__name__, pause)

@@ -1,20 +1,16 @@
 """Waiting out Postgres or Redis: a bounded backoff, never a failed job (only the engine's verdict
-fails one)."""
+fails one). The backoff is core/infra/backoff.py's; what counts as unavailable, transient.py's."""
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any
+from typing import Any, NoReturn
 
 from core.config import Settings
-from core.infra import transient
+from core.infra.backoff import Backoff, retry
+from core.infra.transient import TRANSIENT
 
 log = logging.getLogger(__name__)
-
-# Postgres or Redis unavailable (unreachable, or Redis refusing writes for now): a wait, never a
-# failed job. The one definition is core/infra/transient.py.
-TRANSIENT = transient.TRANSIENT
 
 
 class Abandoned(Exception):
@@ -30,22 +26,16 @@ def retrying(
 ) -> Any:
     """Call `fn` until Postgres/Redis answer, with a bounded backoff, up to `budget_s` (default
     `infra_retry_s`). `on_wait` runs before each pause (an attempt keeps its lease while Redis is away)."""
-    deadline = time.monotonic() + (settings.infra_retry_s if budget_s is None else budget_s)
-    backoff = 0.2
-    while True:
-        try:
-            return fn(*args, **kw)
-        except Exception as exc:
-            if not transient.is_transient(exc):
-                raise
-            if time.monotonic() + backoff > deadline:
-                raise Abandoned(f"{what}: {type(exc).__name__}") from exc
-            log.warning(
-                "%s: infrastructure unavailable (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, backoff
-            )
-            if on_wait is not None:
-                on_wait()
-            time.sleep(backoff)
-            # A pause longer than a third of the lease lets it lapse between on_wait's renewals (a
-            # 3 s lease and 5 s pauses: a 30 s Redis outage handed the job to a second attempt).
-            backoff = min(backoff * 2, 5.0, settings.lease_s / 3)
+
+    def waiting(exc: Exception, pause: float) -> None:
+        log.warning("%s: infrastructure unavailable (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, pause)
+        if on_wait is not None:
+            on_wait()
+
+    def abandon(exc: Exception) -> NoReturn:
+        raise Abandoned(f"{what}: {type(exc).__name__}") from exc
+
+    # A pause longer than a third of the lease lets it lapse between on_wait's renewals (a 3 s lease
+    # and 5 s pauses: a 30 s Redis outage handed the job to a second attempt).
+    backoff = Backoff(settings.infra_retry_s if budget_s is None else budget_s, settings.lease_s / 3)
+    return retry(lambda: fn(*args, **kw), backoff, on_wait=waiting, give_up=abandon)

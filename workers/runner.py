@@ -35,6 +35,7 @@ from core.config import Settings
 from core.generation.events import ErrorInfo
 from core.infra import logs, streams
 from core.infra.autocommit import one_statement
+from core.infra.transient import TRANSIENT
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.states import JobKind
@@ -45,7 +46,7 @@ from workers.engine.base import SeqSpec
 from workers.engine.loop import EngineLoop, Sink
 from workers.outcome import EngineError, JobError, Outcome
 from workers.pump import StreamPump
-from workers.retry import LETTING_GO, TRANSIENT, Abandoned, retrying
+from workers.retry import LETTING_GO, Abandoned, retrying
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from core.infra.transient import TRANSIENT
 from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.service import translate
-from core.jobs.states import JobKind, JobState
+from core.jobs.states import JobKind
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.errors import from_validation
@@ -142,27 +142,24 @@ def _job_row(line_no: int, raw: bytes, b: Batch, settings: Settings) -> dict[str
         raise _LineError(exc.code or "invalid_request", message, exc.param and f"body.{exc.param}") from exc
     if isinstance(req, ResponseChat):
         chat = {**(chat or {}), "response": req.response}  # what the `response` object echoes
-    # A plain row for COPY (no ORM object): the columns jobs.new_job fills.
-    return {
-        "id": jobs.new_job_id(),
-        "tenant_id": b.tenant_id,
-        "key_id": b.key_id,
-        "model": req.model,
-        "kind": JobKind.batch.value,
-        "state": JobState.queued.value,
-        "attempt": 1,
-        "priority": req.priority or 0,
-        "params": params.to_json(),
-        "prompts": [p.to_json() for p in prompts],
-        "chat": chat,
-        "stream": False,
-        "user": req.user,
-        "batch_id": b.id,
-        "line_no": line_no,
-        "custom_id": custom_id,
+    # A plain row for COPY (no ORM object), built as every new job's is.
+    return jobs.new_row(
+        tenant_id=b.tenant_id,
+        key_id=b.key_id,
+        model=req.model,
+        kind=JobKind.batch,
+        priority=req.priority or 0,
+        params=params.to_json(),
+        prompts=[p.to_json() for p in prompts],
+        chat=chat,
+        stream=False,
+        user=req.user,
+        batch_id=b.id,
+        line_no=line_no,
+        custom_id=custom_id,
         # What the line reserves against the tenant's limits when it dispatches (core/tenancy/admission.py).
-        "reserved_tokens": reservation(params, prompts, context_length(tok, ms)),
-    }
+        reserved_tokens=reservation(params, prompts, context_length(tok, ms)),
+    )
 
 
 def _as_chat(req: ResponsesRequest, settings: Settings) -> ResponseChat:
@@ -268,25 +265,8 @@ def _over_enqueued_tokens(cur: Any, tenant_id: int, limit: int) -> dict[str, Any
     }
 
 
-COLUMNS = (
-    "id",
-    "tenant_id",
-    "key_id",
-    "model",
-    "kind",
-    "state",
-    "attempt",
-    "priority",
-    "params",
-    "prompts",
-    "chat",
-    "stream",
-    "user",
-    "batch_id",
-    "line_no",
-    "custom_id",
-    "reserved_tokens",
-)
+# The COPY's columns: those of every new job row (core/jobs/transitions.new_row), so the two never drift.
+COLUMNS = tuple(jobs.new_row(tenant_id=0, model="", params={}, prompts=[], stream=False))
 COLS_SQL = ", ".join(f'"{c}"' for c in COLUMNS)  # "user" is a reserved word
 
 

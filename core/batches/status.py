@@ -40,29 +40,26 @@ def _move(batch_id: str, frm: tuple[BatchStatus, ...], to: BatchStatus, **values
     )
 
 
-def validated(batch_id: str, now: datetime, total: int) -> Update:
+def _validation_ended(batch_id: str, to: BatchStatus, total: int, **values: Any) -> Update:
+    """validating -> `to`: the validator's lease released, the counts starting from the file's lines."""
     return _move(
         batch_id,
         (BatchStatus.validating,),
-        BatchStatus.in_progress,
-        in_progress_at=now,
+        to,
         lease_until=None,
         request_counts={**EMPTY_COUNTS, "total": total},
+        **values,
     )
+
+
+def validated(batch_id: str, now: datetime, total: int) -> Update:
+    return _validation_ended(batch_id, BatchStatus.in_progress, total, in_progress_at=now)
 
 
 def rejected(batch_id: str, now: datetime, total: int, errors: dict[str, Any]) -> Update:
     """`errors`: the list object the batch shows (render.listing; workers import this module, so it
     renders nothing itself)."""
-    return _move(
-        batch_id,
-        (BatchStatus.validating,),
-        BatchStatus.failed,
-        failed_at=now,
-        errors=errors,
-        request_counts={**EMPTY_COUNTS, "total": total},
-        lease_until=None,
-    )
+    return _validation_ended(batch_id, BatchStatus.failed, total, failed_at=now, errors=errors)
 
 
 def cancel_requested(batch_id: str, now: datetime) -> Update:

@@ -29,8 +29,8 @@ from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import storage
-from core.infra import redis_keys
-from core.infra.kv import TRANSIENT, Lua
+from core.infra import redis_keys, transient
+from core.infra.kv import Lua
 from core.infra.orm import File, Tenant
 from core.protocol import render
 
@@ -295,14 +295,14 @@ class Download:
             try:
                 await self.rds.zadd(self.key, {self.slot: time.time() * 1000 + lease_ms}, xx=True)
                 await self.rds.pexpire(self.key, lease_ms)
-            except TRANSIENT as exc:  # Redis away a moment: the next renewal, or the lease's end
+            except transient.REDIS as exc:  # Redis away a moment: the next renewal, or the lease's end
                 log.warning("download slot of %s not renewed: %s", self.file.id, type(exc).__name__)
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
             try:
                 await self.rds.zrem(self.key, self.slot)
-            except TRANSIENT as exc:  # the lease frees it
+            except transient.REDIS as exc:  # the lease frees it
                 log.warning("download slot of %s not given back: %s", self.file.id, type(exc).__name__)
 
 

@@ -13,11 +13,9 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, NoScriptError, TimeoutError
 
-from core.infra import transient
-
-# Redis unavailable: unreachable, or refusing writes for now (MISCONF, OOM, READONLY, ...). Defined,
-# with Postgres's, in core/infra/transient.py; importing it registers those refusals with redis-py.
-TRANSIENT = transient.REDIS
+# Every Redis client of ours is built here: importing transient registers Redis's refusals for now
+# (MISCONF, BUSY, NOREPLICAS) with redis-py, so that `except transient.REDIS:` catches them.
+from core.infra import transient  # noqa: F401
 
 # TCP keepalives on every Redis connection (ours and the Celery consumer's): a Redis host that vanishes
 # (no FIN, no RST) is found dead on an idle connection in ~25 s, not TCP's two hours.

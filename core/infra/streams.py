@@ -21,7 +21,9 @@ from typing import Any, NamedTuple, Protocol
 
 from redis.exceptions import ResponseError
 
-from core.infra.kv import TRANSIENT, Lua
+from core.infra import transient
+from core.infra.backoff import Backoff
+from core.infra.kv import Lua
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +279,7 @@ def append_many(redis: Any, appends: Sequence[Append]) -> list[Appended]:
     try:
         raw = _APPEND(redis, keys, *args)
     except ResponseError as exc:
-        if isinstance(exc, TRANSIENT):  # Redis refusing writes for now (OOM, MISCONF, READONLY): for all
+        if isinstance(exc, transient.REDIS):  # Redis refusing writes for now (OOM, MISCONF, READONLY): for all
             raise
         if len(appends) == 1:
             return [exc]
@@ -555,7 +557,7 @@ class Hub:
     async def exists(self, job_id: str) -> bool:
         try:
             return bool(await self.redis.exists(stream_key(job_id)))
-        except TRANSIENT:
+        except transient.REDIS:
             return True
 
     async def entries_upto(self, job_id: str, last_id: str) -> list[tuple[str, str]]:
@@ -574,11 +576,11 @@ class Hub:
             pipe.xadd(self._wake_key, {"w": 1}, maxlen=10, approximate=True)
             pipe.expire(self._wake_key, self.wake_ttl_s)
             await pipe.execute()
-        except TRANSIENT:
+        except transient.REDIS:
             pass  # Redis away: the shared read fails too, and includes this stream when it retries
 
     async def _run(self) -> None:
-        backoff = 0.2
+        backoff = Backoff()  # no deadline: the hub waits Redis out however long it is away
         # A cancel that lands inside redis-py's blocked read can come back as a connection error
         # (and be lost): the flag ends the loop anyway, after that read.
         while not self._closed:
@@ -587,16 +589,15 @@ class Hub:
                 await self._news.wait()
             try:
                 await self._read_once()
-                backoff = 0.2
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away or restarting: followers hear silence meanwhile
-                if not isinstance(exc, TRANSIENT):
+                if not isinstance(exc, transient.REDIS):
                     if await self._evict_culprits():
                         continue  # the streams Redis refused are gone; the others read again at once
                     log.exception("stream hub read failed; retrying")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff.step())
 
     async def _read_once(self) -> None:
         # Each stream from the earliest position any of its followers has been given.
@@ -629,7 +630,7 @@ class Hub:
             start = min((f.delivered for f in fs), key=_order)
             try:
                 await self.redis.xread({key: start}, count=1)
-            except TRANSIENT:
+            except transient.REDIS:
                 return found
             except Exception as exc:
                 log.warning("stream hub: %s refused (%s); failing its followers alone", key, exc)

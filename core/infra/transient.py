@@ -1,8 +1,9 @@
 """What "Postgres or Redis unavailable" means, written once (issues 35 and 36).
 
 Such a fault is waited out, never turned into a failed job or a 500: the API answers 503 with
-Retry-After (api/errors.py), workers pause with a bounded backoff and let the job go if it lasts
-(workers/retry.py), the dispatcher tries again at its next tick. Everything else is a real error.
+Retry-After (api/errors.py), workers pause with a bounded backoff (core/infra/backoff.py) and let
+the job go if it lasts (workers/retry.py), the dispatcher tries again at its next tick. Everything
+else is a real error.
 
 Unavailable is more than unreachable. A Redis that answers can still refuse every write for a while:
 

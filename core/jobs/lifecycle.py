@@ -40,8 +40,9 @@ from core.generation.events import (
 )
 from core.generation.prompt import Prompt
 from core.idempotency import Claim
-from core.infra import kv, streams, transient
+from core.infra import streams, transient
 from core.infra.autocommit import one_statement, one_statement_async
+from core.infra.backoff import Backoff, retry
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
 from core.jobs import transitions
@@ -50,9 +51,6 @@ from core.jobs.transitions import Claimed
 from core.tenancy import ratelimit, usage
 
 log = logging.getLogger(__name__)
-
-# A group INSERT failing for one of these failed for all its rows alike (Postgres away): not retried row by row.
-TRANSIENT_DB = transient.DATABASE
 
 # The one wording of each ending that is not the engine's own verdict.
 CANCELLED = ErrorInfo(message="The job was cancelled.", type="cancelled", code="cancelled")
@@ -146,7 +144,8 @@ class Submitter:
                 self.sessions, transitions.INSERT, transitions.insert_group([(job, cap) for job, cap, _ in group])
             )
         except Exception as exc:
-            if len(group) > 1 and not isinstance(exc, TRANSIENT_DB):
+            # Postgres away fails every row alike: not retried row by row.
+            if len(group) > 1 and not isinstance(exc, transient.DATABASE):
                 for item in group:  # one row's fault (a value Postgres refuses): only its request fails
                     await self._store([item])
                 return
@@ -289,18 +288,11 @@ class Lifecycle:
             self._while_redis_away(once, f"{len(chunk)} jobs")
 
     def _while_redis_away(self, fn: Callable[[], None], what: str) -> None:
-        deadline = time.monotonic() + self.settings.infra_retry_s
-        backoff = 0.2
-        while True:
-            try:
-                fn()
-                return
-            except kv.TRANSIENT:
-                if time.monotonic() + backoff > deadline:
-                    log.warning("%s ended but Redis stayed away: the end is in Postgres only", what)
-                    return
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        def gave_up(_exc: Exception) -> None:
+            log.warning("%s ended but Redis stayed away: the end is in Postgres only", what)
+
+        # No lease to keep here (the job has ended): pauses up to the full 5 s.
+        retry(fn, Backoff(self.settings.infra_retry_s), retry_on=transient.REDIS, give_up=gave_up)
 
     def _end(
         self,
@@ -361,7 +353,7 @@ class Lifecycle:
     def _deltas(self, job_id: str, strict: bool = False) -> list[Delta]:
         try:
             evs = [decode(raw) for _, raw in streams.entries(self.redis, job_id)]
-        except kv.TRANSIENT:
+        except transient.REDIS:
             if strict:
                 raise
             # Redis away: bill what Postgres knows (nothing generated is recorded there)
@@ -438,7 +430,7 @@ class Lifecycle:
             failed = s.execute(transitions.fail_lapsed(n, err.model_dump(mode="json"))).scalars().all()
             try:
                 billed = [(row, self.delivered(row)) for row in failed]
-            except kv.TRANSIENT:
+            except transient.REDIS:
                 log.warning("Redis away: %d lapsed jobs are failed on a later pass", len(failed))
                 s.rollback()
                 return {"requeued": len(requeued_rows), "failed": 0}

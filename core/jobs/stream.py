@@ -129,10 +129,10 @@ async def follow_batches(
                 yield await _rest(reader, job_id, row, last_id, at, live)
             return
 
-    def batch_of(entries: list[tuple[str, str]], decoded: list[Event]) -> tuple[list[Any], bool]:
+    async def batch_of(entries: list[tuple[str, str]]) -> tuple[list[Any], bool]:
         nonlocal at
         out: list[tuple[str | None, Event | Ended]] = []
-        for (entry_id, _), ev in zip(entries, decoded, strict=True):
+        for (entry_id, _), ev in zip(entries, await decode_all([raw for _, raw in entries]), strict=True):
             if isinstance(ev, Delta):
                 _count(live, ev)
             out.append((entry_id, ev))
@@ -155,7 +155,7 @@ async def follow_batches(
                 page = []  # Redis away: the shared read below waits it out and tells the silence
             full, pos = len(page) == PAGE, page[-1][0] if page else pos
             if page:
-                out, ended = batch_of(page, await decode_all([raw for _, raw in page]))
+                out, ended = await batch_of(page)
                 del page
                 yield out
                 del out
@@ -180,7 +180,7 @@ async def follow_batches(
                 continue
             big = len(entries) > OFF_LOOP_ENTRIES or sum(len(raw) for _, raw in entries) > HEAVY_BYTES
             async with heavy() if big else _no_gate():
-                out, ended = batch_of(entries, await decode_all([raw for _, raw in entries]))
+                out, ended = await batch_of(entries)
                 del entries
                 yield out
                 del out

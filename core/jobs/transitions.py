@@ -9,9 +9,9 @@ sync session (workers, dispatcher) or an async one (API) and commit.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, ParamSpec, cast
 
 from sqlalchemy import (
     ARRAY,
@@ -44,13 +44,14 @@ from core.jobs.states import TERMINAL_STATES, JobKind, JobState
 
 ACTIVE_STATES = (JobState.queued, JobState.dispatched, JobState.running)
 _JOBS = cast(Table, Job.__table__)  # statements built once use the table, not the ORM class
+P = ParamSpec("P")
 
 
 def new_job_id() -> str:
     return "cmpl-" + secrets.token_hex(12)
 
 
-def new_job(
+def new_row(
     *,
     tenant_id: int,
     model: str,
@@ -65,27 +66,48 @@ def new_job(
     job_id: str | None = None,
     chat: dict[str, Any] | None = None,
     request_id: str | None = None,
-) -> Job:
-    return Job(
-        chat=chat,
-        request_id=request_id,
-        id=job_id or new_job_id(),
-        tenant_id=tenant_id,
-        key_id=key_id,
-        model=model,
-        kind=JobKind(kind).value,  # the column holds the plain value
-        params=params,
-        prompts=prompts,
-        stream=stream,
-        user=user,
-        priority=priority,
-        reserved_tokens=reserved_tokens,
-        state=JobState.queued.value,
-        attempt=1,
-    )
+    batch_id: str | None = None,
+    line_no: int | None = None,
+    custom_id: str | None = None,
+) -> dict[str, Any]:
+    """A new job's columns, queued at attempt 1: the one builder of job rows. `new_job` makes an ORM
+    object of them (the API's request); the batch validator COPYs them as they are, a plain dict per
+    line with no ORM object (core/batches/ingest.py)."""
+    return {
+        "id": job_id or new_job_id(),
+        "tenant_id": tenant_id,
+        "key_id": key_id,
+        "model": model,
+        "kind": JobKind(kind).value,  # the column holds the plain value
+        "state": JobState.queued.value,
+        "attempt": 1,
+        "priority": priority,
+        "params": params,
+        "prompts": prompts,
+        "chat": chat,
+        "stream": stream,
+        "user": user,
+        "request_id": request_id,
+        "batch_id": batch_id,
+        "line_no": line_no,
+        "custom_id": custom_id,
+        "reserved_tokens": reserved_tokens,
+    }
 
 
-# What a new job's INSERT writes: the columns `new_job` sets (the rest are server defaults or NULL).
+def _as_job(row: Callable[P, dict[str, Any]]) -> Callable[P, Job]:
+    def job(*args: P.args, **kw: P.kwargs) -> Job:
+        return Job(**row(*args, **kw))
+
+    return job
+
+
+# `new_row` as an ORM `Job`, with `new_row`'s keywords (checked by mypy at every caller).
+new_job = _as_job(new_row)
+
+
+# What a new interactive job's INSERT writes of `new_row`'s columns (its state is decided by the
+# statement; a batch line's columns are NULL).
 _NEW = (
     "id",
     "tenant_id",

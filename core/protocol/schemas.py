@@ -17,35 +17,36 @@ PromptPiece = str | int
 Prompt = str | list[PromptPiece | list[PromptPiece]]
 
 
-class StreamOptions(BaseModel):
+class _Part(BaseModel):
+    """An object inside a request body: strict types, and an unknown field refused, never ignored."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Part):
     include_usage: bool | None = None
 
 
-class ToolFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolFunction(_Part):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Tool(_Part):
     type: Literal["function"]
     function: ToolFunction
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class NamedToolChoice(_Part):
     type: Literal["function"]
     function: dict[str, str]
 
 
-class GrammarSpec(BaseModel):
+class GrammarSpec(_Part):
     """mistral.rs's grammar object."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["regex", "lark", "json_schema", "gbnf"]
     value: Any
 
@@ -211,27 +212,23 @@ class CompletionRequest(_GenerationRequest):
 # -- chat ------------------------------------------------------------------------------------------
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolCallFunction(_Part):
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolCall(_Part):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
@@ -312,16 +309,9 @@ class ChatCompletion(_Response):
     usage: UsageObject | None = None
 
 
-class CompletionChunk(_Response):
+class CompletionChunk(Completion):
     """One `data:` event of a streamed completion: OpenAI's stream repeats the `text_completion`
     object with the new text of one choice (`usage` on the last, with `stream_options.include_usage`)."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageObject | None = None
 
 
 class ChatChunkChoice(_Response):

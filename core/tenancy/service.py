@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.errors import DomainError, ErrorKind, invalid, not_found
-from core.infra import kv, redis_keys
+from core.infra import redis_keys, transient
 from core.infra.orm import ApiKey, Tenant, UsageDaily
 from core.protocol.errors import from_validation
 from core.tenancy.keys import SCOPES, hash_key, new_key
@@ -149,7 +149,7 @@ def revoke_key(session: Session, rds: redis.Redis, key_id: int) -> ApiKey:
     session.commit()
     try:  # API processes cache key lookups for seconds: tell them now
         rds.set(redis_keys.revoked(k.key_hash), 1, ex=3600)
-    except kv.TRANSIENT:
+    except transient.REDIS:
         log.warning("could not announce the revocation of key %s; caches drop it within seconds", key_id)
     return k
 

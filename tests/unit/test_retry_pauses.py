@@ -10,16 +10,17 @@ from types import SimpleNamespace
 import pytest
 
 from core.config import Settings
+from core.infra import backoff
 from workers import retry
 
 
 @pytest.mark.parametrize("lease_s", [3.0, 30.0])
 def test_pauses_stay_within_a_third_of_the_lease(monkeypatch, lease_s):
     timeline: list[tuple[str, float]] = []
-    # retry's own `time` only: patching the shared module would also speed up every other thread's sleep
-    # (a cancel watch left by an earlier test spun 20,000 times into this timeline)
+    # the backoff's own `time` only: patching the shared module would also speed up every other thread's
+    # sleep (a cancel watch left by an earlier test spun 20,000 times into this timeline)
     fake_time = SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: timeline.append(("sleep", s)))
-    monkeypatch.setattr(retry, "time", fake_time)
+    monkeypatch.setattr(backoff, "time", fake_time)
     calls = iter(range(30))
 
     def flaky() -> str:

@@ -10,7 +10,7 @@ from redis import exceptions as rx
 from redis._parsers import _RESP2Parser
 from sqlalchemy import exc as sx
 
-from core.infra import kv, transient
+from core.infra import transient
 from core.infra.transient import TRANSIENT, is_transient
 from workers import retry
 
@@ -53,8 +53,8 @@ def test_a_redis_refusal_is_transient_and_caught_by_the_tuple(code):
     exc = parsed(REFUSALS[code])
     assert isinstance(exc, rx.ResponseError | rx.ConnectionError)  # LOADING: BusyLoadingError, a ConnectionError
     assert is_transient(exc)
-    # `except TRANSIENT:` (and kv's, and the workers') catches it too, not only the predicate
-    assert isinstance(exc, TRANSIENT) and isinstance(exc, kv.TRANSIENT) and isinstance(exc, retry.LETTING_GO)
+    # `except TRANSIENT:` (and Redis's own set, and the workers' letting go) catches it too, not only the predicate
+    assert isinstance(exc, TRANSIENT) and isinstance(exc, transient.REDIS) and isinstance(exc, retry.LETTING_GO)
 
 
 def test_the_classes_redis_py_gives_them():
