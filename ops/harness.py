@@ -293,6 +293,19 @@ def _spool_database_url() -> str:
 
 TEST_DB = os.environ.get("SPOOL_TEST_DATABASE_URL", _spool_database_url().rsplit("/", 1)[0] + "/spool_test")
 TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# The integration tests' Redis db (tests/integration); the stack's db server, database 13 by default.
+IT_REDIS = os.environ.get("SPOOL_IT_REDIS_URL", TEST_REDIS.rsplit("/", 1)[0] + "/13")
+
+# ops/test.sh runs the suite in lanes, pytest processes side by side (pytest-xdist workers, and the
+# wallclock tests' own process), each started with SPOOL_TEST_LANE=n: a lane past the first takes a
+# database and two Redis dbs of its own (stack, integration), so two lanes' stacks never meet. The
+# side stacks' dbs (tests/conftest.SIDE_REDIS_DBS) are each one module's, and a module runs in one lane.
+LANE_REDIS_DBS = {1: (3, 4), 2: (6, 11), 3: (0, 1)}
+LANE = int(os.environ.get("SPOOL_TEST_LANE") or 0)
+if LANE:
+    _server = TEST_REDIS.rsplit("/", 1)[0]
+    TEST_DB = f"{TEST_DB}_lane{LANE}"
+    TEST_REDIS, IT_REDIS = (f"{_server}/{n}" for n in LANE_REDIS_DBS[LANE])
 
 
 def migrated_database(db_url: str, env: dict[str, str] | None = None) -> None:

@@ -46,17 +46,26 @@ if [ "${SPOOL_SERIAL:-0}" = 1 ]; then
   exec "${PYTEST[@]}" --durations=40 "$@"
 fi
 
-# Tests marked `wallclock` spend their time waiting (Postgres or Redis held away for 30 s, clients
-# paused), not computing: they run in a second pytest beside the rest, on a database and Redis dbs of
-# their own (SPOOL_SERIAL=1: one process, as before). The run fails if either fails; the second's
-# report follows the first's.
+# The suite runs in lanes, pytest processes side by side, each on a database and Redis dbs of its own
+# (ops/harness.py: SPOOL_TEST_LANE): SPOOL_TEST_LANES (2) pytest-xdist workers share the tests a module
+# at a time, longest first (tests/conftest.py: COSTS), and the tests marked `wallclock`, which spend
+# their time waiting (Postgres or Redis held away for 30 s), run in a process of their own beside
+# them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
+# what one two-thread engine does, and two engines of two threads each slow each other several-fold.
+# SPOOL_SERIAL=1: one process, as it was. The run fails if any lane fails; the wallclock lane's
+# report follows the rest.
+export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
+LANES=${SPOOL_TEST_LANES:-2}
 WALL_LOG=$(mktemp /tmp/spool-wallclock.XXXXXX)
-WALL_DB=$(.venv/bin/python -c "from ops.harness import TEST_DB; print(TEST_DB + '_wall')")
-SPOOL_TEST_DATABASE_URL=$WALL_DB SPOOL_TEST_REDIS_URL=redis://127.0.0.1:6379/6 SPOOL_IT_REDIS_URL=redis://127.0.0.1:6379/11 \
-  "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
+SPOOL_TEST_LANE=2 "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
 WALL=$!
+TX=()
+for ((i = 0; i < LANES; i++)); do
+  lane=$i; [ "$i" -ge 2 ] && lane=$((i + 1))  # lane 2 is the wallclock tests'
+  TX+=(--tx "popen//env:SPOOL_TEST_LANE=$lane")
+done
 rc=0
-"${PYTEST[@]}" -m "not wallclock" --durations=40 "$@" || rc=$?
+"${PYTEST[@]}" -m "not wallclock" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 wall_rc=0
 wait $WALL || wall_rc=$?
 echo

@@ -11,19 +11,68 @@ from sqlalchemy import create_engine, text
 
 # The one process harness and stack recipe (ops/harness.py), shared with ops; re-exported for the tests
 # that import them from here.
-from ops.harness import ROOT, SPOOL, TEST_DB, TEST_REDIS, Stack, free_port, running_stack, wait_for
+from ops.harness import IT_REDIS, ROOT, SPOOL, TEST_DB, TEST_REDIS, Stack, free_port, running_stack, wait_for
 
-__all__ = ["MODEL", "ROOT", "SPOOL", "TEST_DB", "TEST_REDIS", "Stack", "free_port", "running_stack", "wait_for"]
+__all__ = [
+    "IT_REDIS",
+    "MODEL",
+    "ROOT",
+    "SPOOL",
+    "TEST_DB",
+    "TEST_REDIS",
+    "Stack",
+    "free_port",
+    "running_stack",
+    "wait_for",
+]
 
 
-# Redis databases the side stacks take on the same server (bare-host rehearsal 2, compose rehearsal 7,
-# limits 8, paced and null engines 9, fresh machine 10, registry 12, integration 13, fuzz 14). The
-# session stack on one of them shares its live-workers hash with a side stack's, whose "workers live"
-# checks then never hold.
-SIDE_REDIS_DBS = {2, 7, 8, 9, 10, 12, 13, 14}
+# Redis databases the side stacks take on the same server (bare-host rehearsal 2, paced engine 5,
+# compose rehearsal 7, limits 8, null engine 9, fresh machine 10, registry 12, integration 13, fuzz
+# 14): one module's each, since the lanes of ops/test.sh run modules side by side. The session stack
+# on one of them shares its live-workers hash with a side stack's, whose "workers live" checks then
+# never hold.
+SIDE_REDIS_DBS = {2, 5, 7, 8, 9, 10, 12, 13, 14}
 if TEST_REDIS.rsplit("/", 1)[-1] in {str(n) for n in SIDE_REDIS_DBS}:
     raise pytest.UsageError(f"SPOOL_TEST_REDIS_URL: pick a Redis database other than {sorted(SIDE_REDIS_DBS)}")
 MODEL = "smollm2-135m-instruct"
+
+# Seconds a module takes (its tests' calls and its own stacks' start), from `--durations` of a full run
+# (2026-11-28, 2-core VM). ops/test.sh's lanes take modules in this order, longest first, so that no
+# long module starts last while the other lane idles; modules not listed follow in their own order.
+COSTS = {
+    "tests/e2e/test_cluster.py": 175,
+    "tests/e2e/test_chat.py": 173,
+    "tests/e2e/test_batches.py": 145,
+    "tests/e2e/test_faults.py": 125,
+    "tests/e2e/test_image_replay.py": 116,
+    "tests/e2e/test_protocol.py": 101,
+    "tests/e2e/test_lm_eval.py": 65,
+    "tests/e2e/test_fuzz.py": 66,
+    "tests/e2e/test_client_pauses.py": 50,
+    "tests/e2e/test_api_drain.py": 50,
+    "tests/e2e/test_durability.py": 38,
+    "tests/e2e/test_clients.py": 34,
+    "tests/unit/test_gpu_promises.py": 32,
+    "tests/e2e/test_responses.py": 31,
+    "tests/e2e/test_model_registry.py": 32,
+    "tests/e2e/test_limits.py": 26,
+    "tests/e2e/test_dead_host.py": 26,
+    "tests/e2e/test_reliability.py": 25,
+    "tests/integration/test_llamacpp_engine.py": 24,
+    "tests/e2e/test_fairness.py": 23,
+    "tests/e2e/test_bare_host_rehearsal.py": 23,
+    "tests/e2e/test_compose_rehearsal.py": 22,
+    "tests/e2e/test_paced_engine.py": 22,
+    "tests/e2e/test_tenancy.py": 22,
+    "tests/e2e/test_idempotency_hold.py": 21,
+    "tests/e2e/test_peer_fidelity.py": 20,
+    "tests/e2e/test_fresh_machine.py": 15,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: -COSTS.get(item.nodeid.split("::", 1)[0], 0))  # stable: ties keep their order
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from workers.engine.paced import PacedEngine
 def paced_stack(tmp_path_factory):
     db = TEST_DB.rsplit("/", 1)[0] + "/spool_paced"
     env = {"SPOOL_ENGINE": "paced", "SPOOL_MAX_BATCH": "4", "SPOOL_PACED_STEP_MS": "2", "SPOOL_PACED_SEQ_MS": "0.25"}
-    with running_stack(tmp_path_factory.mktemp("paced-logs"), db, "redis://127.0.0.1:6379/9", **env) as st:
+    with running_stack(tmp_path_factory.mktemp("paced-logs"), db, "redis://127.0.0.1:6379/5", **env) as st:
         yield st
 
 

@@ -14,13 +14,11 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config import Settings
-from tests.conftest import ROOT, TEST_DB, TEST_REDIS
+from tests.conftest import IT_REDIS, ROOT, TEST_DB
 
 # spool_test -> spool_it; spool_test_<name> -> spool_it_<name>: sessions running side by side each drop their own.
 _BASE, _NAME = TEST_DB.rsplit("/", 1)
 IT_DB = f"{_BASE}/{_NAME.replace('spool_test', 'spool_it', 1) if 'spool_test' in _NAME else _NAME + '_it'}"
-# SPOOL_IT_REDIS_URL lets two checkouts (or two sessions) run the integration tests side by side.
-IT_REDIS = os.environ.get("SPOOL_IT_REDIS_URL", TEST_REDIS.rsplit("/", 1)[0] + "/13")
 
 
 @pytest.fixture(scope="session")
