@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors: every non-2xx body is {"error": {"message", "type", "param", "code"}}."""
+"""OpenAI-shaped errors: every non-2xx body is render.error_body's {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from core.errors import DomainError, ErrorKind
 from core.infra.transient import is_transient
+from core.protocol import render
 from core.protocol.errors import from_validation
 
 log = logging.getLogger(__name__)
@@ -58,14 +59,10 @@ def status_of(exc: DomainError) -> int:
     return exc.status if isinstance(exc, APIError) else _STATUS[exc.kind]
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(exc: DomainError) -> JSONResponse:
     status = status_of(exc)
     type_ = exc.type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse(error_body(exc.message, type_, exc.param, exc.code), status, headers=exc.headers)
+    return JSONResponse(render.error_body(exc.message, type_, exc.param, exc.code), status, headers=exc.headers)
 
 
 def validation_error(exc: RequestValidationError) -> DomainError:
@@ -97,8 +94,8 @@ def _unavailable() -> JSONResponse:
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Postgres or Redis unavailable (core/infra/transient.py: unreachable, every pooled connection
-    busy, or Redis refusing writes for now: MISCONF, OOM, READONLY, ...): the client may retry."""
+    """Postgres or Redis unavailable (as core/infra/transient.py tells: unreachable, every pooled
+    connection busy, or Redis refusing writes for now: MISCONF, OOM, READONLY, ...): the client may retry."""
     return is_transient(exc)
 
 

@@ -1,4 +1,4 @@
-"""`Idempotency-Key` on creating POSTs (completions, files, batches), per tenant, Stripe's semantics.
+"""`Idempotency-Key` on creating POSTs (completions, chat, responses, files, batches), per tenant, Stripe's semantics.
 
 The `openai` SDK retries a POST on 408/409/429/5xx and on connection errors. With a key, a retry
 gets the original outcome: the same key and the same request (its fingerprint: the canonical JSON
@@ -7,13 +7,14 @@ created; the same key with another request is a 422; a retry while the first req
 creating is a 409 (the SDK retries it once that is done). Keys are kept `idempotency_ttl_h` hours
 (the retention sweeper removes older ones).
 
-Every create route goes through `Idempotency.held`: it takes the key, keeps it while the request works, and
-frees it when nothing was created. Taking the key is one compare-and-set in SQL on the database's
-clock: a new key is inserted, and a key whose holder stopped renewing it for `idempotency_lock_s`
-(its request died) is taken over by exactly one retry, however many arrive at once. The holder
-renews its hold every third of that while it works (a long upload is not mistaken for a dead one),
-and records its object only while it still holds the key (its random token): a holder that was
-paused past its hold and taken over creates nothing, and answers 409.
+Each of those routes goes through `Idempotency.held` (/admin's creating POSTs take no key): it takes
+the key, keeps it while the request works, and frees it when nothing was created. Taking the key is
+one compare-and-set in SQL on the database's clock: a new key is inserted, and a key whose holder
+stopped renewing it for `idempotency_lock_s` (its request died) is taken over by exactly one retry,
+however many arrive at once. The holder renews its hold every third of that while it works (a long
+upload is not mistaken for a dead one), and records its object only while it still holds the key
+(its random token): a holder that was paused past its hold and taken over creates nothing, and
+answers 409.
 
 A request that is refused before anything is created (400, 401, 404, 429) releases its key: the same
 retry is refused the same way, and a corrected request may reuse it.

@@ -14,11 +14,12 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 from starlette.requests import ClientDisconnect
 
+from api import deps
 from api.bodies import INLINE_BYTES, json_body, openapi_answers, openapi_body
 from api.deps import current_principal
 from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
-from core.config import Settings, get_settings
+from core.config import Settings
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.service import Completions
 from core.protocol import render
@@ -75,7 +76,7 @@ async def _call(request: Request) -> _Call:
         principal,
         state.redis,
         state.hub,
-        get_settings(),
+        await deps.settings(),
         state.lifecycle,
         state.completions,
         state.fingerprints,
@@ -159,7 +160,7 @@ async def _serve(body, endpoint: str, call: _Call):
         return JSONResponse(render.response(row, fingerprint), headers=headers)
     err = render.failure(row)
     return JSONResponse(
-        {"error": err}, status_code=_ERROR_STATUS.get(err["type"], 422), headers={"x-spool-job-id": row.id}
+        render.envelope(err), status_code=_ERROR_STATUS.get(err["type"], 422), headers={"x-spool-job-id": row.id}
     )
 
 

@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from api.bodies import INLINE_BYTES, json_body, openapi_body
-from api.deps import LifecycleDep, TenantDep, current_principal
+from api.deps import LifecycleDep, SettingsDep, TenantDep, current_principal
 from api.errors import APIError
 from api.routes.completions import _StreamOrCancel, _wait_unless_draining
 from api.streaming import HEAVY, ReaderLease, sse_comment
-from core.config import Settings, get_settings
+from core.config import Settings
 from core.jobs import transitions
 from core.jobs.responses import Responses
 from core.jobs.stream import HEARTBEAT
@@ -58,9 +58,10 @@ def _gate(tenant_id: int, settings: Settings) -> Callable[[], contextlib.Abstrac
 
 
 @router.post("", response_model=None, responses=_ANSWERS, openapi_extra=openapi_body(ResponsesRequest))
-async def create_response(body: _Body, request: Request, responses: _ResponsesDep, lifecycle: LifecycleDep):
+async def create_response(
+    body: _Body, request: Request, responses: _ResponsesDep, lifecycle: LifecycleDep, settings: SettingsDep
+):
     principal = await current_principal(request)
-    settings = get_settings()
     key = request.headers.get("idempotency-key")
     rid = getattr(request.state, "request_id", None)
     small = len(await request.body()) <= INLINE_BYTES
@@ -85,6 +86,7 @@ async def get_response(
     request: Request,
     tenant: TenantDep,
     responses: _ResponsesDep,
+    settings: SettingsDep,
     stream: bool = False,
     starting_after: Annotated[int | None, Query(ge=-1, le=2**53)] = None,
     include: Annotated[list[str] | None, Query(alias="include[]")] = None,
@@ -95,9 +97,7 @@ async def get_response(
         raise _not_found(response_id)
     if not stream:
         return render.response_of(job)
-    events = responses.events(
-        request.app.state.hub, job, tenant.id, starting_after, heavy=_gate(tenant.id, get_settings())
-    )
+    events = responses.events(request.app.state.hub, job, tenant.id, starting_after, heavy=_gate(tenant.id, settings))
     return _Rejoin(_framed(events, request.app.state.redis, job.id, live=not transitions.is_terminal(job.state)))
 
 

@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize in llama.cpp's shapes (plus an optional `model`)."""
+"""POST /tokenize and /detokenize in llama.cpp's shapes (plus an optional `model`), built by core/protocol/render.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from api.deps import SettingsDep, TenantDep
 from api.errors import APIError
 from core.config import Settings
 from core.infra.tokenizers import Tokenizer, tokenizer_for
+from core.protocol import render
 from core.protocol.schemas import DetokenizeResponse, TokenizeResponse
 from core.registry import resolve, served_models
 
@@ -55,7 +56,7 @@ def tokenized(tok: Tokenizer, body: TokenizeRequest) -> dict:
     """The /tokenize answer. Blocking (a long text takes a while): run it off the event loop."""
     ids = tok.encode(body.content, add_special=body.add_special)
     if not body.with_pieces:
-        return {"tokens": ids}
+        return render.tokens(ids)
     if len(ids) > MAX_PIECES:
         raise APIError(
             400,
@@ -64,7 +65,7 @@ def tokenized(tok: Tokenizer, body: TokenizeRequest) -> dict:
             param="with_pieces",
             code="too_many_tokens",
         )
-    return {"tokens": [{"id": t, "piece": tok.token_text(t)} for t in ids]}
+    return render.tokens(ids, [tok.token_text(t) for t in ids])
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, openapi_extra=openapi_body(TokenizeRequest))
@@ -81,7 +82,7 @@ def detokenized(tok: Tokenizer, body: DetokenizeRequest) -> dict:
         raise APIError(
             400, f"Token id {bad} is out of range (0..{tok.n_vocab - 1}).", param="tokens", code="invalid_value"
         )
-    return {"content": tok.decode(body.tokens)}
+    return render.detokenized(tok.decode(body.tokens))
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))

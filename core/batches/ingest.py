@@ -3,7 +3,7 @@ translation as an interactive request (core/protocol/translate.py; a `/v1/respon
 through core/protocol/responses.to_chat), all or nothing.
 
 Runs in a thread of the dispatcher process (`run_validator`, given its sessions, Redis and
-settings by `spool dispatcher`), never in the API. The whole file is
+settings by `spool dispatcher`), never in the API (an import contract). The whole file is
 read one chunk at a time, lines are
 validated one by one and COPYed into a staging table in ONE transaction (`validate`): if any line is bad, the
 batch fails listing every bad line (up to SPOOL_BATCH_MAX_ERRORS) and no job exists; if the

@@ -86,32 +86,19 @@ def has_live_lines(batch_id: str):
 
 
 def _line(job: Job, fingerprints: render.Fingerprints) -> tuple[bool, dict[str, Any]]:
-    """One output or error line in OpenAI's batch format; True when it belongs to the output file."""
-    rid = "batch_req_" + job.id.removeprefix("cmpl-")
+    """One output or error line (built by core/protocol/render.py); True when it belongs to the output file."""
     if job.state == JobState.succeeded.value:
-        body = render.batch_body(job, fingerprints(job.model))
-        return True, {
-            "id": rid,
-            "custom_id": job.custom_id,
-            "response": {"status_code": 200, "request_id": job.id, "body": body},
-            "error": None,
-        }
+        return True, render.batch_answered_line(
+            job.id, job.custom_id, 200, render.batch_body(job, fingerprints(job.model))
+        )
     if job.state in (JobState.expired.value, JobState.cancelled.value):
         info = BATCH_EXPIRED if job.state == JobState.expired.value else BATCH_CANCELLED
-        err = {"code": info.code, "message": info.message}
-        return False, {"id": rid, "custom_id": job.custom_id, "response": None, "error": err}
+        return False, render.batch_unrun_line(job.id, job.custom_id, info.code, info.message)
     e = job.error or {"message": "The request failed.", "type": "server_error"}
     # A line refused by its tenant's limits (core/tenancy/admission.admit_lines) is a 429, as it would be alone.
     status = {"invalid_request_error": 400, "tokens": 429, "requests": 429}.get(e.get("type") or "", 500)
-    body = {
-        "error": {"message": e.get("message"), "type": e.get("type"), "param": e.get("param"), "code": e.get("code")}
-    }
-    return False, {
-        "id": rid,
-        "custom_id": job.custom_id,
-        "response": {"status_code": status, "request_id": job.id, "body": body},
-        "error": None,
-    }
+    body = render.error_body(e.get("message"), e.get("type"), e.get("param"), e.get("code"))
+    return False, render.batch_answered_line(job.id, job.custom_id, status, body)
 
 
 def _result_file(b: Batch, kind: str) -> File:

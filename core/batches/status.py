@@ -1,7 +1,8 @@
 """A batch's status (OpenAI's words) and its transitions, each one compare-and-set UPDATE.
 
 validating -> in_progress -> finalizing -> completed | expired | cancelled; validating -> failed;
-validating | in_progress -> cancelling -> (finalizing ->) cancelled. The only writer of `batches.status`.
+validating | in_progress -> cancelling -> (finalizing ->) cancelled. The only writer of `batches.status`
+(tests/unit/test_state_writers.py).
 """
 
 from __future__ import annotations

@@ -317,7 +317,9 @@ async def _post_pinned(url: str, host: str, addr: str, body: bytes, headers: dic
 
 
 def event_body(status: str, batch: dict) -> str:
-    """The delivered JSON: the batch object (rendered by the caller) in an event envelope."""
+    """The delivered JSON: the batch object (rendered by the caller, core/protocol/render.py) in
+    Standard Webhooks' event envelope. Built here, not in render: the webhook task runs in the worker,
+    and workers never import core.protocol (tests/unit/test_homes.py knows this home)."""
     return json.dumps({"type": f"batch.{status}", "timestamp": datetime.now(UTC).isoformat(), "data": batch})
 
 

@@ -54,7 +54,7 @@ def celery_app() -> Celery:
         # A Redis that refuses the consumer's BRPOP for now (MISCONF: it cannot persist; READONLY: a
         # failover made it a replica) answers a reply error, which kombu counts as a channel error:
         # without this the worker's consumer stopped for good; with it, it reconnects with the same
-        # backoff as after a lost connection (core/infra/transient.py: an outage, never a failure).
+        # backoff as after a lost connection (an outage, never a failure, as core/infra/transient.py says).
         broker_channel_error_retry=True,
         worker_hijack_root_logger=False,
         # "priority": a worker always takes from its first queue (interactive) before the next (batch);

@@ -1,8 +1,13 @@
-"""Neutral results and events -> OpenAI's wire JSON. The only place that knows those shapes.
+"""Neutral results and events -> OpenAI's wire JSON: the module that builds every body the API
+answers or a file holds (tests/unit/test_homes.py finds each kind built anywhere else).
 
 A job's stored result, its stream events and its usage are engine-neutral (core/generation/events.py);
-here they become a `text_completion`, its chunks, Spool's job object, a batch output body, or the
-Responses API's `response` object.
+here they become a `text_completion`, its chunks, Spool's job object, a batch file's output and error
+lines, the error envelope, the tokenize/detokenize answers, the file, batch, model, tenant and list
+objects, or the Responses API's `response` object and its items. Two shapes are built beside it, each
+with its reason: the Responses API's typed stream events (core/protocol/responses.py `Events`
+numbers them, around the objects and items made here) and the webhook's Standard Webhooks envelope
+(core/batches/webhooks.py `event_body`: workers deliver it, and workers never import core.protocol).
 """
 
 from __future__ import annotations
@@ -98,6 +103,20 @@ def usage(u: Usage) -> dict[str, Any]:
 
 def error(e: ErrorInfo) -> dict[str, Any]:
     return {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
+
+
+def envelope(err: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's error body, `{"error": {message, type, param, code}}`: every non-2xx answer, a failed
+    batch line's body, the last chunk of a stream that failed."""
+    return {"error": err}
+
+
+def error_body(
+    message: str | None, type_: str | None, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The error envelope from its fields (api/errors.py answers every DomainError with it; a failed
+    batch line's stored error may lack a message or type: null then, as before)."""
+    return envelope({"message": message, "type": type_, "param": param, "code": code})
 
 
 # -- logprobs --------------------------------------------------------------------------------------
@@ -203,7 +222,7 @@ def job(j: JobRecord, fingerprint: str) -> dict[str, Any]:
 
 
 def failure(j: JobRecord) -> dict[str, Any]:
-    """The error object of a job that did not succeed."""
+    """The error object of a job that did not succeed (its body: `envelope(failure(j))`)."""
     return error(error_of(j))
 
 
@@ -312,6 +331,21 @@ def usage_row(row: Mapping[Any, Any]) -> dict[str, Any]:
 
 def webhook_secret(secret: str) -> dict[str, Any]:
     return {"object": "webhook_secret", "secret": secret}
+
+
+# -- tokenize / detokenize (llama.cpp's server shapes) -----------------------------------------------
+
+
+def tokens(ids: list[int], pieces: list[str] | None = None) -> dict[str, Any]:
+    """The /tokenize answer: the ids, or with `pieces` (one text per id) each id with its text."""
+    if pieces is None:
+        return {"tokens": ids}
+    return {"tokens": [{"id": t, "piece": p} for t, p in zip(ids, pieces, strict=True)]}
+
+
+def detokenized(content: str) -> dict[str, Any]:
+    """The /detokenize answer."""
+    return {"content": content}
 
 
 # -- files and batches -----------------------------------------------------------------------------
@@ -437,10 +471,9 @@ class CompletionChunks:
         if isinstance(ev, Done):
             return [*([self._chunk([], ev.usage)] if self.include_usage else []), DONE]
         if isinstance(ev, Cancelled):
-            err = {"message": "The job was cancelled.", "type": "cancelled", "param": None, "code": "cancelled"}
-            return [{"error": err}, DONE]
+            return [error_body("The job was cancelled.", "cancelled", None, "cancelled"), DONE]
         if isinstance(ev, Failed):
-            return [{"error": error(ev.error)}, DONE]
+            return [envelope(error(ev.error)), DONE]
         return []
 
 
@@ -506,6 +539,32 @@ def batch_body(job: JobRecord, fingerprint: str) -> dict[str, Any]:
     """A batch output line's body: the finished job in the shape of the batch's endpoint (a line of a
     `/v1/responses` batch is a `response` object; `job`'s `result` stays its chat completion)."""
     return response_of(job) if is_response(job) else response(job, fingerprint)
+
+
+def batch_line_id(job_id: str) -> str:
+    """A batch file line's `id`: its job's, renamed (`cmpl-<hex>` -> `batch_req_<hex>`)."""
+    return "batch_req_" + job_id.removeprefix(JOB_PREFIX)
+
+
+def batch_answered_line(job_id: str, custom_id: str | None, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
+    """A line of a batch's output file (status 200, `batch_body`) or error file (a failed request:
+    its status and `envelope`), in OpenAI's batch format."""
+    return {
+        "id": batch_line_id(job_id),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": job_id, "body": body},
+        "error": None,
+    }
+
+
+def batch_unrun_line(job_id: str, custom_id: str | None, code: str | None, message: str) -> dict[str, Any]:
+    """A line of a batch's error file for a request that never ran (its batch expired or was cancelled)."""
+    return {
+        "id": batch_line_id(job_id),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
 class ChatChunks(CompletionChunks):
@@ -596,6 +655,11 @@ def response_meta(job: JobRecord) -> dict[str, Any]:
 
 def is_response(job: JobRecord) -> bool:
     return bool((job.chat or {}).get("response"))
+
+
+def response_error(e: ErrorInfo) -> dict[str, Any]:
+    """A failed `response` object's `error`."""
+    return {"code": e.code or "server_error", "message": e.message}
 
 
 def response_usage(u: Usage) -> dict[str, Any]:
@@ -691,8 +755,7 @@ def response_of(job: JobRecord) -> dict[str, Any]:
     else:
         status = _RESPONSE_STATUS.get(job.state, "in_progress")
         if status == "failed":
-            e = error_of(job)
-            err = {"code": e.code or "server_error", "message": e.message}
+            err = response_error(error_of(job))
         elif status == "cancelled" and job.result:
             output, _ = response_output(job, "incomplete")
     finished = job.finished_at if status == "completed" else None

@@ -6,8 +6,9 @@ chat translation (core/protocol/translate.py): the same `GenerationParams`, the 
 the model's chat template, the same bounds and 400s. What only the Responses API knows (its
 settings to echo, the input items to list and chain) rides on the job's `chat` column under
 `response` (`meta`). A finished job is rendered as a `response` object from its chat completion
-(core/protocol/render.py); its events as typed stream events numbered by `sequence_number`, a pure
-function of the job's event sequence, so every API process numbers a stream alike.
+(core/protocol/render.py); its events as typed stream events numbered by `sequence_number` (`Events`,
+the one place besides render.py that builds a wire shape: each event wraps render's objects and
+items), a pure function of the job's event sequence, so every API process numbers a stream alike.
 """
 
 from __future__ import annotations
@@ -490,9 +491,8 @@ class Events:
         if self.open is not None:
             return []
         self.open = render.response_message_item(self.job.id, "", "in_progress")
-        item = {**self.open, "content": []}
+        item, part = {**self.open, "content": []}, self.open["content"][0]  # the empty text part
         at = len(self.items)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             self._ev("response.output_item.added", output_index=at, item=item),
             self._ev("response.content_part.added", item_id=item["id"], output_index=at, content_index=0, part=part),
@@ -583,8 +583,7 @@ class Events:
             )
             return [*out, self._ev(f"response.{status}", response=obj)]
         if isinstance(ev, Failed):
-            err = {"code": ev.error.code or "server_error", "message": ev.error.message}
-            obj = render.response_object(self.job, self.meta, "failed", [], None, err, None)
+            obj = render.response_object(self.job, self.meta, "failed", [], None, render.response_error(ev.error), None)
             return [*out, self._ev("response.failed", response=obj)]
         if isinstance(ev, Cancelled):
             # OpenAI's stream has no event of its own for a cancel: `response.failed`, its status `cancelled`.
@@ -613,10 +612,6 @@ def rebuilt_deltas(
     if not out:
         out.append(Delta(choice=0, text=text, finish_reason=finish))
     return out
-
-
-def error_event(seq: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
-    return {"type": "error", "sequence_number": seq, "code": code, "message": message, "param": param}
 
 
 def terminal_of(job: Any) -> Event:

@@ -3,8 +3,9 @@ share them.
 
 Why hand-written Lua: `slowapi` is synchronous and `limits` cannot refund, while tokens per minute
 must be reserved at admission (prompt + max_tokens) and settled to the real usage when the job
-ends. One script checks every limit and commits all of them or none; another settles a job's
-reservation exactly once (the reservation record is deleted as it is settled).
+ends. One script (`ADMIT`) checks every limit and commits all of them or none; one (`REQUESTS`) takes
+the requests/minute alone, before a body is read (api/ratelimit.py); another (`SETTLE`) settles a
+job's reservation exactly once (the reservation record is deleted as it is settled).
 
 - requests/minute: GCRA (burst = the limit), per tenant and optionally per key
 - tokens/minute: a token bucket that refills continuously and takes refunds

@@ -1,5 +1,5 @@
 """What both GPU engines promise, each test run on ExLlamaV2Engine (a tiny random-weight Llama) and on
-ExLlamaV3Engine (the EXL3 model of SPOOL_TEST_EXL3_MODEL), built in tests/gpu/conftest.py: lengths,
+ExLlamaV3Engine (the EXL3 model of SPOOL_TEST_EXL3_MODEL), built in tests/gpu/conftest.py. They check lengths,
 determinism, batching, cancellation, grammar, logit bias, prefix reuse within a tenant only, and
 presence/frequency penalties that leave the prompt alone. Random weights make the exllamav2 text
 meaningless but the mechanics checkable. What one engine alone does: test_exllamav2_engine.py,

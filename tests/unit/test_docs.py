@@ -1,7 +1,13 @@
-"""The README's configuration table and commands stay true to the code."""
+"""The README's configuration table and commands stay true to the code, and every path and every name
+after a path that the docs, docstrings and comments give exists."""
 
 from __future__ import annotations
 
+import ast
+import io
+import re
+import tokenize
+from functools import cache
 from pathlib import Path
 
 from core.config import Settings
@@ -47,30 +53,284 @@ def test_the_quick_start_installs_only_what_serving_needs():
     assert "nvidia-smi -L" in test and 'EXTRAS="$EXTRAS,gpu"' in test  # a CUDA host runs tests/gpu
 
 
+# -- every path, and every name after a path, that the docs and docstrings give exists ---------------
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("api", "core", "workers", "ops")
+_PATH = r"(?:api|core|workers|ops|tests|migrations|docs)/[\w./-]*\w"
+_NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+# `core/jobs/lifecycle.py: Lifecycle._end`, `core/infra/db.py:Listener`,
+# tests/unit/test_docs.py::test_a_planted… (…: a prefix)
+_PY_NAME = re.compile(rf"(?<![\w./-])({_PATH})\.py(::|: ?)({_NAME})(…)?")
+# core/infra/streams.Hub: a module by its path, then one of its names
+_MOD_NAME = re.compile(rf"(?<![\w./-])({_PATH})\.({_NAME})")
+# `render.Fingerprints`, `core.errors.DomainError`, `JobRunner.run_group()`: a name in backticks
+_TICKED = re.compile(rf"`({_NAME})(?:\(\))?`")
+# Backticked words that are not a module of ours although a module has their name, each with what they are.
+NOT_MODULES = {
+    "text": "the Responses API's `text` field (`text.format`)",
+    "app": "FastAPI's `app.state`",
+    "tokenizer": "a model's tokenizer config (`tokenizer.chat_template`)",
+    "params": "a job's `params` column",
+    "exllamav2": "the library of that name",
+    "exllamav3": "the library of that name",
+}
+FILE_SUFFIXES = {"py", "json", "toml", "h", "md", "cfg", "txt", "yml", "yaml", "gguf", "jsonl", "sh", "ini", "jinja"}
+# Texts that name something gone, each with who fixes it (core/dispatcher.py is being split elsewhere).
+KNOWN_STALE = {
+    "core/dispatcher.py: core/jobs/lifecycle.py: submit": "the dispatcher's split rewrites its docstring",
+}
+
+
 def _named_paths(text: str) -> set[str]:
     """Repository paths a text names: `core/jobs/lifecycle.py`, `core/infra/streams.Hub` (a module
     and one of its names), `tests/e2e/`..."""
-    import re
-
-    return set(re.findall(r"(?<![\w./-])((?:api|core|workers|ops|tests|migrations|docs)/[\w./-]*\w)", text))
+    return set(re.findall(rf"(?<![\w./-])({_PATH})", text))
 
 
 def _exists(root: Path, named: str) -> bool:
     path = named.split(":")[0]
     if (root / path).exists() or (root / f"{path}.py").exists():  # a package, or a module by its name
         return True
-    module, _, _attr = path.rpartition(".")  # core/infra/streams.Hub -> core/infra/streams.py
-    return bool(module) and (root / f"{module}.py").exists()
+    parts = path.split(".")  # core/infra/streams.Hub, core/idempotency.Idempotency.held -> the module's file
+    return any((root / f"{'.'.join(parts[:n])}.py").exists() for n in range(1, len(parts)))
+
+
+@cache
+def _tree(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
+def prose(source: str) -> str:
+    """A module's docstrings (module, classes, functions) and comments: what it says, not what it does."""
+    out = []
+    for node in ast.walk(_tree(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append(doc)
+    out += [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    return "\n".join(out)
+
+
+def _defined(body: list[ast.stmt]) -> dict[str, ast.AST]:
+    """The names a module or class body binds (defs, classes, assignments, imports)."""
+    out: dict[str, ast.AST] = {}
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id: node for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            out |= {(a.asname or a.name).split(".")[0]: node for a in node.names}
+        elif isinstance(node, ast.If | ast.Try):  # names bound under `if TYPE_CHECKING:` or `try:`
+            out |= _defined([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])])
+            for h in getattr(node, "handlers", []):
+                out |= _defined(h.body)
+    return out
+
+
+def _members(cls: ast.ClassDef) -> set[str]:
+    """A class's names: its body's, and the attributes its methods set on `self`."""
+    names = set(_defined(cls.body))
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return names
+
+
+def has_name(source: str, dotted: str, prefix: bool = False) -> bool:
+    """Whether a module's source binds `dotted` (a name, or a class and one of its members; `prefix`:
+    some name starting with it, for a test named by its beginning and `…`)."""
+    first, _, rest = dotted.partition(".")
+    top = _defined(_tree(source).body)
+    if not rest:
+        return any(n.startswith(first) for n in top) if prefix else first in top
+    node = top.get(first)
+    if isinstance(node, ast.ClassDef):
+        member = rest.split(".")[0]
+        if member.startswith("__"):
+            return True  # `Job.__table__`, `Job.__init__`: what Python or the ORM gives every class
+        members = _members(node)
+        return any(n.startswith(member) for n in members) if prefix else member in members
+    return node is not None  # a module imported under that name, an instance: not followed further
+
+
+class Index:
+    """Our modules by path, by stem and by dotted name, and our classes by name."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        files = [p for pkg in (*PACKAGES, "tests") for p in sorted((root / pkg).rglob("*.py"))]
+        self.by_stem: dict[str, list[Path]] = {}
+        for f in files:
+            if f.parts[len(root.parts)] != "tests":
+                self.by_stem.setdefault(f.stem, []).append(f)
+        self.tests = {f.name: f for f in files if f.parts[len(root.parts)] == "tests"}
+        self.classes: dict[str, list[Path]] = {}
+        self._src: dict[Path, str] = {}
+        for f in files:
+            for node in _tree(self.source(f)).body:
+                if isinstance(node, ast.ClassDef) and f.parts[len(root.parts)] != "tests":
+                    self.classes.setdefault(node.name, []).append(f)
+        self.tables = {t.name for t in _metadata().sorted_tables}
+
+    def source(self, f: Path) -> str:
+        if f not in self._src:
+            self._src[f] = f.read_text()
+        return self._src[f]
+
+    def module(self, dotted: str) -> tuple[Path, str] | None:
+        """`core.errors.DomainError` -> (core/errors.py, "DomainError"): the longest module prefix."""
+        parts = dotted.split(".")
+        for n in range(len(parts) - 1, 0, -1):
+            f = self.root.joinpath(*parts[:n]).with_suffix(".py")
+            if f.exists():
+                return f, ".".join(parts[n:])
+        return None
+
+
+def _metadata():
+    from core.infra.orm import Base
+
+    return Base.metadata
+
+
+def missing_names(text: str, index: Index, binds: set[str] | None = None) -> list[str]:
+    """The references in `text` to a name that its module (or class) does not bind. `binds`: for a
+    module's own prose, the names it binds: a class named there (`Lifecycle.cancel`) is ours only if
+    the module defines or imports it (a class an engine adapter names may be its library's)."""
+    root, out = index.root, []
+    for m in _PY_NAME.finditer(text):
+        path, name, ellipsis = m.group(1), m.group(3), m.group(4)
+        f = root / f"{path}.py"
+        if f.exists() and not has_name(index.source(f), name, prefix=bool(ellipsis)):
+            out.append(m.group(0))
+    for m in re.finditer(rf"(?<![\w./-])(test_\w+)\.py::({_NAME})(…)?", text):  # test_x.py::name, dir left out
+        f = index.tests.get(m.group(1) + ".py")
+        if f is not None and not has_name(index.source(f), m.group(2), prefix=bool(m.group(3))):
+            out.append(m.group(0))
+    for m in _MOD_NAME.finditer(text):
+        path, name = m.group(1), m.group(2)
+        f = root / f"{path}.py"
+        if name.split(".")[0] in FILE_SUFFIXES or not f.exists() or (root / f"{path}.{name.split('.')[0]}").exists():
+            continue
+        if not has_name(index.source(f), name):
+            out.append(m.group(0))
+    for m in _TICKED.finditer(text):
+        dotted = m.group(1)
+        first, _, rest = dotted.partition(".")
+        if not rest or dotted.rsplit(".", 1)[1] in FILE_SUFFIXES or first in NOT_MODULES or first in index.tables:
+            continue
+        found = index.module(dotted)
+        if found is None and len(index.by_stem.get(first, [])) == 1:
+            found = index.by_stem[first][0], rest
+        if found is None and len(index.classes.get(first, [])) == 1 and (binds is None or first in binds):
+            found = index.classes[first][0], dotted
+        if found is not None and not has_name(index.source(found[0]), found[1]):
+            out.append(m.group(0))
+    return out
+
+
+@cache
+def _texts(pkgs: tuple[str, ...] = (*PACKAGES, "tests", "migrations")) -> list[tuple[Path, str]]:
+    """What the name check reads: the Markdown pages, and the docstrings and comments of the modules
+    of `pkgs` (what a module says, not what it does)."""
+    out = [(f, f.read_text()) for f in (*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"))]
+    out += [(f, prose(f.read_text())) for pkg in pkgs for f in sorted((ROOT / pkg).rglob("*.py"))]
+    return out
 
 
 def test_every_path_named_in_docs_and_docstrings_exists():
-    root = Path(__file__).resolve().parents[2]
-    texts = [*root.glob("*.md"), *root.glob("docs/*.md")]
-    texts += [p for pkg in ("api", "core", "workers", "ops") for p in (root / pkg).rglob("*.py")]
-    missing = sorted(
-        f"{f.relative_to(root)}: {named}"
-        for f in texts
-        for named in _named_paths(f.read_text(errors="replace"))
-        if not _exists(root, named)
-    )
+    """The Markdown pages and api/, core/, workers/ and ops/ whole (code included); the docstrings and
+    comments of tests/ and migrations/."""
+    named = [(f, f.read_text(errors="replace")) for pkg in PACKAGES for f in (ROOT / pkg).rglob("*.py")]
+    named += _texts(("tests", "migrations"))
+    missing = sorted(f"{f.relative_to(ROOT)}: {n}" for f, t in named for n in _named_paths(t) if not _exists(ROOT, n))
     assert not missing, missing
+
+
+def test_every_name_after_a_path_in_docs_and_docstrings_exists():
+    index = Index(ROOT)
+    found = sorted(
+        {
+            f"{f.relative_to(ROOT)}: {n}"
+            for f, t in _texts()
+            for n in missing_names(t, index, set(_defined(_tree(index.source(f)).body)) if f.suffix == ".py" else None)
+        }
+    )
+    missing = [m for m in found if m not in KNOWN_STALE]
+    assert not missing, f"names that do not exist where the text says: {missing}"
+    stale = [k for k in KNOWN_STALE if k not in found]
+    assert not stale, f"fixed: remove from KNOWN_STALE {stale}"
+
+
+PLANTED_DOC = """
+Jobs end in `core/jobs/lifecycle.py: Lifecycle._end` and `core/jobs/lifecycle.py: Lifecycle._finish_twice`.
+Streams are read by core/infra/streams.Hub, not by core/infra/streams.Pump (`core/infra/streams.py:Hub`).
+A service is built as `core.jobs.lifecycle.Lifecycle` is, never as `core.jobs.lifecycle.Lifecycler`.
+`render.Fingerprints` knows `render.fingerprint_of`; `transitions.cancel` does not need `transitions.cancel_all`.
+`Lifecycle.cancel`, `Lifecycle.cancel_everything`; `jobs.state` is a column; `text.format` a field.
+Shown by tests/unit/test_docs.py::test_every_name_after_a_path_in_docs_and_docstrings_exists and
+test_docs.py::test_every_name_after… but not by tests/unit/test_docs.py::test_nothing_like_this.
+"""
+
+
+def test_a_planted_missing_name_is_found():
+    got = missing_names(PLANTED_DOC, Index(ROOT))
+    assert sorted(got) == sorted(
+        [
+            "core/jobs/lifecycle.py: Lifecycle._finish_twice",
+            "core/infra/streams.Pump",
+            "`core.jobs.lifecycle.Lifecycler`",
+            "`render.fingerprint_of`",
+            "`transitions.cancel_all`",
+            "`Lifecycle.cancel_everything`",
+            "tests/unit/test_docs.py::test_nothing_like_this",
+        ]
+    ), got
+    assert prose('"""Named: `core/jobs/lifecycle.py: Gone`."""\nx = "not prose"  # core/x.py: Y\n') == (
+        "Named: `core/jobs/lifecycle.py: Gone`.\n# core/x.py: Y"
+    )
+
+
+# -- every rule of CONTRIBUTING.md's "Where does X go?" names what holds it ---------------------------
+
+RULE_WORDS = re.compile(r"\b(only|never|every|once|no other|nothing)\b", re.IGNORECASE)
+HELD = re.compile(r"`tests/[\w/]+\.py`|not a checked rule")
+
+
+def unheld_rules(markdown: str) -> list[str]:
+    """The rows of the "Where does X go?" table whose reason states a rule (only, never, every, once,
+    no other, nothing) without naming the test that checks it, or saying it is not a checked rule."""
+    table = markdown.split("## Where does X go?", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+    out = []
+    for row in rows:
+        because = row.rstrip(" |").rsplit(" | ", 1)[-1]
+        if RULE_WORDS.search(because) and not HELD.search(because):
+            out.append(row.split(" | ")[0].lstrip("| "))
+    return out
+
+
+def test_every_rule_of_contributing_names_its_test():
+    unheld = unheld_rules((ROOT / "CONTRIBUTING.md").read_text())
+    assert not unheld, f"name the test that checks these rules (or say it is not a checked rule): {unheld}"
+
+
+def test_a_planted_rule_without_its_test_is_found():
+    planted = """
+## Where does X go?
+
+| I am adding… | it goes in | because |
+| --- | --- | --- |
+| a key | `core/infra/redis_keys.py` | a key is spelled once (`tests/unit/test_homes.py` checks) |
+| a step | the dispatcher | the loop stays a loop |
+| a cache | `api/cache.py` | only one process fills it |
+| a bench | `ops/bench/` | never asserted (a habit, not a checked rule) |
+
+## Tests
+"""
+    assert unheld_rules(planted) == ["a cache"]

@@ -1,4 +1,5 @@
-"""core/jobs/transitions.py is the only writer of `jobs.state` (CONTRIBUTING.md, docs/architecture.md).
+"""core/jobs/transitions.py is the only writer of `jobs.state`, core/batches/status.py the only writer
+of `batches.status` (CONTRIBUTING.md, docs/architecture.md).
 
 Read from the source, not run: every module of api/, core/, workers/ and ops/ is parsed, and any of
 the three ways to write the column outside transitions fails the test:
@@ -10,6 +11,10 @@ the three ways to write the column outside transitions fails the test:
 - raw SQL naming it: a string with `UPDATE jobs`.
 (migrations/ is the schema's history and may rewrite rows; tests, and ops/factories.py for tests and
 benches, set new rows up as they need.)
+
+For `batches.status` the same three ways are looked for (an UPDATE of batches setting `status`, a
+batch status assigned to a `.status`, raw SQL), and in api/, core/ and workers/ a batch status
+compared as a bare string (`b.status == "completed"`): the service names them by `BatchStatus`.
 """
 
 from __future__ import annotations
@@ -132,3 +137,124 @@ def test_only_transitions_writes_job_state():
 def test_transitions_is_found_writing():
     """The home itself is seen by the detector: the test above is not passing for want of matches."""
     assert len(state_writes((ROOT / HOME).read_text())) >= 5
+
+
+# -- batches.status: core/batches/status.py is its only writer ---------------------------------------
+
+BATCH_HOME = "core/batches/status.py"
+_BATCH_SQL = re.compile(r"\bUPDATE\s+batches\b[^;]*\bstatus\b", re.IGNORECASE | re.DOTALL)
+
+
+def _batch_status_values() -> set[str]:
+    from core.batches.status import BatchStatus
+
+    return {s.value for s in BatchStatus}
+
+
+def _is_batch_table(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id == "Batch"
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "__table__"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "Batch"
+    )
+
+
+def _updates_batches(node: ast.AST) -> bool:
+    """Whether a statement chain (`update(Batch).where(...)`, `Batch.__table__.update()`) starts on batches."""
+    while isinstance(node, ast.Call | ast.Attribute):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name | ast.Attribute) and (f.id if isinstance(f, ast.Name) else f.attr) == "update":
+                if node.args and _is_batch_table(node.args[0]):
+                    return True
+                if isinstance(f, ast.Attribute) and not node.args and _is_batch_table(f.value):
+                    return True
+            node = f
+        else:
+            node = node.value
+    return False
+
+
+def _names_a_batch_status(value: ast.expr | None, statuses: set[str]) -> bool:
+    """`"completed"`, `BatchStatus.failed`, `BatchStatus.failed.value`, `final.value` (an enum's value)."""
+    if value is None:
+        return False
+    if isinstance(value, ast.Constant):
+        return value.value in statuses
+    if isinstance(value, ast.Attribute) and value.attr == "value":
+        return True
+    return any(isinstance(n, ast.Name) and n.id == "BatchStatus" for n in ast.walk(value))
+
+
+def batch_status_writes(source: str) -> list[tuple[int, str]]:
+    """(line, what) for every write of batches.status, and every batch status compared as a bare string."""
+    statuses = _batch_status_values()
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "values":
+            if any(kw.arg == "status" for kw in node.keywords) and _updates_batches(node.func.value):
+                found.append((node.lineno, "update(Batch).values(status=...)"))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "status":
+                found.append((node.lineno, 'setattr(..., "status", ...)'))
+        for t, value in _assigned(node):
+            if isinstance(t, ast.Attribute) and t.attr == "status" and _names_a_batch_status(value, statuses):
+                if not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")):
+                    found.append((node.lineno, ".status = <a batch status>"))
+        if isinstance(node, ast.Compare) and any(
+            isinstance(side, ast.Attribute) and side.attr == "status" for side in (node.left, *node.comparators)
+        ):
+            consts = [
+                c
+                for side in (node.left, *node.comparators)
+                for c in ([side] if isinstance(side, ast.Constant) else getattr(side, "elts", []))
+                if isinstance(c, ast.Constant)
+            ]
+            if any(c.value in statuses for c in consts):
+                found.append((node.lineno, "status compared with a bare string"))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _BATCH_SQL.search(node.value):
+            found.append((node.lineno, "raw SQL UPDATE batches ... status"))
+    return found
+
+
+def test_the_detector_sees_every_way_of_writing_a_batch_status():
+    src = """
+update(Batch).where(Batch.id == b).values(status="failed")
+Batch.__table__.update().values(status=BatchStatus.cancelled.value)
+b.status = "completed"
+b.status = BatchStatus.finalizing.value
+b.status = final.value
+setattr(b, "status", "expired")
+text("UPDATE batches SET status = 'failed' WHERE id = :id")
+if b.status == "in_progress": pass
+if batch.status in ("cancelling", "finalizing"): pass
+update(Batch).values(webhook_state=state)
+f.status, f.deleted = "processed", False
+out.status = f"http {code}"
+self.status = status
+if b.status in FINAL: pass
+"""
+    kinds = [what for _, what in batch_status_writes(src)]
+    assert kinds.count("update(Batch).values(status=...)") == 2
+    assert kinds.count(".status = <a batch status>") == 3
+    assert kinds.count('setattr(..., "status", ...)') == 1
+    assert kinds.count("raw SQL UPDATE batches ... status") == 1
+    assert kinds.count("status compared with a bare string") == 2
+    assert len(kinds) == 9  # not: another column of batches, a file's status, a result's, self.status, FINAL
+
+
+def test_only_status_writes_batch_status():
+    writers: dict[str, list[tuple[int, str]]] = {}
+    for pkg in ("api", "core", "workers", "ops"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            found = batch_status_writes(path.read_text())
+            if pkg == "ops":  # clients (the bench, the harnesses) read OpenAI's words off the wire
+                found = [f for f in found if f[1] != "status compared with a bare string"]
+            if found and rel != BATCH_HOME:
+                writers[rel] = found
+    assert not writers, f"batches.status written (or a status spelled) outside {BATCH_HOME}: {writers}"
+    assert len(batch_status_writes((ROOT / BATCH_HOME).read_text())) >= 3  # the home is seen writing

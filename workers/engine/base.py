@@ -3,7 +3,8 @@ and paced engines of the tests and benchmarks).
 
 Deliberately close to ExLlamaV2's dynamic generator (enqueue / iterate / cancel): the engine keeps
 its own set of live sequences and advances all of them by one step per `step()` call, batching
-where it can. Only the engine loop thread (workers/engine/loop.py) touches an engine.
+where it can. Once its loop runs, only the engine loop thread (workers/engine/loop.py) touches an
+engine; before that the warm-up (workers/engine/warmup.py) steps it by hand, as ops/bench/profile.py does.
 """
 
 from __future__ import annotations
