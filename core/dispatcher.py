@@ -1,4 +1,4 @@
-"""The dispatcher loop: everything the happy path (core/jobs/lifecycle.py: submit) missed.
+"""The dispatcher loop: everything the happy path (core/jobs/submit.py: persist, then enqueue) missed.
 
 - The dispatcher (`spool dispatcher`; running two is safe: every move is a compare-and-set) feeds
   each model's queues in weighted fair order (core/jobs/scheduler.py), never more than the workers can

@@ -13,7 +13,7 @@ per request, a stream cut by an API restart asked again with that key; and `back
 responses of the Responses API, created under one key and polled with `retrieve` until they end,
 audited against an undisturbed response), and bursts of keyless
 completions (no `Idempotency-Key`, as most clients send them; the API stores a burst's jobs together,
-core/jobs/lifecycle.Submitter): each tagged by its `user`, so the audit finds every job a request
+core/jobs/submit.Submitter): each tagged by its `user`, so the audit finds every job a request
 stored: a 503 must have stored none, and one request never stores two. Faults, one after another
 with load in between: worker SIGKILL mid-generation (a new worker is started each time), Redis
 SIGKILLed and restarted *empty*, Postgres stopped hard (`-m immediate`) and restarted, the API
