@@ -31,7 +31,7 @@ from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
-from core.jobs.states import JobKind, JobState
+from core.states import JobKind, JobState
 from core.tenancy import admission
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,9 @@ from sqlalchemy import Integer, func, select
 from sqlalchemy.orm import Session
 
 from core.batches.progress import counts as batch_counts
-from core.batches.status import FINAL
 from core.infra.orm import Batch, Job, Tenant
 from core.jobs import workers
-from core.jobs.states import JobState
+from core.states import FINAL, JobState
 
 
 @dataclass

@@ -33,12 +33,13 @@ from core.infra import redis_keys, transient
 from core.infra.kv import Lua
 from core.infra.orm import File, Tenant
 from core.protocol import render
+from core.states import FileStatus
 
 log = logging.getLogger(__name__)
 
 # What tenants upload counts against their quota; the files Spool writes (batch output) do not.
 WRITTEN_BY_SPOOL = "batch_output"
-UPLOADING = "uploading"
+UPLOADING = FileStatus.uploading.value
 # An upload that received nothing for this long is dead (its process died mid-upload).
 STALE = timedelta(minutes=10)
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtext('spool:storage'), :t)")
@@ -158,7 +159,7 @@ class Upload:
                 .values(
                     purpose=purpose,
                     lines=lines,
-                    status="processed",
+                    status=FileStatus.processed.value,
                     deleted=False,
                     expires_at=datetime.now(UTC) + timedelta(days=30),
                 )

@@ -23,8 +23,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# The domain's enums, for the check constraints (import them from core.jobs.states, not from here).
-from core.jobs.states import JobKind, JobState
+# The ledger's words (core/states.py, the bottom layer), for the check constraints and defaults.
+from core.states import JobKind, JobState
 
 
 class Base(DeclarativeBase):

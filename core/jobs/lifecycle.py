@@ -43,8 +43,8 @@ from core.infra.backoff import Backoff, retry
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
 from core.jobs import transitions
-from core.jobs.states import JobState
 from core.jobs.transitions import Claimed
+from core.states import Ending
 from core.tenancy import ratelimit, usage
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ BATCH_EXPIRED = ErrorInfo(
 BATCH_CANCELLED = ErrorInfo(
     message="This line was not run: the batch was cancelled.", type="cancelled", code="batch_cancelled"
 )
+# How a batch's queued lines may end without running (`end_queued_lines`), each with its wording.
+LINE_ENDINGS = {Ending.expired: BATCH_EXPIRED, Ending.cancelled: BATCH_CANCELLED}
 # Terminal events of many jobs at once go to Redis in pipelines of this many jobs.
 ANNOUNCE_CHUNK = 1000
 # A worker's endings, each with its usage row, as one statement (built once).
@@ -109,11 +111,11 @@ class Lifecycle:
 
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod
-    def _record(session: Session, job: Any, outcome: str, u: Usage | None, engine_s: float) -> None:
+    def _record(session: Session, job: Any, outcome: Ending, u: Usage | None, engine_s: float) -> None:
         session.execute(usage.UPSERT, Lifecycle._counted(job, outcome, u or Usage(), engine_s))
 
     @staticmethod
-    def _counted(job: Any, outcome: str, u: Usage, engine_s: float) -> dict[str, Any]:
+    def _counted(job: Any, outcome: Ending, u: Usage, engine_s: float) -> dict[str, Any]:
         """The usage counters (metrics) for one ended job; returns its usage row's parameters."""
         return usage.record(
             tenant_id=job.tenant_id,
@@ -126,7 +128,7 @@ class Lifecycle:
         )
 
     @staticmethod
-    def _record_many(session: Session, rows: Sequence[Any], outcome: str) -> None:
+    def _record_many(session: Session, rows: Sequence[Any], outcome: Ending) -> None:
         """One usage count per job for many jobs that ended alike with nothing billable (a batch's
         lines that never ran): one upsert per (tenant, key, model), in the caller's transaction."""
         groups: dict[tuple[int, int | None, str], int] = {}
@@ -183,7 +185,7 @@ class Lifecycle:
     def _end(
         self,
         stmt: Update | tuple[Update, dict[str, Any]],
-        outcome: str,
+        outcome: Ending,
         ev: Done | Failed | Cancelled,
         u: Usage | Callable[[Job], Usage] | None = None,
         engine_s: float = 0.0,
@@ -248,7 +250,7 @@ class Lifecycle:
         return [e for e in evs if isinstance(e, Delta)]
 
     def _end_billed(
-        self, stmt: Any, params: dict[str, Any], outcome: str, ev: Done | Failed, u: Usage, engine_s: float
+        self, stmt: Any, params: dict[str, Any], outcome: Ending, ev: Done | Failed, u: Usage, engine_s: float
     ) -> Any:
         """`_end` for an ending whose bill is known before it (succeed, fail): the transition and the
         usage row in one statement (`usage.billed_with`), on an autocommit connection, one round trip.
@@ -266,7 +268,7 @@ class Lifecycle:
         stored = result.model_dump(mode="json")
         _, params = transitions.succeed(job.id, job.attempt, stored, u.model_dump(mode="json"))
         done = Done(attempt=job.attempt, usage=u, result=inline_result(result, stored))
-        row = self._end_billed(SUCCEED, params, "succeeded", done, u, engine_s)
+        row = self._end_billed(SUCCEED, params, Ending.succeeded, done, u, engine_s)
         if row is not None:
             PROMPT_TOKENS.labels(row.model).inc(u.prompt_tokens)
             GENERATION_TOKENS.labels(row.model).inc(u.completion_tokens)
@@ -279,7 +281,7 @@ class Lifecycle:
         tokens): failed like every ending (usage row, settle, terminal event). False if it was no
         longer queued."""
         stmt = transitions.fail_queued(job_id, attempt, error.model_dump(mode="json"))
-        return self._end(stmt, JobState.failed.value, Failed(attempt=attempt, error=error)) is not None
+        return self._end(stmt, Ending.failed, Failed(attempt=attempt, error=error)) is not None
 
     def fail(self, job: Job | Claimed, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
         """`u`: what to bill; by default what the job's stream delivered (`delivered`)."""
@@ -288,12 +290,12 @@ class Lifecycle:
         error = _storable_error(error)
         _, params = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
         ev = Failed(attempt=job.attempt, error=error)
-        return self._end_billed(FAIL, params, "failed", ev, u, engine_s) is not None
+        return self._end_billed(FAIL, params, Ending.failed, ev, u, engine_s) is not None
 
     def cancel(self, job_id: str, tenant_id: int) -> Job | None:
         """Cancel a live job of this tenant; returns its row either way (None: not this tenant's)."""
         stmt = transitions.cancel(job_id, tenant_id, CANCELLED.model_dump(mode="json"))
-        row = self._end(stmt, "cancelled", Cancelled(), self._cancelled)
+        row = self._end(stmt, Ending.cancelled, Cancelled(), self._cancelled)
         if row is not None:
             return row
         with self.sessions() as s:
@@ -321,7 +323,7 @@ class Lifecycle:
                 s.rollback()
                 return {"requeued": len(requeued_rows), "failed": 0}
             for row, u in billed:
-                self._record(s, row, "failed", u, 0.0)
+                self._record(s, row, Ending.failed, u, 0.0)
             s.commit()
         for row, u in billed:
             REAPED.labels(row.model).inc()
@@ -329,22 +331,24 @@ class Lifecycle:
         return {"requeued": len(requeued_rows), "failed": len(billed)}
 
     # -- a batch's lines that never ran --------------------------------------------------------
-    def end_queued_lines(self, session: Session, batch_id: str, to: JobState, limit: int) -> list[Any]:
+    def end_queued_lines(self, session: Session, batch_id: str, to: Ending, limit: int) -> list[Any]:
         """Up to `limit` of a batch's queued lines -> `to` (expired or cancelled), each counted once
         in usage (one upsert per tenant, key and model, not per line), in the caller's transaction.
         After it commits, the caller passes the rows to `announce_lines`. The lines never ran for
         their batch (a line a lost worker had started is requeued, and its output never reaches the
         batch's files): they bill nothing."""
-        err = BATCH_EXPIRED if to == JobState.expired else BATCH_CANCELLED
-        rows = session.execute(transitions.end_queued_lines(batch_id, to, err.model_dump(mode="json"), limit)).all()
-        self._record_many(session, rows, to.value)
+        err = LINE_ENDINGS[to]
+        rows = session.execute(
+            transitions.end_queued_lines(batch_id, to.state, err.model_dump(mode="json"), limit)
+        ).all()
+        self._record_many(session, rows, to)
         return list(rows)
 
-    def announce_lines(self, rows: Sequence[Any], to: JobState) -> None:
+    def announce_lines(self, rows: Sequence[Any], to: Ending) -> None:
         """After `end_queued_lines` committed: each line's reservation released and its terminal
         event published, in pipelines."""
         ends: list[tuple[str, Failed | Cancelled]] = [
-            (r.id, Failed(attempt=r.attempt, error=BATCH_EXPIRED) if to == JobState.expired else Cancelled())
+            (r.id, Failed(attempt=r.attempt, error=BATCH_EXPIRED) if to == Ending.expired else Cancelled())
             for r in rows
         ]
         self._announce_many(ends)

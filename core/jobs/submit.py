@@ -16,7 +16,7 @@ from core.infra import transient
 from core.infra.autocommit import one_statement_async
 from core.infra.orm import Job
 from core.jobs import transitions
-from core.jobs.states import JobKind, JobState
+from core.states import JobKind, JobState
 
 log = logging.getLogger(__name__)
 

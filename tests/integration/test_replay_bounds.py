@@ -16,11 +16,11 @@ from api.routes import jobs as job_routes
 from core.generation.events import Delta, TokenScore, TopToken, encode
 from core.generation.params import GenerationParams
 from core.infra import kv, redis_keys, streams
-from core.jobs.states import JobState
 from core.jobs.stream import coalesce
 from core.protocol import render
 from core.protocol.render import CompletionChunks
 from core.protocol.schemas import JobObject
+from core.states import JobState
 from ops import factories
 from tests.integration.conftest import IT_REDIS
 

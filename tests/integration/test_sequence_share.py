@@ -23,8 +23,8 @@ from core.generation.events import Delta, decode
 from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
 from core.registry import smollm2_gguf
+from core.states import JobState
 from ops import factories
 from tests.conftest import wait_for
 from workers.engine.llamacpp import LlamaCppEngine
