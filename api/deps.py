@@ -21,6 +21,7 @@ from core.infra.orm import Tenant
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.service import Completions
 from core.protocol.render import Fingerprints
+from core.states import KeyScope
 from core.tenancy.keys import Principal
 
 
@@ -83,7 +84,7 @@ async def current_tenant(principal: Annotated[Principal, Depends(current_princip
 
 
 async def admin_principal(principal: Annotated[Principal, Depends(current_principal)]) -> Principal:
-    if principal.key.scope != "admin":
+    if principal.key.scope != KeyScope.admin:
         # Same answer as an unknown route: an ordinary key learns nothing about /admin.
         raise APIError(404, "Unknown request URL. Please check the URL for typos.")
     return principal

@@ -1,4 +1,4 @@
-"""The ledger's words: a job's states and kinds, how a job ended, a batch's and a file's status.
+"""The ledger's words: a job's states and kinds, how a job ended, a batch's and a file's status, a key's scope.
 
 The bottom layer of core (pyproject.toml's layers contract): it imports nothing of Spool, and every
 package may import it. The ORM builds its check constraints and column defaults from these enums,
@@ -78,3 +78,10 @@ class FileStatus(enum.StrEnum):
     uploading = "uploading"
     processing = "processing"
     processed = "processed"
+
+
+class KeyScope(enum.StrEnum):
+    """What an API key may call: the tenant's own API (`user`), or /admin, /metrics and /ui too."""
+
+    user = "user"
+    admin = "admin"

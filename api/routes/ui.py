@@ -24,6 +24,7 @@ from core.errors import DomainError
 from core.infra import redis_keys
 from core.infra.db import async_sessions, sync_sessions
 from core.infra.orm import ApiKey
+from core.states import KeyScope
 from core.status import Snapshot, snapshot
 from core.tenancy.keys import hash_key
 
@@ -53,7 +54,7 @@ async def _admin_key(request: Request, redis) -> str | None:
         live = await session.scalar(
             select(ApiKey.id).where(
                 ApiKey.key_hash == digest,
-                ApiKey.scope == "admin",
+                ApiKey.scope == KeyScope.admin.value,
                 ApiKey.revoked.is_(False),
                 or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > func.now()),
             )
@@ -88,7 +89,7 @@ async def login(redis: RedisDep, key: str = Form(..., max_length=256)) -> Respon
         principal = await authenticate(f"Bearer {key}", redis)
     except DomainError:
         principal = None
-    if principal is None or principal.key.scope != "admin":
+    if principal is None or principal.key.scope != KeyScope.admin:
         return RedirectResponse("/ui?error=1", status_code=303)
     token = secrets.token_urlsafe(32)
     await redis.set(redis_keys.ui_session(token), hash_key(key), ex=SESSION_S)  # never the key itself

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from sqlalchemy import func, or_, select
 
 from core.infra.orm import ApiKey, Tenant
+from core.states import KeyScope
 
 KEY_PREFIX = "sk-spool-"
-SCOPES = frozenset({"user", "admin"})
+SCOPES = frozenset(KeyScope)
 
 
 @dataclass(frozen=True)
