@@ -84,3 +84,21 @@ def test_the_check_sees_each_way_in():
     for src in ways:
         assert len(_offences(ast.parse(src))) == 1, src
     assert _offences(ast.parse("def f(sessions, settings):\n    sessions()\n    settings.redis_url")) == []
+
+
+# The API's composition root: it builds the engines and session factories once, at startup, and puts
+# them on app.state; api/deps.py hands them to the routes.
+API_ROOT = "api/app.py"
+
+
+def test_only_the_api_root_reaches_the_global_sessions():
+    """Routes, the guard, uploads and streams use the sessions api/app.py built (api/deps.py), never
+    the global engines and session factories of core/infra/db.py (issue 36: routes opened global
+    sessions themselves): no module of api/ but its root imports core/infra/db.py."""
+    bad: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "api").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        found = [f for f in _offences(ast.parse(path.read_text(), rel)) if f.endswith("imports core.infra.db")]
+        if found and rel != API_ROOT:
+            bad[rel] = found
+    assert not bad, f"take the sessions from app.state (api/deps.py) instead: {bad}"
