@@ -55,20 +55,21 @@ async def lifespan(app: FastAPI):
     app.state.hub = streams.Hub(app.state.redis)
     # The services, wired once here: routes get them (and the sync sessions) through api/deps.py.
     app.state.sync_sessions = sync_sessions()
+    app.state.async_sessions = async_sessions()
     sync_redis = kv.client(settings.redis_url)
     # Jobs end through the one sync lifecycle (also the worker's and dispatcher's), run in a thread.
     app.state.lifecycle = Lifecycle(app.state.sync_sessions, sync_redis, settings)
     app.state.sync_redis = sync_redis
     # What a rendered completion names as its `system_fingerprint`, per model (rendering reads no settings).
     app.state.fingerprints = render.Fingerprints(settings)
-    app.state.idempotency = Idempotency(async_sessions(), settings.idempotency_lock_s)
+    app.state.idempotency = Idempotency(app.state.async_sessions, settings.idempotency_lock_s)
     sender = AsyncSender(settings.celery_broker_url, settings.interactive_group)
     app.state.completions = Completions(
-        async_sessions(), app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
+        app.state.async_sessions, app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
     )
     # The Responses API: chat jobs with another wire shape (its own Submitter, the same path).
     app.state.responses = Responses(
-        async_sessions(), app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
+        app.state.async_sessions, app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
     )
     _drain_on_sigterm(app)
     if settings.api_metrics_port:

@@ -8,7 +8,7 @@ from typing import Annotated
 import redis
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import APIError
@@ -16,16 +16,16 @@ from api.guard import authenticate
 from core.config import Settings, get_settings
 from core.idempotency import Idempotency
 from core.infra import streams
-from core.infra.db import async_sessions
 from core.infra.orm import Tenant
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.service import Completions
 from core.protocol.render import Fingerprints
+from core.states import KeyScope
 from core.tenancy.keys import Principal
 
 
-async def db_session() -> AsyncIterator[AsyncSession]:
-    async with async_sessions()() as session:
+async def db_session(request: Request) -> AsyncIterator[AsyncSession]:
+    async with request.app.state.async_sessions() as session:
         yield session
 
 
@@ -65,6 +65,11 @@ async def sync_sessions(request: Request) -> sessionmaker[Session]:
     return request.app.state.sync_sessions
 
 
+async def async_sessions_of(request: Request) -> async_sessionmaker[AsyncSession]:
+    """For async services given their sessions (files: each step a short session of its own)."""
+    return request.app.state.async_sessions
+
+
 async def sync_redis(request: Request) -> redis.Redis:
     return request.app.state.sync_redis
 
@@ -75,7 +80,8 @@ async def current_principal(request: Request) -> Principal:
     known = getattr(request.state, "principal", None)
     if known is not None:
         return known
-    return await authenticate(request.headers.get("authorization"), request.app.state.redis)
+    state = request.app.state
+    return await authenticate(request.headers.get("authorization"), state.redis, state.async_sessions)
 
 
 async def current_tenant(principal: Annotated[Principal, Depends(current_principal)]) -> Tenant:
@@ -83,7 +89,7 @@ async def current_tenant(principal: Annotated[Principal, Depends(current_princip
 
 
 async def admin_principal(principal: Annotated[Principal, Depends(current_principal)]) -> Principal:
-    if principal.key.scope != "admin":
+    if principal.key.scope != KeyScope.admin:
         # Same answer as an unknown route: an ordinary key learns nothing about /admin.
         raise APIError(404, "Unknown request URL. Please check the URL for typos.")
     return principal
@@ -98,6 +104,7 @@ CompletionsDep = Annotated[Completions, Depends(completions)]
 IdempotencyDep = Annotated[Idempotency, Depends(idempotency)]
 FingerprintsDep = Annotated[Fingerprints, Depends(fingerprints)]
 SyncSessionsDep = Annotated[sessionmaker[Session], Depends(sync_sessions)]
+AsyncSessionsDep = Annotated[async_sessionmaker[AsyncSession], Depends(async_sessions_of)]
 SyncRedisDep = Annotated[redis.Redis, Depends(sync_redis)]
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 TenantDep = Annotated[Tenant, Depends(current_tenant)]

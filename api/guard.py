@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,8 +21,7 @@ from api.errors import APIError, error_response, is_unavailable, unavailable_res
 from core.config import Settings
 from core.errors import DomainError
 from core.infra import redis_keys
-from core.infra.db import async_sessions
-from core.tenancy.keys import Principal, hash_key, lookup_stmt
+from core.tenancy.keys import Principal, hash_key, principal_of
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +37,16 @@ MISSING_KEY = (
 _KEYS: SingleFlight[Principal | None] = SingleFlight(ttl_s=5.0)
 
 
-async def authenticate(authorization: str | None, redis: Any = None) -> Principal:
-    """The tenant and key behind a Bearer header, looked up in a short session of its own (a long
-    stream must not hold a database connection)."""
+async def authenticate(authorization: str | None, redis: Any, sessions: async_sessionmaker[AsyncSession]) -> Principal:
+    """The tenant and key behind a Bearer header, looked up on `sessions` (the app's async session
+    factory, core/tenancy/keys.principal_of); a key marked revoked in `redis` is looked up afresh."""
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise APIError(401, MISSING_KEY, code="missing_api_key", type_="invalid_request_error")
     digest = hash_key(key.strip())
 
     async def load() -> Principal | None:
-        async with async_sessions()() as session:
-            row = (await session.execute(lookup_stmt(key.strip()))).first()
-        return None if row is None else Principal(row[0], row[1])
+        return await principal_of(sessions, key.strip())
 
     principal = await _KEYS.get(digest, load)
     if principal is not None and redis is not None and await redis.exists(redis_keys.revoked(digest)):
@@ -81,9 +79,10 @@ class RequestGuard:
                 raise APIError(
                     413, f"Request body too large: {length} bytes (limit {limit}).", code="request_too_large"
                 )
-            redis = getattr(getattr(scope.get("app"), "state", None), "redis", None)
+            state = scope["app"].state  # the services api/app.py built at startup
             if scope["path"] not in UI_FORMS:
-                scope.setdefault("state", {})["principal"] = await authenticate(headers.get("authorization"), redis)
+                principal = await authenticate(headers.get("authorization"), state.redis, state.async_sessions)
+                scope.setdefault("state", {})["principal"] = principal
         except DomainError as refused:
             await error_response(refused)(scope, receive, send)
             return

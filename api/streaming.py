@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import anyio
@@ -19,7 +19,6 @@ from fastapi.sse import format_sse_event
 from api.cache import SingleFlight
 from core.generation.events import TerminalRow
 from core.infra import redis_keys, streams
-from core.infra.db import async_sessions
 from core.infra.transient import DATABASE
 from core.jobs import transitions
 from core.jobs.stream import HEARTBEAT, Ended, coalesce, follow_batches
@@ -43,12 +42,15 @@ def sse_comment(text: str) -> bytes:
 _TERMINAL: SingleFlight[TerminalRow | None] = SingleFlight(ttl_s=1.0)
 
 
-def terminal_row_check(job_id: str, tenant_id: int):
+# Reads a tenant's job row: `get` of core/jobs/service.Completions, on the sessions the app gave it.
+RowLookup = Callable[[str, int], Awaitable[TerminalRow | None]]
+
+
+def terminal_row_check(job_id: str, tenant_id: int, lookup: RowLookup):
     """Asked when the stream is silent: the job's row if it has ended (its stream may be gone)."""
 
     async def load() -> TerminalRow | None:
-        async with async_sessions()() as session:
-            row = (await session.execute(transitions.get_for_tenant(job_id, tenant_id))).scalar()
+        row = await lookup(job_id, tenant_id)
         return row if row is not None and transitions.is_terminal(row.state) else None
 
     async def check() -> TerminalRow | None:
@@ -134,6 +136,7 @@ async def sse_chunks(
     rds: aioredis.Redis,
     reader: streams.Reader,
     *,
+    lookup: RowLookup,
     include_usage: bool,
     fingerprint: str,
     heavy_cap: int,
@@ -142,9 +145,9 @@ async def sse_chunks(
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
     stream is silent; ends after the terminal event. A heavy batch (a replay's backlog) is decoded and
     framed on threads, at most `heavy_cap` of the tenant's at once (`HEAVY`, held from its decoding
-    until it has been sent)."""
+    until it has been sent). `lookup` reads the job's row when the stream falls silent."""
     chunks = chunks_for(job, include_usage, fingerprint)
-    check = terminal_row_check(job.id, tenant_id)
+    check = terminal_row_check(job.id, tenant_id, lookup)
     gate = functools.partial(HEAVY.hold, tenant_id, heavy_cap)
     async with (
         ReaderLease(rds, job.id, live=not transitions.is_terminal(job.state)) as lease,

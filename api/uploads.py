@@ -12,7 +12,6 @@ import asyncio
 import weakref
 from dataclasses import dataclass, field
 
-import anyio
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy.orm import Session, sessionmaker
@@ -21,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from api.errors import APIError
 from core.config import Settings
 from core.files import storage
-from core.files.service import Upload
+from core.files.service import Upload, discard
 from core.infra import threads
 
 MAX_PART_HEADERS = 8
@@ -189,16 +188,10 @@ async def receive(
             check_fields(form.fields)
     except ClientDisconnect:
         if begun:
-            await abort(upload)
+            await discard(upload)
         raise _bad("The upload ended before the whole body arrived.", "incomplete_upload") from None
     except BaseException:
         if begun:
-            await abort(upload)
+            await discard(upload)
         raise
     return Received(upload, form.filename, form.fields)
-
-
-async def abort(upload: Upload) -> None:
-    """Remove what an upload stored (and give its quota back), even while the request is cancelled."""
-    with anyio.CancelScope(shield=True):
-        await threads.run("upload", upload.abort)

@@ -1,4 +1,4 @@
-"""The dispatcher loop: everything the happy path (core/jobs/lifecycle.py: submit) missed.
+"""The dispatcher loop: everything the happy path (core/jobs/submit.py: `Submitter` persists, then enqueues) missed.
 
 - The dispatcher (`spool dispatcher`; running two is safe: every move is a compare-and-set) feeds
   each model's queues in weighted fair order (core/jobs/scheduler.py), never more than the workers can
@@ -31,7 +31,7 @@ from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
-from core.jobs.states import JobKind, JobState
+from core.states import JobKind, JobState
 from core.tenancy import admission
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,9 @@ from sqlalchemy import delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
-from core.batches.status import FINAL
 from core.config import Settings
 from core.infra.orm import Batch, File, FileChunk, Job
-from core.jobs.states import JobState
+from core.states import FINAL, JobState
 
 log = logging.getLogger(__name__)
 TERMINAL = [JobState.succeeded.value, JobState.failed.value, JobState.cancelled.value, JobState.expired.value]

@@ -9,13 +9,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Integer, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches.progress import counts as batch_counts
-from core.batches.status import FINAL
 from core.infra.orm import Batch, Job, Tenant
 from core.jobs import workers
-from core.jobs.states import JobState
+from core.states import FINAL, JobState
 
 
 @dataclass
@@ -55,8 +54,14 @@ class Snapshot:
     hours: list[datetime] = field(default_factory=list)
 
 
-def snapshot(session: Session, rds: Any, model_ids: list[str], now: datetime | None = None) -> Snapshot:
-    now = now or datetime.now(UTC)
+def snapshot(sessions: sessionmaker[Session], rds: Any, model_ids: list[str], now: datetime | None = None) -> Snapshot:
+    """What the status page shows, read in one short session of `sessions` (synchronous: run it
+    in a thread)."""
+    with sessions() as session:
+        return _read(session, rds, model_ids, now or datetime.now(UTC))
+
+
+def _read(session: Session, rds: Any, model_ids: list[str], now: datetime) -> Snapshot:
     models = {m: ModelRow(m, len(workers.live(rds, m))) for m in model_ids}
     for m, model_row in models.items():
         failed = workers.failures(rds, m)

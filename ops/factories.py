@@ -11,11 +11,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from core.batches.status import BatchStatus
 from core.generation.params import GenerationParams
 from core.infra.orm import ApiKey, Batch, Job, Tenant
 from core.jobs import transitions
-from core.jobs.states import JobState
+from core.states import BatchStatus, JobState
 from core.tenancy.keys import hash_key, new_key
 
 _n = itertools.count(1)

@@ -31,7 +31,7 @@ from core.generation.params import GenerationParams
 from core.generation.prompt import Prompt
 from core.infra.orm import Job, Tenant
 from core.jobs import transitions as jobs
-from core.jobs.states import JobKind, JobState
+from core.states import JobKind, JobState
 
 MODEL = "smollm2-135m-instruct"
 PROMPT_IDS = [19556, 30]  # two tokens: the work is scheduling, not generation

@@ -13,7 +13,7 @@ per request, a stream cut by an API restart asked again with that key; and `back
 responses of the Responses API, created under one key and polled with `retrieve` until they end,
 audited against an undisturbed response), and bursts of keyless
 completions (no `Idempotency-Key`, as most clients send them; the API stores a burst's jobs together,
-core/jobs/lifecycle.Submitter): each tagged by its `user`, so the audit finds every job a request
+core/jobs/submit.Submitter): each tagged by its `user`, so the audit finds every job a request
 stored: a 503 must have stored none, and one request never stores two. Faults, one after another
 with load in between: worker SIGKILL mid-generation (a new worker is started each time), Redis
 SIGKILLed and restarted *empty*, Postgres stopped hard (`-m immediate`) and restarted, the API
@@ -770,6 +770,150 @@ def load_and_audit(
     return report
 
 
+# -- the schedule -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fault:
+    """One row of the schedule. `name`: `--only`'s word for it; `label`: its line in the log and the
+    report; `action`: what `Injector` does (its method of that name), `how` (the signal sent, or how
+    Redis refuses writes), and `away_s`: how long what it stops stays away before it starts again.
+    `long`: the full run's only (or asked for with `--only`), never CI's short run."""
+
+    name: str
+    label: str
+    action: str
+    how: str = ""
+    away_s: float = 0.0
+    long: bool = False
+
+
+# Spread among the others, `--worker-kills` times (3 in the short run, 20 in the full one).
+WORKER_KILL = Fault("worker", "worker SIGKILL", "kill_worker", "SIGKILL")
+FAULTS: tuple[Fault, ...] = (
+    Fault("redis", "redis SIGKILL + restart empty", "redis_away", away_s=2),
+    Fault("postgres", "postgres stop -m immediate + restart", "postgres_away", away_s=3),
+    Fault("api", "api SIGTERM", "signal_api", "SIGTERM"),
+    Fault("api", "api SIGKILL", "signal_api", "SIGKILL"),
+    Fault("dispatcher", "dispatcher SIGKILL", "kill_dispatcher", "SIGKILL", away_s=1),
+    # Longer than the API's 5 s key cache and redis-py's retry window.
+    Fault(
+        "redis-30s",
+        f"redis-30s away {LONG_OUTAGE_S:.0f} s (SIGKILL, restarted empty)",
+        "redis_away",
+        away_s=LONG_OUTAGE_S,
+        long=True,
+    ),
+    Fault(
+        "postgres-30s",
+        f"postgres-30s away {LONG_OUTAGE_S:.0f} s (stop -m immediate, restart)",
+        "postgres_away",
+        away_s=LONG_OUTAGE_S,
+        long=True,
+    ),
+    Fault(
+        "redis-oom",
+        f"redis-oom refuses writes {LONG_OUTAGE_S:.0f} s (maxmemory 1, noeviction)",
+        "redis_refuses",
+        "oom",
+        LONG_OUTAGE_S,
+        long=True,
+    ),
+    Fault(
+        "redis-misconf",
+        f"redis-misconf refuses writes {LONG_OUTAGE_S:.0f} s (a failed snapshot)",
+        "redis_refuses",
+        "misconf",
+        LONG_OUTAGE_S,
+        long=True,
+    ),
+)
+ONLY = tuple(dict.fromkeys(f.name for f in FAULTS))  # what `--only` may name, in the table's order
+
+
+def schedule(
+    short: bool, worker_kills: int | None = None, only: set[str] | None = None, rounds: int = 1
+) -> list[Fault]:
+    """The faults of one run, in order: the table's (CI's short run keeps to the brief outages;
+    `only`: those it names, `rounds` times over) with the worker kills spread among them, half of
+    them after the first two."""
+    kills = worker_kills if worker_kills is not None else (3 if short else 20)
+    others = [f for f in FAULTS if not f.long or not short or only is not None]
+    if only is not None:
+        others = [f for f in others if f.name in only] * max(1, rounds)
+    return [WORKER_KILL] * (kills // 2) + others[:2] + [WORKER_KILL] * (kills - kills // 2) + others[2:]
+
+
+class Injector:
+    """What each fault of the table does (`Fault.action`) to the one-host stack."""
+
+    def __init__(self, st: Stack, pg: OwnPostgres, rd: OwnRedis, db: Any, report: Report, n_tokens: int) -> None:
+        self.st, self.pg, self.rd, self.db, self.report, self.n_tokens = st, pg, rd, db, report, n_tokens
+
+    def run(self, fault: Fault) -> None:
+        getattr(self, fault.action)(fault)
+
+    def _running_jobs(self) -> int:
+        from sqlalchemy import text
+
+        with self.db.connect() as conn:
+            return conn.scalar(text("SELECT count(*) FROM jobs WHERE state = 'running'")) or 0
+
+    def _streaming_jobs(self) -> int:
+        """Streams mid-flight: started a while ago and less than half written (the stream's own
+        length, from Redis), so a kill that follows cuts one rather than landing after its end."""
+        import redis as redis_lib
+        from sqlalchemy import text
+
+        from core.infra.streams import stream_key
+
+        with self.db.connect() as conn:
+            q = (
+                "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
+                " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
+            )
+            ids = list(conn.scalars(text(q)))
+        try:
+            with redis_lib.Redis.from_url(self.rd.url) as r:
+                return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < self.n_tokens // 2)
+        except redis_lib.RedisError:
+            return 0
+
+    def kill_worker(self, f: Fault) -> None:
+        try:
+            wait_for(self._running_jobs, 20, "a job mid-generation")
+        except TimeoutError:
+            self.report.problems.append("no job was running when a worker kill was due")
+        self.st.signal("worker", signal.Signals[f.how])
+        self.st.start_worker()
+
+    def redis_away(self, f: Fault) -> None:
+        self.rd.kill()
+        time.sleep(f.away_s)
+        self.rd.start()
+
+    def postgres_away(self, f: Fault) -> None:
+        self.pg.stop("immediate")
+        time.sleep(f.away_s)
+        self.pg.start()
+
+    def redis_refuses(self, f: Fault) -> None:
+        self.rd.refuse_writes(f.how, f.away_s)
+
+    def signal_api(self, f: Fault) -> None:
+        # Cut streams mid-flight, as the worker kills cut jobs mid-generation: a faster engine
+        # finishes short streams before a blind kill lands, and then nothing re-attaches.
+        try:
+            wait_for(self._streaming_jobs, 20, "a stream mid-generation")
+        except TimeoutError:
+            self.report.problems.append("no stream was running when an API kill was due")
+        self.st.signal("api", signal.Signals[f.how])
+        self.st.start_api()
+
+    def kill_dispatcher(self, f: Fault) -> None:
+        self.st.signal("dispatcher", signal.Signals[f.how])
+        time.sleep(f.away_s)
+        self.st.start("dispatcher", "dispatcher")
+
+
 def _load_and_faults(
     st: Stack,
     pg: OwnPostgres,
@@ -782,114 +926,20 @@ def _load_and_faults(
     only: set[str] | None = None,
     rounds: int = 1,
 ) -> Report:
-    """The one-host schedule: process kills, restarts and outages, under `load_and_audit`'s load."""
-    from sqlalchemy import create_engine, text
+    """The one-host schedule (`schedule`: process kills, restarts and outages), under
+    `load_and_audit`'s load."""
+    from sqlalchemy import create_engine
 
     db = create_engine(pg.url, pool_pre_ping=True)
-    n_tokens = N_TOKENS
+    injector = Injector(st, pg, rd, db, report, N_TOKENS)
 
     def inject() -> None:
-
-        def running_jobs() -> int:
-            with db.connect() as conn:
-                return conn.scalar(text("SELECT count(*) FROM jobs WHERE state = 'running'")) or 0
-
         gap = 3.0 if short else 5.0
-
-        def kill_worker() -> None:
-            try:
-                wait_for(running_jobs, 20, "a job mid-generation")
-            except TimeoutError:
-                report.problems.append("no job was running when a worker kill was due")
-            st.signal("worker", signal.SIGKILL)
-            st.start_worker()
-
-        def redis_restart() -> None:
-            rd.kill()
-            time.sleep(2)
-            rd.start()
-
-        def postgres_restart() -> None:
-            pg.stop("immediate")
-            time.sleep(3)
-            pg.start()
-
-        def redis_outage() -> None:
-            rd.kill()
-            time.sleep(LONG_OUTAGE_S)
-            rd.start()
-
-        def redis_refusal(how: str) -> Callable[[], None]:
-            return lambda: rd.refuse_writes(how, LONG_OUTAGE_S)
-
-        def postgres_outage() -> None:
-            pg.stop("immediate")
-            time.sleep(LONG_OUTAGE_S)
-            pg.start()
-
-        def streaming_jobs() -> int:
-            """Streams mid-flight: started a while ago and less than half written (the stream's own
-            length, from Redis), so a kill that follows cuts one rather than landing after its end."""
-            import redis as redis_lib
-
-            from core.infra.streams import stream_key
-
-            with db.connect() as conn:
-                q = (
-                    "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
-                    " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
-                )
-                ids = list(conn.scalars(text(q)))
-            try:
-                with redis_lib.Redis.from_url(rd.url) as r:
-                    return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < n_tokens // 2)
-            except redis_lib.RedisError:
-                return 0
-
-        def api(sig: int) -> Callable[[], None]:
-            def go() -> None:
-                # Cut streams mid-flight, as the worker kills cut jobs mid-generation: a faster engine
-                # finishes short streams before a blind kill lands, and then nothing re-attaches.
-                try:
-                    wait_for(streaming_jobs, 20, "a stream mid-generation")
-                except TimeoutError:
-                    report.problems.append("no stream was running when an API kill was due")
-                st.signal("api", sig)
-                st.start_api()
-
-            return go
-
-        def dispatcher_kill() -> None:
-            st.signal("dispatcher", signal.SIGKILL)
-            time.sleep(1)
-            st.start("dispatcher", "dispatcher")
-
-        kills = worker_kills if worker_kills is not None else (3 if short else 20)
-        schedule: list[tuple[str, Callable[[], None]]] = [("worker SIGKILL", kill_worker)] * kills
-        schedule += [
-            ("redis SIGKILL + restart empty", redis_restart),
-            ("postgres stop -m immediate + restart", postgres_restart),
-            ("api SIGTERM", api(signal.SIGTERM)),
-            ("api SIGKILL", api(signal.SIGKILL)),
-            ("dispatcher SIGKILL", dispatcher_kill),
-        ]
-        if not short or only is not None:  # CI's short run keeps to the brief outages
-            schedule += [
-                (f"redis-30s away {LONG_OUTAGE_S:.0f} s (SIGKILL, restarted empty)", redis_outage),
-                (f"postgres-30s away {LONG_OUTAGE_S:.0f} s (stop -m immediate, restart)", postgres_outage),
-                (f"redis-oom refuses writes {LONG_OUTAGE_S:.0f} s (maxmemory 1, noeviction)", redis_refusal("oom")),
-                (f"redis-misconf refuses writes {LONG_OUTAGE_S:.0f} s (a failed snapshot)", redis_refusal("misconf")),
-            ]
-        # Worker kills spread among the other faults, in a fixed order.
-        others, kills_only = schedule[kills:], schedule[:kills]
-        if only is not None:
-            others = [(n, f) for n, f in others if n.split()[0] in only] * max(1, rounds)
-        order = kills_only[: kills // 2] + others[:2] + kills_only[kills // 2 :] + others[2:]
         time.sleep(gap)
-        for name, fault in order:
-            print(f"[{time.strftime('%H:%M:%S')}] fault: {name}", flush=True)
-            fault()
-            report.faults.append(name)
+        for fault in schedule(short, worker_kills, only, rounds):
+            print(f"[{time.strftime('%H:%M:%S')}] fault: {fault.label}", flush=True)
+            injector.run(fault)
+            report.faults.append(fault.label)
             time.sleep(gap)
 
     try:
@@ -906,8 +956,7 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default=None,
-        help="comma-separated subset of: redis, postgres, api, dispatcher, redis-30s, postgres-30s, redis-oom,"
-        " redis-misconf",
+        help=f"comma-separated subset of: {', '.join(ONLY)}",
     )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")

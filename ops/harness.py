@@ -296,6 +296,10 @@ TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 # The integration tests' Redis db (tests/integration); the stack's db server, database 13 by default.
 IT_REDIS = os.environ.get("SPOOL_IT_REDIS_URL", TEST_REDIS.rsplit("/", 1)[0] + "/13")
 
+# llama.cpp threads for an engine a test builds in process, as SPOOL_N_THREADS sets them for a stack's
+# workers (ops/test.sh: one per lane; None: every core).
+ENGINE_THREADS = int(os.environ.get("SPOOL_N_THREADS") or 0) or None
+
 # ops/test.sh runs the suite in lanes, pytest processes side by side (pytest-xdist workers, and the
 # wallclock tests' own process), each started with SPOOL_TEST_LANE=n: a lane past the first takes a
 # database and two Redis dbs of its own (stack, integration), so two lanes' stacks never meet. The

@@ -20,8 +20,8 @@ from core.generation.prompt import Prompt
 from core.infra import streams
 from core.infra.metrics import ITL, QUEUE_WAIT, TTFT
 from core.infra.transient import TRANSIENT
-from core.jobs.states import JobKind
 from core.jobs.transitions import Claimed
+from core.states import JobKind
 from workers import choices, resume
 from workers.choices import Choice
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent

@@ -38,8 +38,8 @@ from core.infra.autocommit import one_statement
 from core.infra.transient import TRANSIENT
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobKind
 from core.jobs.transitions import Claimed
+from core.states import JobKind
 from workers.attempt import Attempt
 from workers.cancels import CancelWatch
 from workers.engine.base import SeqSpec

@@ -148,6 +148,7 @@ async def _serve(body, endpoint: str, call: _Call):
             tenant_id,
             redis,
             hub,
+            lookup=completions.get,
             include_usage=include_usage,
             fingerprint=fingerprint,
             heavy_cap=settings.replays_per_tenant,

@@ -12,12 +12,9 @@ from starlette.types import Receive, Scope, Send
 
 from api import uploads
 from api.bodies import json_response
-from api.deps import IdempotencyDep, RedisDep, SessionDep, SettingsDep, SyncSessionsDep, TenantDep
+from api.deps import AsyncSessionsDep, IdempotencyDep, RedisDep, SettingsDep, SyncSessionsDep, TenantDep
 from api.errors import APIError
-from core import idempotency
 from core.files import service
-from core.infra import threads
-from core.infra.db import async_sessions
 from core.protocol import render
 from core.protocol.schemas import FileDeleted, FileList, FileObject
 
@@ -60,32 +57,22 @@ def _check_purpose(fields: dict[str, str]) -> None:
 async def upload(
     request: Request,
     tenant: TenantDep,
-    session: SessionDep,
     settings: SettingsDep,
     keys: IdempotencyDep,
-    sessions: SyncSessionsDep,
+    sync_sessions: SyncSessionsDep,
+    sessions: AsyncSessionsDep,
 ) -> dict:
-    got = await uploads.receive(request, sessions, tenant.id, settings, _check_purpose)
-    up = got.upload
+    got = await uploads.receive(request, sync_sessions, tenant.id, settings, _check_purpose)
     try:
         purpose = got.fields.get("purpose")
         if purpose is None:
             raise APIError(
                 400, "Missing required form field 'purpose'.", param="purpose", code="missing_required_parameter"
             )
-        # The whole request: a retried upload (same key, purpose, name and content) returns the file
-        # the first one stored; another file under the same key is a 422, whatever its size.
-        payload = {"purpose": purpose, "filename": got.filename, "bytes": up.bytes, "sha256": up.sha256}
-        async with keys.held(tenant.id, request.headers.get("idempotency-key"), "/v1/files", payload) as claim:
-            if claim is not None and claim.replay is not None:
-                f = await service.find(session, claim.replay, tenant.id)
-                if f is not None:
-                    await uploads.abort(up)  # the first request's file is the answer: this copy goes
-                    return render.file(f)
-            # Stored and named by the key in one transaction, only while this request holds the key.
-            stored = await threads.run("upload", up.finish, purpose, idempotency.record_statement(claim, up.file_id))
+        key = request.headers.get("idempotency-key")
+        stored = await service.keep(sessions, keys, got.upload, purpose, got.filename, key)
     except BaseException:
-        await uploads.abort(up)
+        await service.discard(got.upload)
         raise
     return render.file(stored)
 
@@ -138,15 +125,17 @@ class _Download(StreamingResponse):
         }
     },
 )
-async def file_content(file_id: str, tenant: TenantDep, redis: RedisDep, settings: SettingsDep) -> StreamingResponse:
+async def file_content(
+    file_id: str, tenant: TenantDep, redis: RedisDep, settings: SettingsDep, sessions: AsyncSessionsDep
+) -> StreamingResponse:
     """The file's bytes; at most SPOOL_DOWNLOAD_CONCURRENCY of a tenant's at once (429 past it)."""
     most = settings.download_concurrency
-    return _Download(await service.open_download(async_sessions(), redis, file_id, tenant.id, most))
+    return _Download(await service.open_download(sessions, redis, file_id, tenant.id, most))
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
-async def delete_file(file_id: str, tenant: TenantDep, session: SessionDep) -> dict:
-    await service.delete_file(session, file_id, tenant.id)
+async def delete_file(file_id: str, tenant: TenantDep, sessions: AsyncSessionsDep) -> dict:
+    await service.delete_file(sessions, file_id, tenant.id)
     return render.file_deleted(file_id)
 
 

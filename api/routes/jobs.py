@@ -117,6 +117,7 @@ async def job_events(
         tenant.id,
         redis,
         hub,
+        lookup=completions.get,
         include_usage=True,
         fingerprint=fingerprints(row.model),
         last_id=start,

@@ -16,16 +16,14 @@ import anyio
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy import func, or_, select
 
-from api.deps import RedisDep, SettingsDep
+from api.deps import AsyncSessionsDep, RedisDep, SettingsDep, SyncRedisDep, SyncSessionsDep
 from api.guard import authenticate
 from core.errors import DomainError
 from core.infra import redis_keys
-from core.infra.db import async_sessions, sync_sessions
-from core.infra.orm import ApiKey
+from core.states import KeyScope
 from core.status import Snapshot, snapshot
-from core.tenancy.keys import hash_key
+from core.tenancy.keys import hash_key, is_live_admin
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 COOKIE = "spool_ui"
@@ -38,7 +36,7 @@ _env = Environment(
 )
 
 
-async def _admin_key(request: Request, redis) -> str | None:
+async def _admin_key(request: Request, redis, sessions) -> str | None:
     """The digest of the live admin key behind the session cookie, or None."""
     token = request.cookies.get(COOKIE)
     if not token or len(token) > 64:
@@ -49,23 +47,21 @@ async def _admin_key(request: Request, redis) -> str | None:
     digest = digest if isinstance(digest, str) else digest.decode()
     if await redis.exists(redis_keys.revoked(digest)):
         return None
-    async with async_sessions()() as session:
-        live = await session.scalar(
-            select(ApiKey.id).where(
-                ApiKey.key_hash == digest,
-                ApiKey.scope == "admin",
-                ApiKey.revoked.is_(False),
-                or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > func.now()),
-            )
-        )
-    return digest if live is not None else None
+    return digest if await is_live_admin(sessions, digest) else None
 
 
 @router.get("", response_class=HTMLResponse)
-async def page(request: Request, redis: RedisDep, settings: SettingsDep) -> Response:
-    if await _admin_key(request, redis) is None:
+async def page(
+    request: Request,
+    redis: RedisDep,
+    settings: SettingsDep,
+    sessions: AsyncSessionsDep,
+    sync_sessions: SyncSessionsDep,
+    sync_redis: SyncRedisDep,
+) -> Response:
+    if await _admin_key(request, redis, sessions) is None:
         return HTMLResponse(_env.get_template("login.html").render(error=request.query_params.get("error")))
-    snap = await anyio.to_thread.run_sync(_snapshot, settings, request.app.state.lifecycle.redis)
+    snap = await anyio.to_thread.run_sync(snapshot, sync_sessions, sync_redis, settings.model_ids)
     page = _env.get_template("status.html")
     refresh = request.query_params.get("refresh", "5")  # seconds; 0 = no self-refresh
     every = min(int(refresh), 3600) if refresh.isascii() and refresh.isdigit() and len(refresh) < 8 else 5
@@ -77,18 +73,13 @@ async def style() -> Response:
     return Response((TEMPLATES / "style.css").read_text(), media_type="text/css")
 
 
-def _snapshot(settings, rds) -> Snapshot:
-    with sync_sessions()() as session:
-        return snapshot(session, rds, settings.model_ids)
-
-
 @router.post("/login")
-async def login(redis: RedisDep, key: str = Form(..., max_length=256)) -> Response:
+async def login(redis: RedisDep, sessions: AsyncSessionsDep, key: str = Form(..., max_length=256)) -> Response:
     try:
-        principal = await authenticate(f"Bearer {key}", redis)
+        principal = await authenticate(f"Bearer {key}", redis, sessions)
     except DomainError:
         principal = None
-    if principal is None or principal.key.scope != "admin":
+    if principal is None or principal.key.scope != KeyScope.admin:
         return RedirectResponse("/ui?error=1", status_code=303)
     token = secrets.token_urlsafe(32)
     await redis.set(redis_keys.ui_session(token), hash_key(key), ex=SESSION_S)  # never the key itself

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.batches.status import BatchStatus, cancelled, rejected, validated
+from core.batches.status import cancelled, rejected, validated
 from core.config import Settings
 from core.errors import DomainError
 from core.files import storage as files
@@ -35,7 +35,6 @@ from core.infra.transient import TRANSIENT
 from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.service import translate
-from core.jobs.states import JobKind
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.errors import from_validation
@@ -43,6 +42,7 @@ from core.protocol.responses import ResponseChat, ResponsesRequest
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import reservation
 from core.registry import resolve, settings_for
+from core.states import BatchStatus, JobKind
 
 log = logging.getLogger(__name__)
 

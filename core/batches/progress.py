@@ -24,12 +24,12 @@ from sqlalchemy import BigInteger, ColumnElement, Text, and_, bindparam, case, c
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.batches.status import FINAL, LIVE, BatchStatus, end, ending, finalizing
+from core.batches.status import LIVE, end, ending, finalizing
 from core.files import storage as files
 from core.infra.orm import Batch, File, Job
-from core.jobs.lifecycle import BATCH_CANCELLED, BATCH_EXPIRED, Lifecycle
-from core.jobs.states import JobState
+from core.jobs.lifecycle import LINE_ENDINGS, Lifecycle
 from core.protocol import render
+from core.states import FINAL, BatchStatus, Ending, FileStatus, JobState
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def _line(job: Job, fingerprints: render.Fingerprints) -> tuple[bool, dict[str, 
         return True, render.batch_answered_line(
             job.id, job.custom_id, 200, render.batch_body(job, fingerprints(job.model))
         )
-    if job.state in (JobState.expired.value, JobState.cancelled.value):
-        info = BATCH_EXPIRED if job.state == JobState.expired.value else BATCH_CANCELLED
+    if job.state in LINE_ENDINGS:
+        info = LINE_ENDINGS[Ending(job.state)]
         return False, render.batch_unrun_line(job.id, job.custom_id, info.code, info.message)
     e = job.error or {"message": "The request failed.", "type": "server_error"}
     # A line refused by its tenant's limits (core/tenancy/admission.admit_lines) is a 429, as it would be alone.
@@ -110,7 +110,7 @@ def _result_file(b: Batch, kind: str) -> File:
         filename=f"{b.id}_{kind}.jsonl",
         bytes=0,
         lines=0,
-        status="processing",
+        status=FileStatus.processing.value,
         deleted=True,
     )
 
@@ -149,7 +149,7 @@ def write_results(session: Session, b: Batch, slice_rows: int, fingerprints: ren
         return False, n
     for f in (out, err):
         if f.lines:
-            f.status, f.deleted = "processed", False
+            f.status, f.deleted = FileStatus.processed.value, False
         else:
             session.delete(f)
     b.output_file_id = out.id if out.lines else None
@@ -285,7 +285,7 @@ class _Step:
     ended: int = 0  # 1: the batch reached its final status
     more: bool = False  # stopped at its share of the slice
     rows: int = 0  # lines ended or written out (the tenant's share of the pass used)
-    lines: tuple[list[Any], JobState] | None = None  # lines ended, to announce after the commit
+    lines: tuple[list[Any], Ending] | None = None  # lines ended, to announce after the commit
 
 
 def _step(
@@ -298,9 +298,9 @@ def _step(
         b.expired_at = now  # lines not started are done for; running ones may finish
     to = None
     if b.status == BatchStatus.in_progress and b.expired_at is not None:
-        to = JobState.expired
+        to = Ending.expired
     if b.status == BatchStatus.cancelling:
-        to = JobState.cancelled
+        to = Ending.cancelled
     if to is not None:
         rows = lifecycle.end_queued_lines(session, b.id, to, slice_rows)
         out.lines, out.rows = (rows, to), len(rows)

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
 from core.batches import progress, webhooks
-from core.batches.status import CANCELLABLE, EMPTY_COUNTS, BatchStatus, cancel_requested
+from core.batches.status import CANCELLABLE, EMPTY_COUNTS, cancel_requested
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import storage as files
@@ -24,6 +24,7 @@ from core.infra import redis_keys, threads
 from core.infra.orm import Batch
 from core.protocol import render
 from core.protocol.schemas import metadata_problem
+from core.states import BatchStatus
 from core.tenancy.keys import Principal
 
 log = logging.getLogger(__name__)

@@ -1,33 +1,21 @@
-"""A batch's status (OpenAI's words) and its transitions, each one compare-and-set UPDATE.
+"""A batch's status transitions, each one compare-and-set UPDATE: the only writer of `batches.status`.
 
 validating -> in_progress -> finalizing -> completed | expired | cancelled; validating -> failed;
 validating | in_progress -> cancelling -> (finalizing ->) cancelled. The only writer of `batches.status`
-(tests/unit/test_state_writers.py).
+(tests/unit/test_state_writers.py). The statuses themselves (`BatchStatus`, and `FINAL`) are
+core/states.py's.
 """
 
 from __future__ import annotations
 
-import enum
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Update, update
 
 from core.infra.orm import Batch
+from core.states import FINAL, BatchStatus
 
-
-class BatchStatus(enum.StrEnum):
-    validating = "validating"
-    failed = "failed"
-    in_progress = "in_progress"
-    finalizing = "finalizing"
-    completed = "completed"
-    expired = "expired"
-    cancelling = "cancelling"
-    cancelled = "cancelled"
-
-
-FINAL = frozenset({BatchStatus.completed, BatchStatus.failed, BatchStatus.expired, BatchStatus.cancelled})
 LIVE = (BatchStatus.in_progress, BatchStatus.cancelling, BatchStatus.finalizing)  # lines may still run
 CANCELLABLE = (BatchStatus.validating, BatchStatus.in_progress)
 EMPTY_COUNTS = {"total": 0, "completed": 0, "failed": 0}

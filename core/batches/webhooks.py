@@ -36,9 +36,9 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
-from core.batches.status import FINAL
 from core.config import Settings
 from core.infra.orm import Batch, Tenant
+from core.states import FINAL
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 10

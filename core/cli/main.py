@@ -423,7 +423,7 @@ def batch_submit(
 def _follow(http, batch_id: str) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from core.batches.status import FINAL, BatchStatus
+    from core.states import FINAL, BatchStatus
 
     columns = (
         TextColumn("{task.description}"),

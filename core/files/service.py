@@ -29,16 +29,18 @@ from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import storage
-from core.infra import redis_keys, transient
+from core.idempotency import Idempotency
+from core.infra import redis_keys, threads, transient
 from core.infra.kv import Lua
 from core.infra.orm import File, Tenant
 from core.protocol import render
+from core.states import FileStatus
 
 log = logging.getLogger(__name__)
 
 # What tenants upload counts against their quota; the files Spool writes (batch output) do not.
 WRITTEN_BY_SPOOL = "batch_output"
-UPLOADING = "uploading"
+UPLOADING = FileStatus.uploading.value
 # An upload that received nothing for this long is dead (its process died mid-upload).
 STALE = timedelta(minutes=10)
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtext('spool:storage'), :t)")
@@ -158,7 +160,7 @@ class Upload:
                 .values(
                     purpose=purpose,
                     lines=lines,
-                    status="processed",
+                    status=FileStatus.processed.value,
                     deleted=False,
                     expires_at=datetime.now(UTC) + timedelta(days=30),
                 )
@@ -176,6 +178,35 @@ class Upload:
         with self.sessions() as s:
             s.execute(delete(File).where(File.id == self.file_id, File.status == UPLOADING))
             s.commit()
+
+
+async def discard(upload: Upload) -> None:
+    """Remove what an upload stored (and give its quota back), even while the request is cancelled."""
+    with anyio.CancelScope(shield=True):
+        await threads.run("upload", upload.abort)
+
+
+async def keep(
+    sessions: async_sessionmaker[AsyncSession],
+    keys: Idempotency,
+    upload: Upload,
+    purpose: str,
+    filename: str | None,
+    key: str | None,
+) -> File:
+    """A received upload, kept under the request's Idempotency-Key `key`. The whole request counts: a
+    retried upload (same key, purpose, name and content) gets the file the first one stored, and this
+    copy is discarded; another file under the same key is a 422, whatever its size. Otherwise the
+    upload is made visible and named by the key in one transaction, only while this request holds it."""
+    payload = {"purpose": purpose, "filename": filename, "bytes": upload.bytes, "sha256": upload.sha256}
+    async with keys.held(upload.tenant_id, key, "/v1/files", payload) as claim:
+        if claim is not None and claim.replay is not None:
+            f = await find(sessions, claim.replay, upload.tenant_id)
+            if f is not None:
+                await discard(upload)  # the first request's file is the answer: this copy goes
+                return f
+        record = idempotency.record_statement(claim, upload.file_id)
+        return await threads.run("upload", upload.finish, purpose, record)
 
 
 # -- reading: lists, lookups, deletion, downloads ----------------------------------------------------
@@ -216,18 +247,21 @@ def retrieve(sessions: sessionmaker[Session], file_id: str, tenant_id: int) -> d
     return render.file(f)
 
 
-async def find(session: AsyncSession, file_id: str, tenant_id: int) -> File | None:
-    return (await session.execute(storage.get_for_tenant(file_id, tenant_id))).scalar()
+async def find(sessions: async_sessionmaker[AsyncSession], file_id: str, tenant_id: int) -> File | None:
+    """The tenant's file (None for anyone else's, or a deleted one), read in a short session."""
+    async with sessions() as s:
+        return (await s.execute(storage.get_for_tenant(file_id, tenant_id))).scalar()
 
 
-async def delete_file(session: AsyncSession, file_id: str, tenant_id: int) -> None:
+async def delete_file(sessions: async_sessionmaker[AsyncSession], file_id: str, tenant_id: int) -> None:
     """Mark the file deleted and remove its content; the row stays for batches that name it."""
-    f = await find(session, file_id, tenant_id)
-    if f is None:
-        raise file_not_found(file_id)
-    f.deleted = True
-    await session.execute(delete(storage.FileChunk).where(storage.FileChunk.file_id == file_id))
-    await session.commit()
+    async with sessions() as s:
+        f = (await s.execute(storage.get_for_tenant(file_id, tenant_id))).scalar()
+        if f is None:
+            raise file_not_found(file_id)
+        f.deleted = True
+        await s.execute(delete(storage.FileChunk).where(storage.FileChunk.file_id == file_id))
+        await s.commit()
 
 
 # A download holds a slot of its tenant's (a leased member of a Redis sorted set, shared by every API
@@ -311,8 +345,7 @@ async def open_download(
 ) -> Download:
     """The tenant's file, ready to stream, holding one of its `most` download slots (0: no cap): a 404
     for a file it cannot see, OpenAI's 429 (with `retry-after`) when every slot is taken."""
-    async with sessions() as s:
-        f = await find(s, file_id, tenant_id)
+    f = await find(sessions, file_id, tenant_id)
     if f is None:
         raise file_not_found(file_id)
     key, slot = redis_keys.tenant_limit(tenant_id, "downloads"), secrets.token_hex(8)

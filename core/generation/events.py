@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from core.states import JobState
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -168,7 +170,7 @@ def error_of(row: TerminalRow) -> ErrorInfo:
 
 def from_row(row: TerminalRow) -> list[Event]:
     """Events rebuilt from a terminal job row, for when its stream is gone."""
-    if row.state == "succeeded":
+    if row.state == JobState.succeeded:
         out: list[Event] = [
             Delta(
                 choice=c.index,
@@ -181,6 +183,6 @@ def from_row(row: TerminalRow) -> list[Event]:
             for c in result_of(row).choices
         ]
         return [*out, Done(usage=usage_of(row))]
-    if row.state == "cancelled":
+    if row.state == JobState.cancelled:
         return [Cancelled()]
     return [Failed(error=error_of(row))]

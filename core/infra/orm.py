@@ -23,8 +23,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# The domain's enums, for the check constraints (import them from core.jobs.states, not from here).
-from core.jobs.states import JobKind, JobState
+# The ledger's words (core/states.py, the bottom layer), for the check constraints and defaults.
+from core.states import BatchStatus, FileStatus, JobKind, JobState, KeyScope
 
 
 class Base(DeclarativeBase):
@@ -59,7 +59,7 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     name: Mapped[str | None] = mapped_column(String(128))
-    scope: Mapped[str] = mapped_column(String(16), server_default="user")  # user | admin
+    scope: Mapped[str] = mapped_column(String(16), server_default=KeyScope.user.value)
     revoked: Mapped[bool] = mapped_column(Boolean, server_default="false")
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     rpm: Mapped[int | None] = mapped_column(Integer)  # optional per-key limits, on top of the tenant's
@@ -152,7 +152,7 @@ class File(Base):
     filename: Mapped[str] = mapped_column(String(512))
     bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
     lines: Mapped[int] = mapped_column(BigInteger, server_default="0")
-    status: Mapped[str] = mapped_column(String(16), server_default="processed")
+    status: Mapped[str] = mapped_column(String(16), server_default=FileStatus.processed.value)
     deleted: Mapped[bool] = mapped_column(Boolean, server_default="false")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -181,7 +181,7 @@ class Batch(Base):
     endpoint: Mapped[str] = mapped_column(String(64))
     input_file_id: Mapped[str] = mapped_column(String(40))
     completion_window: Mapped[str] = mapped_column(String(16))
-    status: Mapped[str] = mapped_column(String(16), server_default="validating")
+    status: Mapped[str] = mapped_column(String(16), server_default=BatchStatus.validating.value)
     output_file_id: Mapped[str | None] = mapped_column(String(40))
     error_file_id: Mapped[str | None] = mapped_column(String(40))
     errors: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

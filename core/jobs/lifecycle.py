@@ -1,4 +1,5 @@
-"""A job's life, each step written once: submit, succeed, fail, cancel, reap.
+"""How a job ends, each way written once: succeed, fail, cancel, reap (a job's start, persist then
+enqueue, is core/jobs/submit.py's).
 
 "A job ends" is always the same four things, in this order: the compare-and-set transition and
 the tenant's usage row in one transaction; then the rate-limit reservation settled (the real
@@ -12,18 +13,15 @@ one implementation beats a sync and an async copy that drift apart).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from sqlalchemy import Update
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from core import idempotency
 from core.config import Settings
 from core.generation.events import (
     Cancelled,
@@ -39,15 +37,14 @@ from core.generation.events import (
     inline_result,
 )
 from core.generation.prompt import Prompt
-from core.idempotency import Claim
 from core.infra import streams, transient
-from core.infra.autocommit import one_statement, one_statement_async
+from core.infra.autocommit import one_statement
 from core.infra.backoff import Backoff, retry
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
 from core.jobs import transitions
-from core.jobs.states import JobKind, JobState
 from core.jobs.transitions import Claimed
+from core.states import Ending
 from core.tenancy import ratelimit, usage
 
 log = logging.getLogger(__name__)
@@ -60,6 +57,8 @@ BATCH_EXPIRED = ErrorInfo(
 BATCH_CANCELLED = ErrorInfo(
     message="This line was not run: the batch was cancelled.", type="cancelled", code="batch_cancelled"
 )
+# How a batch's queued lines may end without running (`end_queued_lines`), each with its wording.
+LINE_ENDINGS = {Ending.expired: BATCH_EXPIRED, Ending.cancelled: BATCH_CANCELLED}
 # Terminal events of many jobs at once go to Redis in pipelines of this many jobs.
 ANNOUNCE_CHUNK = 1000
 # A worker's endings, each with its usage row, as one statement (built once).
@@ -73,117 +72,6 @@ def worker_lost(max_attempts: int) -> ErrorInfo:
         type="server_error",
         code="worker_lost",
     )
-
-
-# Hands jobs to Celery (core/infra/broker.AsyncSender), each as (job id, attempt, model, kind), in one
-# round trip however many.
-Send = Callable[[Sequence[tuple[str, int, str, str]]], Awaitable[None]]
-# At most this many new jobs in one INSERT (a burst's worth; the rest go in the next one).
-GROUP_MAX = 128
-
-
-class Submitter:
-    """Persist, then enqueue, new jobs: commit each (and the Idempotency-Key that names it), already
-    `dispatched` if its tenant has room; then hand it to Celery with `send`. The row exists before any
-    message can name it; if the send fails the job goes back to `queued` and the dispatcher sends it.
-
-    Group commit: jobs without a key that arrive while an INSERT is in flight wait for it and go
-    together in the next one, a single statement, and their messages in one pipeline. A lone request
-    waits for nothing; a burst of 64 costs a handful of round trips instead of 64 INSERTs and 64
-    pushes. Each job still learns its own outcome: a group that fails for one row's sake (not a
-    connection error) is retried row by row, so one bad row fails only its own request."""
-
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], send: Send) -> None:
-        self.sessions, self.send = sessions, send
-        self._pending: list[tuple[Job, int | None, asyncio.Future[None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
-
-    async def __call__(self, job: Job, cap: int | None = None, claim: Claim | None = None) -> None:
-        if claim is not None or job.kind != JobKind.interactive:
-            await self._one(job, cap, claim)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((job, cap, fut))
-        if self._flusher is None:
-            # A task of its own: a request cancelled while it waits must not cancel the others' INSERT.
-            self._flusher = asyncio.create_task(self._flush())
-        await asyncio.shield(fut)
-
-    async def _one(self, job: Job, cap: int | None, claim: Claim | None) -> None:
-        """A job with an Idempotency-Key (its key row in the same transaction), or a batch line."""
-        stmt = transitions.insert_new(job, cap, dispatch=job.kind == JobKind.interactive)
-        if claim is None:
-            (row,) = await one_statement_async(self.sessions, *stmt)
-        else:
-            async with self.sessions() as session:
-                row = (await session.execute(*stmt)).one()
-                await idempotency.record(claim, job.id, session)
-                await session.commit()
-        _stored(job, row)
-        await self._send([job])
-
-    async def _flush(self) -> None:
-        group: list[tuple[Job, int | None, asyncio.Future[None]]] = []
-        try:
-            while self._pending:
-                group, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
-                try:
-                    await self._store(group)
-                except Exception as exc:  # a fault of ours: the group's requests fail, none waits forever
-                    log.exception("storing %d new jobs failed", len(group))
-                    _settle(group, exc)
-        finally:
-            self._flusher = None
-            for *_, fut in group + self._pending:  # cancelled (the loop is shutting down): nobody waits on
-                fut.cancel()  # a no-op for those already answered
-            self._pending = []
-
-    async def _store(self, group: list[tuple[Job, int | None, asyncio.Future[None]]]) -> None:
-        try:
-            rows = await one_statement_async(
-                self.sessions, transitions.INSERT, transitions.insert_group([(job, cap) for job, cap, _ in group])
-            )
-        except Exception as exc:
-            # Postgres away fails every row alike: not retried row by row.
-            if len(group) > 1 and not isinstance(exc, transient.DATABASE):
-                for item in group:  # one row's fault (a value Postgres refuses): only its request fails
-                    await self._store([item])
-                return
-            _settle(group, exc)
-            return
-        by_id = {row.id: row for row in rows}  # RETURNING's order is not promised for a multi-row INSERT
-        for job, _, _ in group:
-            _stored(job, by_id[job.id])
-        await self._send([job for job, _, _ in group])  # never raises: a failed send leaves the jobs queued
-        _settle(group, None)
-
-    async def _send(self, jobs: list[Job]) -> None:
-        out = [j for j in jobs if j.state == JobState.dispatched.value]  # the rest: the dispatcher sends them
-        if not out:
-            return
-        try:
-            await self.send([(j.id, j.attempt, j.model, j.kind) for j in out])
-        except Exception:
-            log.warning("could not send %d jobs; leaving them to the dispatcher", len(out), exc_info=True)
-            for j in out:
-                try:
-                    await one_statement_async(self.sessions, transitions.undispatch(j.id, j.attempt))
-                except Exception:  # left `dispatched`: the dispatcher re-sends it after its timeout
-                    log.warning("could not return job %s to queued", j.id, exc_info=True)
-
-
-def _settle(group: list[tuple[Job, int | None, asyncio.Future[None]]], exc: Exception | None) -> None:
-    for *_, fut in group:
-        if fut.done():
-            continue
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-
-def _stored(job: Job, row: Any) -> None:
-    job.state, job.created_at, job.dispatched_at = row.state, row.created_at, row.dispatched_at
 
 
 class Lifecycle:
@@ -223,11 +111,11 @@ class Lifecycle:
 
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod
-    def _record(session: Session, job: Any, outcome: str, u: Usage | None, engine_s: float) -> None:
+    def _record(session: Session, job: Any, outcome: Ending, u: Usage | None, engine_s: float) -> None:
         session.execute(usage.UPSERT, Lifecycle._counted(job, outcome, u or Usage(), engine_s))
 
     @staticmethod
-    def _counted(job: Any, outcome: str, u: Usage, engine_s: float) -> dict[str, Any]:
+    def _counted(job: Any, outcome: Ending, u: Usage, engine_s: float) -> dict[str, Any]:
         """The usage counters (metrics) for one ended job; returns its usage row's parameters."""
         return usage.record(
             tenant_id=job.tenant_id,
@@ -240,7 +128,7 @@ class Lifecycle:
         )
 
     @staticmethod
-    def _record_many(session: Session, rows: Sequence[Any], outcome: str) -> None:
+    def _record_many(session: Session, rows: Sequence[Any], outcome: Ending) -> None:
         """One usage count per job for many jobs that ended alike with nothing billable (a batch's
         lines that never ran): one upsert per (tenant, key, model), in the caller's transaction."""
         groups: dict[tuple[int, int | None, str], int] = {}
@@ -297,7 +185,7 @@ class Lifecycle:
     def _end(
         self,
         stmt: Update | tuple[Update, dict[str, Any]],
-        outcome: str,
+        outcome: Ending,
         ev: Done | Failed | Cancelled,
         u: Usage | Callable[[Job], Usage] | None = None,
         engine_s: float = 0.0,
@@ -362,7 +250,7 @@ class Lifecycle:
         return [e for e in evs if isinstance(e, Delta)]
 
     def _end_billed(
-        self, stmt: Any, params: dict[str, Any], outcome: str, ev: Done | Failed, u: Usage, engine_s: float
+        self, stmt: Any, params: dict[str, Any], outcome: Ending, ev: Done | Failed, u: Usage, engine_s: float
     ) -> Any:
         """`_end` for an ending whose bill is known before it (succeed, fail): the transition and the
         usage row in one statement (`usage.billed_with`), on an autocommit connection, one round trip.
@@ -380,7 +268,7 @@ class Lifecycle:
         stored = result.model_dump(mode="json")
         _, params = transitions.succeed(job.id, job.attempt, stored, u.model_dump(mode="json"))
         done = Done(attempt=job.attempt, usage=u, result=inline_result(result, stored))
-        row = self._end_billed(SUCCEED, params, "succeeded", done, u, engine_s)
+        row = self._end_billed(SUCCEED, params, Ending.succeeded, done, u, engine_s)
         if row is not None:
             PROMPT_TOKENS.labels(row.model).inc(u.prompt_tokens)
             GENERATION_TOKENS.labels(row.model).inc(u.completion_tokens)
@@ -393,7 +281,7 @@ class Lifecycle:
         tokens): failed like every ending (usage row, settle, terminal event). False if it was no
         longer queued."""
         stmt = transitions.fail_queued(job_id, attempt, error.model_dump(mode="json"))
-        return self._end(stmt, JobState.failed.value, Failed(attempt=attempt, error=error)) is not None
+        return self._end(stmt, Ending.failed, Failed(attempt=attempt, error=error)) is not None
 
     def fail(self, job: Job | Claimed, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
         """`u`: what to bill; by default what the job's stream delivered (`delivered`)."""
@@ -402,12 +290,12 @@ class Lifecycle:
         error = _storable_error(error)
         _, params = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
         ev = Failed(attempt=job.attempt, error=error)
-        return self._end_billed(FAIL, params, "failed", ev, u, engine_s) is not None
+        return self._end_billed(FAIL, params, Ending.failed, ev, u, engine_s) is not None
 
     def cancel(self, job_id: str, tenant_id: int) -> Job | None:
         """Cancel a live job of this tenant; returns its row either way (None: not this tenant's)."""
         stmt = transitions.cancel(job_id, tenant_id, CANCELLED.model_dump(mode="json"))
-        row = self._end(stmt, "cancelled", Cancelled(), self._cancelled)
+        row = self._end(stmt, Ending.cancelled, Cancelled(), self._cancelled)
         if row is not None:
             return row
         with self.sessions() as s:
@@ -435,7 +323,7 @@ class Lifecycle:
                 s.rollback()
                 return {"requeued": len(requeued_rows), "failed": 0}
             for row, u in billed:
-                self._record(s, row, "failed", u, 0.0)
+                self._record(s, row, Ending.failed, u, 0.0)
             s.commit()
         for row, u in billed:
             REAPED.labels(row.model).inc()
@@ -443,22 +331,24 @@ class Lifecycle:
         return {"requeued": len(requeued_rows), "failed": len(billed)}
 
     # -- a batch's lines that never ran --------------------------------------------------------
-    def end_queued_lines(self, session: Session, batch_id: str, to: JobState, limit: int) -> list[Any]:
+    def end_queued_lines(self, session: Session, batch_id: str, to: Ending, limit: int) -> list[Any]:
         """Up to `limit` of a batch's queued lines -> `to` (expired or cancelled), each counted once
         in usage (one upsert per tenant, key and model, not per line), in the caller's transaction.
         After it commits, the caller passes the rows to `announce_lines`. The lines never ran for
         their batch (a line a lost worker had started is requeued, and its output never reaches the
         batch's files): they bill nothing."""
-        err = BATCH_EXPIRED if to == JobState.expired else BATCH_CANCELLED
-        rows = session.execute(transitions.end_queued_lines(batch_id, to, err.model_dump(mode="json"), limit)).all()
-        self._record_many(session, rows, to.value)
+        err = LINE_ENDINGS[to]
+        rows = session.execute(
+            transitions.end_queued_lines(batch_id, to.state, err.model_dump(mode="json"), limit)
+        ).all()
+        self._record_many(session, rows, to)
         return list(rows)
 
-    def announce_lines(self, rows: Sequence[Any], to: JobState) -> None:
+    def announce_lines(self, rows: Sequence[Any], to: Ending) -> None:
         """After `end_queued_lines` committed: each line's reservation released and its terminal
         event published, in pipelines."""
         ends: list[tuple[str, Failed | Cancelled]] = [
-            (r.id, Failed(attempt=r.attempt, error=BATCH_EXPIRED) if to == JobState.expired else Cancelled())
+            (r.id, Failed(attempt=r.attempt, error=BATCH_EXPIRED) if to == Ending.expired else Cancelled())
             for r in rows
         ]
         self._announce_many(ends)

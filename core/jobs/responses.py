@@ -29,6 +29,7 @@ from core.jobs.stream import HEARTBEAT, Ended, follow_batches
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponseChat, ResponsesRequest
+from core.states import JobState
 from core.tenancy.keys import Principal
 
 ENDPOINT = "/v1/responses"
@@ -197,7 +198,7 @@ async def _rebuilt(reader: streams.Reader, job_id: str, row: Any) -> list[Event]
     """An ended job's events from its row, its text cut as its stream's entries were (a cancelled
     job's: the text it had generated, which its row keeps)."""
     end = wire.terminal_of(row)
-    if row.state not in ("succeeded", "cancelled"):
+    if row.state not in (JobState.succeeded, JobState.cancelled):
         return [end]
     choices = [c for c in result_of(row).choices if c.index == 0]
     if not choices:

@@ -15,7 +15,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from core.infra.orm import Job, Tenant
-from core.jobs.states import JobKind, JobState
+from core.states import JobKind, JobState
 
 # The distinct tenants with queued jobs for a model, as a loose index scan (one index probe per
 # tenant) rather than a DISTINCT over every queued row: a million-line batch stays cheap to schedule.

@@ -32,12 +32,12 @@ from core.infra.orm import Job
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.infra.transient import DATABASE
 from core.jobs import transitions, workers
-from core.jobs.lifecycle import Send, Submitter
-from core.jobs.states import JobState
 from core.jobs.stream import HEARTBEAT, follow
+from core.jobs.submit import Send, Submitter
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import chat_to_generation, compile_constraint, reservation, to_generation
 from core.registry import chat_template_for, resolve, settings_for
+from core.states import JobState
 from core.tenancy import ratelimit
 from core.tenancy.admission import admit
 from core.tenancy.keys import Principal

@@ -40,7 +40,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import defer
 
 from core.infra.orm import Job
-from core.jobs.states import TERMINAL_STATES, JobKind, JobState
+from core.states import TERMINAL_STATES, JobKind, JobState
 
 ACTIVE_STATES = (JobState.queued, JobState.dispatched, JobState.running)
 _JOBS = cast(Table, Job.__table__)  # statements built once use the table, not the ORM class

@@ -28,6 +28,7 @@ from core.protocol.render import JOB_PREFIX, RESPONSE_PREFIX
 from core.protocol.render import response_item_id as _item_id
 from core.protocol.render import response_meta as meta_of
 from core.protocol.schemas import ChatCompletionRequest, Float, Int, metadata_problem
+from core.states import JobState
 
 # The most earlier responses one `previous_response_id` chain may hold (each is a read of its row).
 MAX_CHAIN = 256
@@ -412,7 +413,7 @@ def rename(exc: DomainError) -> DomainError:
 def chain_messages(job: render.JobRecord) -> list[dict[str, Any]]:
     """One stored response as chat messages: its input items, then what it answered."""
     out = items_to_messages(meta_of(job).get("input") or [], "previous_response_id")
-    if job.state == "succeeded":
+    if job.state == JobState.succeeded:
         out += items_to_messages(render.response_output(job)[0], "previous_response_id")
     return out
 
@@ -616,9 +617,9 @@ def rebuilt_deltas(
 
 def terminal_of(job: Any) -> Event:
     """The terminal event an ended job's row stands for."""
-    if job.state == "succeeded":
+    if job.state == JobState.succeeded:
         return Done(usage=usage_of(job), t=(job.finished_at.timestamp() if job.finished_at else 0.0))
-    if job.state == "cancelled":
+    if job.state == JobState.cancelled:
         return Cancelled()
     return Failed(error=error_of(job))
 

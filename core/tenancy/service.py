@@ -22,6 +22,7 @@ from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.infra import redis_keys, transient
 from core.infra.orm import ApiKey, Tenant, UsageDaily
 from core.protocol.errors import from_validation
+from core.states import KeyScope
 from core.tenancy.keys import SCOPES, hash_key, new_key
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class TenantCreate(TenantLimits):
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str | None = None
-    scope: str = "user"
+    scope: str = KeyScope.user.value
     expires_in_days: Annotated[float, Field(gt=0, le=36500)] | None = None  # past 100 years: a date overflow
     rpm: PosInt = None
     tpm: PosInt = None
@@ -161,7 +162,7 @@ def ensure_first_key(session: Session, tenant_name: str) -> str | None:
         t = create_tenant(session, TenantCreate(name=tenant_name))
     if session.scalar(select(ApiKey.id).where(ApiKey.tenant_id == t.id).limit(1)) is not None:
         return None
-    plain, _ = add_key(session, t, KeyCreate(name="first", scope="admin"))
+    plain, _ = add_key(session, t, KeyCreate(name="first", scope=KeyScope.admin.value))
     return plain
 
 

@@ -16,6 +16,7 @@ from sqlalchemy.dialects.postgresql import Insert, insert
 
 from core.infra.metrics import REQUESTS, SECONDS, TOKENS
 from core.infra.orm import UsageDaily
+from core.states import Ending
 
 _TABLE = cast(Table, UsageDaily.__table__)
 _DAY = func.date(func.timezone("utc", func.now()))
@@ -65,10 +66,10 @@ def billed_with(ending: Update) -> Select:
     return select(*ended.c).add_cte(billed)
 
 
-def bill(outcome: str, prompt_tokens: int, completion_tokens: int, gpu_seconds: float) -> dict[str, Any]:
+def bill(outcome: Ending, prompt_tokens: int, completion_tokens: int, gpu_seconds: float) -> dict[str, Any]:
     """`billed_with`'s usage parameters for one job."""
     return {
-        "failed": 0 if outcome == "succeeded" else 1,
+        "failed": 0 if outcome == Ending.succeeded else 1,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "gpu_seconds": gpu_seconds,
@@ -86,7 +87,7 @@ def record(
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     gpu_seconds: float = 0.0,
-    outcome: str = "succeeded",
+    outcome: Ending = Ending.succeeded,
     requests: int = 1,
 ) -> dict[str, Any]:
     """Count the job (or `requests` jobs that ended alike, their tokens summed) in the metrics;
@@ -100,7 +101,7 @@ def record(
         "key_id": key_id or 0,
         "model": model,
         "requests": requests,
-        "failed": 0 if outcome == "succeeded" else requests,
+        "failed": 0 if outcome == Ending.succeeded else requests,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "gpu_seconds": gpu_seconds,

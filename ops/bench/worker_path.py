@@ -27,7 +27,7 @@ def main() -> None:
 
     from core.config import Settings
     from core.infra.db import ping_when_idle
-    from core.jobs.states import JobState
+    from core.states import JobState
     from ops import factories
     from workers.engine.loop import EngineLoop
     from workers.engine.null import NullEngine

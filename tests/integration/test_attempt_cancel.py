@@ -9,7 +9,7 @@ import time
 
 from core.infra import streams
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine

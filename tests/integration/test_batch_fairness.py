@@ -14,11 +14,11 @@ import pytest
 from sqlalchemy import delete, func, select
 
 from core.batches import progress, webhooks
-from core.batches.status import FINAL, BatchStatus, cancel_requested
+from core.batches.status import cancel_requested
 from core.generation.events import ChoiceResult, JobResult, Usage
 from core.infra.orm import Batch, Job, Tenant
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import FINAL, BatchStatus, JobState
 from ops import factories
 
 

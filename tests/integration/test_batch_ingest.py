@@ -12,11 +12,10 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import select
 
 from core.batches import ingest
-from core.batches.status import BatchStatus
 from core.files import storage
 from core.infra.orm import Batch, File, Job
 from core.jobs import transitions
-from core.jobs.states import JobKind
+from core.states import BatchStatus, JobKind
 from ops import factories
 
 MODEL = "smollm2-135m-instruct"

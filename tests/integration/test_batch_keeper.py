@@ -12,13 +12,12 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import event, func, select, text, update
 
 from core.batches import progress
-from core.batches.status import FINAL, BatchStatus
 from core.dispatcher import Dispatcher
 from core.generation.events import ChoiceResult, ErrorInfo, JobResult, Usage
 from core.infra.db import Listener
 from core.infra.orm import Batch, File, FileChunk, Job
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import FINAL, BatchStatus, JobState
 from ops import factories
 
 

@@ -8,11 +8,11 @@ import pytest
 from sqlalchemy import func, select
 
 from core.batches import progress
-from core.batches.status import BatchStatus
 from core.generation.events import Cancelled, Failed, decode
 from core.infra import streams
 from core.infra.orm import Batch, Job, UsageDaily
 from core.jobs.lifecycle import Lifecycle
+from core.states import BatchStatus
 from core.tenancy import ratelimit
 from ops import factories
 

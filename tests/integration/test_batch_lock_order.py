@@ -10,11 +10,10 @@ import threading
 
 from sqlalchemy import func, select, text
 
-from core.batches.status import BatchStatus
 from core.generation.events import ChoiceResult, JobResult, Usage
 from core.infra.orm import Batch, Job, UsageDaily
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import BatchStatus, Ending, JobState
 from ops import factories
 from tests.conftest import wait_for
 
@@ -58,7 +57,7 @@ def test_a_line_ending_while_the_keeper_cancels_its_batch_does_not_deadlock(sess
         wait_for(worker_blocked, 10, "the worker's ending to wait for the batch row", interval=0.02)
         # ...without holding the usage row the keeper's cancel counts its lines in.
         keeper.execute(text("SET LOCAL lock_timeout = '5s'"))  # a wrong order fails, never hangs
-        rows = life.end_queued_lines(keeper, b.id, JobState.cancelled, 100)
+        rows = life.end_queued_lines(keeper, b.id, Ending.cancelled, 100)
         keeper.commit()
     worker.join(10)
     assert not errors, errors

@@ -10,7 +10,7 @@ from core.generation.events import Delta, ErrorInfo, Failed, decode
 from core.infra import streams
 from core.infra.orm import UsageDaily
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from core.tenancy import ratelimit
 from ops import factories
 

@@ -22,8 +22,8 @@ from core.infra import redis_keys
 from core.infra.orm import IdempotencyKey, Job
 from core.jobs import workers
 from core.jobs.service import Completions
-from core.jobs.states import JobKind, JobState
 from core.protocol.schemas import CompletionRequest
+from core.states import JobKind, JobState
 from core.tenancy.keys import Principal
 from ops import factories
 from tests.integration.conftest import IT_DB, IT_REDIS

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from core.dispatcher import Dispatcher
 from core.infra.orm import Job
 from core.jobs import workers
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 
 MODEL = "refill-model"  # its own model: other tests' lines hold no slot of it

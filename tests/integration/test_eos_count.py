@@ -12,7 +12,7 @@ from core.generation.events import Delta, decode, encode
 from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 from workers.engine.base import PromptEvent, TokenEvent
 from workers.engine.loop import EngineLoop

@@ -9,7 +9,7 @@ from core.infra import streams
 from core.infra.orm import Job, UsageDaily
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from core.tenancy import ratelimit
 from ops import factories
 

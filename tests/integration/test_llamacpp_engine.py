@@ -10,6 +10,7 @@ import pytest
 
 from core.generation.params import GenerationParams
 from core.registry import smollm2_gguf
+from ops.harness import ENGINE_THREADS
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.llamacpp import LlamaCppEngine
 
@@ -23,7 +24,9 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engine() -> LlamaCppEngine:
     # Two batch slots and no reserved ones: any interactive arrival while both are busy must displace.
-    return LlamaCppEngine("smollm2", smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0)
+    return LlamaCppEngine(
+        "smollm2", smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0, n_threads=ENGINE_THREADS
+    )
 
 
 def spec(engine, key, prompt: str, n: int, interactive: bool, temperature: float = 0.0, seed: int = 7) -> SeqSpec:
@@ -181,7 +184,9 @@ def test_prompt_scoring_is_spread_over_steps_while_others_go_on(monkeypatch):
     scoring, and their scores are those of each prompt scored alone in one pass."""
     from workers.engine import llamacpp
 
-    eng = LlamaCppEngine("smollm2", smollm2_gguf(), n_ctx=4096, max_batch=4, interactive_slots=0)
+    eng = LlamaCppEngine(
+        "smollm2", smollm2_gguf(), n_ctx=4096, max_batch=4, interactive_slots=0, n_threads=ENGINE_THREADS
+    )
     ids = eng.tokenize("one two three " * 100)[:300]
     p = GenerationParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
 

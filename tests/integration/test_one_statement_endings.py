@@ -13,7 +13,7 @@ from core.infra.autocommit import one_statement
 from core.infra.orm import Job, UsageDaily
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 
 

@@ -16,13 +16,18 @@ from api.routes import jobs as job_routes
 from core.generation.events import Delta, TokenScore, TopToken, encode
 from core.generation.params import GenerationParams
 from core.infra import kv, redis_keys, streams
-from core.jobs.states import JobState
 from core.jobs.stream import coalesce
 from core.protocol import render
 from core.protocol.render import CompletionChunks
 from core.protocol.schemas import JobObject
+from core.states import JobState
 from ops import factories
 from tests.integration.conftest import IT_REDIS
+
+
+async def _unstored(_job_id: str, _tenant_id: int) -> None:
+    """The job row a silent stream asks for: these jobs are not in the database."""
+    return None
 
 
 def _record(job_id: str, **params) -> SimpleNamespace:
@@ -64,7 +69,7 @@ def test_a_lapsed_reader_lease_never_leaves_a_negative_count(rds):
 
         def reader():
             return streaming.sse_chunks(
-                _record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8
+                _record(job_id), 1, arc, hub, lookup=_unstored, include_usage=False, fingerprint="fp", heavy_cap=8
             )
 
         try:
@@ -100,7 +105,7 @@ def test_a_replay_of_an_ended_job_is_not_counted_as_a_reader(rds):
         hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
         try:
             live = streaming.sse_chunks(
-                _record(job_id), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8
+                _record(job_id), 1, arc, hub, lookup=_unstored, include_usage=False, fingerprint="fp", heavy_cap=8
             )
             assert b" a" in await anext(live)
             assert await streaming.readers(arc, job_id) == 1  # the same stream, followed while live, counts
@@ -109,7 +114,9 @@ def test_a_replay_of_an_ended_job_is_not_counted_as_a_reader(rds):
                 if await streaming.readers(arc, job_id) == 0:
                     break
                 await asyncio.sleep(0.02)
-            replay = streaming.sse_chunks(ended, 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=8)
+            replay = streaming.sse_chunks(
+                ended, 1, arc, hub, lookup=_unstored, include_usage=False, fingerprint="fp", heavy_cap=8
+            )
             assert b" a" in await anext(replay)
             await asyncio.sleep(0.1)  # a count in flight would have landed
             assert await streaming.readers(arc, job_id) == 0
@@ -214,7 +221,14 @@ def test_one_tenants_heavy_replays_take_turns_and_never_hold_another_tenants(rds
 
             monkeypatch.setattr(streaming, "chunks_for", chunks_for)
             gen = streaming.sse_chunks(
-                _record(job_id, logprobs=3), tenant, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=3
+                _record(job_id, logprobs=3),
+                tenant,
+                arc,
+                hub,
+                lookup=_unstored,
+                include_usage=False,
+                fingerprint="fp",
+                heavy_cap=3,
             )
             return await anext(gen)
 
@@ -263,7 +277,14 @@ def test_a_replay_waiting_for_its_turn_holds_nothing_of_its_last_page(rds, monke
         hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
         before = alive()
         gen = streaming.sse_chunks(
-            _record(job_id, logprobs=3), 1, arc, hub, include_usage=False, fingerprint="fp", heavy_cap=1
+            _record(job_id, logprobs=3),
+            1,
+            arc,
+            hub,
+            lookup=_unstored,
+            include_usage=False,
+            fingerprint="fp",
+            heavy_cap=1,
         )
         try:
             first = await anext(gen)  # the first page, framed: the replay holds the tenant's one place

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import select
 
 from core.infra.orm import File, FileChunk, IdempotencyKey, Job
-from core.jobs.states import JobState
 from core.retention import sweep
+from core.states import JobState
 from ops import factories
 
 
@@ -48,8 +48,8 @@ def test_sweeper_removes_old_jobs_expired_files_and_old_keys(session, sessions, 
 def test_sweeper_removes_batches_ended_past_retention_once_their_lines_are_gone(session, sessions, it_settings):
     """Before: batch rows were never swept. Now an ended batch goes `retention_batches_days` after it
     ended, after its lines (so no line is left without the batch that lets it be swept)."""
-    from core.batches.status import BatchStatus
     from core.infra.orm import Batch
+    from core.states import BatchStatus
 
     t = factories.tenant(session)
     now = datetime.now(UTC)

@@ -14,7 +14,7 @@ from core.infra import streams
 from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 from tests.conftest import wait_for
 from workers.engine.loop import EngineLoop

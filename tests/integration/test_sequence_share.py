@@ -23,9 +23,10 @@ from core.generation.events import Delta, decode
 from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
 from core.registry import smollm2_gguf
+from core.states import JobState
 from ops import factories
+from ops.harness import ENGINE_THREADS
 from tests.conftest import wait_for
 from workers.engine.llamacpp import LlamaCppEngine
 from workers.engine.loop import EngineLoop
@@ -39,7 +40,7 @@ N = 24
 @pytest.fixture(scope="module")
 def engine() -> LlamaCppEngine:
     # Two batch slots and one reserved for interactive work: three slots.
-    return LlamaCppEngine(MODEL, smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=1)
+    return LlamaCppEngine(MODEL, smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=1, n_threads=ENGINE_THREADS)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from core.generation.events import Delta, decode
 from core.infra import streams
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 from workers.attempt import Attempt
 from workers.engine.loop import EngineLoop

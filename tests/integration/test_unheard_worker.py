@@ -22,7 +22,7 @@ from core.dispatcher import Dispatcher
 from core.infra import redis_keys
 from core.infra.orm import Job
 from core.jobs import workers
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 
 

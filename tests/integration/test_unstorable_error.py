@@ -7,7 +7,7 @@ from core.generation.events import ErrorInfo, Failed, decode
 from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.states import JobState
+from core.states import JobState
 from ops import factories
 
 

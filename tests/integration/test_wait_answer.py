@@ -17,8 +17,8 @@ from core.idempotency import Idempotency
 from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.service import Completions
-from core.jobs.states import JobState
 from core.protocol import render
+from core.states import JobState
 from ops import factories
 from tests.integration.conftest import IT_DB, IT_REDIS
 from workers.engine.loop import EngineLoop

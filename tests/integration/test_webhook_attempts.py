@@ -7,8 +7,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from core.batches import webhooks
-from core.batches.status import BatchStatus
 from core.infra.orm import Batch
+from core.states import BatchStatus
 from ops import factories
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from core.jobs import workers
 from core.registry import smollm2_gguf
+from ops.harness import ENGINE_THREADS
 from tests.conftest import ROOT
 from workers.engine.null import NullEngine
 from workers.engine.warmup import PROMPT, WarmupFailed, warm_up
@@ -39,7 +40,9 @@ main([])
 def test_the_llamacpp_engine_generates_before_the_worker_is_ready():
     from workers.engine.llamacpp import LlamaCppEngine
 
-    engine = LlamaCppEngine(MODEL, smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0)
+    engine = LlamaCppEngine(
+        MODEL, smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0, n_threads=ENGINE_THREADS
+    )
     tokens = warm_up(engine)
     assert len(tokens) == 4 and all(0 <= t < engine.n_vocab for t in tokens)
     assert not engine.has_work()  # nothing of the warm-up stays in the engine

@@ -77,9 +77,7 @@ NOT_MODULES = {
 }
 FILE_SUFFIXES = {"py", "json", "toml", "h", "md", "cfg", "txt", "yml", "yaml", "gguf", "jsonl", "sh", "ini", "jinja"}
 # Texts that name something gone, each with who fixes it (core/dispatcher.py is being split elsewhere).
-KNOWN_STALE = {
-    "core/dispatcher.py: core/jobs/lifecycle.py: submit": "the dispatcher's split rewrites its docstring",
-}
+KNOWN_STALE: dict[str, str] = {}
 
 
 def _named_paths(text: str) -> set[str]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
-from core.batches.status import BatchStatus
 from core.protocol import render
 from core.protocol.schemas import BatchObject, FileDeleted, FileObject
+from core.states import BatchStatus
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 T0_S = 1767225600

@@ -178,6 +178,10 @@ def _updates_batches(node: ast.AST) -> bool:
     return False
 
 
+# core/states.py's enums that are not batch statuses: their values written to a `.status` are a file's.
+OTHER_ENUMS = {"FileStatus", "JobState", "JobKind", "KeyScope", "Ending"}
+
+
 def _names_a_batch_status(value: ast.expr | None, statuses: set[str]) -> bool:
     """`"completed"`, `BatchStatus.failed`, `BatchStatus.failed.value`, `final.value` (an enum's value)."""
     if value is None:
@@ -185,7 +189,11 @@ def _names_a_batch_status(value: ast.expr | None, statuses: set[str]) -> bool:
     if isinstance(value, ast.Constant):
         return value.value in statuses
     if isinstance(value, ast.Attribute) and value.attr == "value":
-        return True
+        # an enum's value, unless it is plainly another ledger enum's (`FileStatus.processed.value`)
+        root = value.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return not (isinstance(root, ast.Name) and root.id in OTHER_ENUMS)
     return any(isinstance(n, ast.Name) and n.id == "BatchStatus" for n in ast.walk(value))
 
 
@@ -227,6 +235,7 @@ Batch.__table__.update().values(status=BatchStatus.cancelled.value)
 b.status = "completed"
 b.status = BatchStatus.finalizing.value
 b.status = final.value
+f.status = FileStatus.processed.value  # a file's: not found
 setattr(b, "status", "expired")
 text("UPDATE batches SET status = 'failed' WHERE id = :id")
 if b.status == "in_progress": pass

@@ -9,8 +9,8 @@ what made `create_completion` testable only through the whole stack.
 The API's edge is held to the same check: in api/ only api/app.py (which builds the services at
 startup) and api/deps.py (which hands them, the settings and the sessions to the routes) reach those
 globals; a route or an edge module takes them from there (a dependency, or the app's state
-api/app.py filled). The modules that still open a session of the global factory themselves are
-listed in API_KNOWN, each with its reason, and must stay listed only while they do.
+api/app.py filled). A module that still had to open a session of the global factory itself would be
+listed in API_KNOWN with its reason, and must stay listed only while it does (none now).
 """
 
 from __future__ import annotations
@@ -30,12 +30,7 @@ KNOWN: dict[str, str] = {}
 API_ENTRY = {"api/app.py", "api/deps.py"}
 # Edge modules that open a short session of core/infra/db's global factory themselves. Remove an
 # entry when its module takes the sessions from api/deps.py or the app's state.
-API_KNOWN: dict[str, str] = {
-    "api/guard.py": "the key lookup runs in the ASGI middleware, before any dependency, in a session of its own",
-    "api/streaming.py": "the ended-job check of a silent stream, outside any request's dependencies",
-    "api/routes/ui.py": "the status page's login and its sync queries (a thread)",
-    "api/routes/files.py": "a download's sessions; the file routes are being split in another worktree",
-}
+API_KNOWN: dict[str, str] = {}
 
 
 def _modules() -> list[Path]:
@@ -102,6 +97,24 @@ def test_the_check_sees_each_way_in():
     assert _offences(ast.parse("def f(sessions, settings):\n    sessions()\n    settings.redis_url")) == []
 
 
+def _api_offences(tree: ast.Module) -> list[str]:
+    """`_offences` for the API's edge, where the routes' parameters carry the same names as the
+    globals (`sync_sessions: SyncSessionsDep`): a use of a global is an import of it or a call."""
+    calls = [
+        f"line {n.lineno}: {name}()"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and (name := n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")) in GLOBALS
+    ]
+    return [f for f in _offences(tree) if ": ." not in f and f.split(": ", 1)[1] not in GLOBALS] + calls
+
+
+def test_the_api_check_sees_each_way_in_but_a_parameter():
+    for src in ("from core.infra.db import async_sessions", "db.sync_sessions()", "get_settings()"):
+        assert _api_offences(ast.parse(src)), src
+    assert _api_offences(ast.parse("async def f(sync_sessions):\n    g(sync_sessions, state.async_sessions)")) == []
+
+
 def _api_modules() -> list[str]:
     return [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "api").rglob("*.py"))]
 
@@ -111,12 +124,30 @@ def test_the_api_reaches_process_globals_only_in_its_entry_points():
     for rel in _api_modules():
         if rel in API_ENTRY or rel in API_KNOWN:
             continue
-        found = _offences(ast.parse((ROOT / rel).read_text(), rel))
+        found = _api_offences(ast.parse((ROOT / rel).read_text(), rel))
         if found:
             bad[rel] = found
     assert not bad, f"take these from api/deps.py (or app.state, filled by api/app.py) instead: {bad}"
 
 
 def test_known_api_exceptions_still_need_their_entry():
-    stale = [m for m in API_KNOWN if not _offences(ast.parse((ROOT / m).read_text()))]
+    stale = [m for m in API_KNOWN if not _api_offences(ast.parse((ROOT / m).read_text()))]
     assert not stale, f"fixed: remove from API_KNOWN {stale}"
+
+
+# The API's composition root: it builds the engines and session factories once, at startup, and puts
+# them on app.state; api/deps.py hands them to the routes.
+API_ROOT = "api/app.py"
+
+
+def test_only_the_api_root_reaches_the_global_sessions():
+    """Routes, the guard, uploads and streams use the sessions api/app.py built (api/deps.py), never
+    the global engines and session factories of core/infra/db.py (issue 36: routes opened global
+    sessions themselves): no module of api/ but its root imports core/infra/db.py."""
+    bad: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "api").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        found = [f for f in _offences(ast.parse(path.read_text(), rel)) if f.endswith("imports core.infra.db")]
+        if found and rel != API_ROOT:
+            bad[rel] = found
+    assert not bad, f"take the sessions from app.state (api/deps.py) instead: {bad}"
