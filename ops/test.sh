@@ -22,14 +22,9 @@ if [ "${1:-}" = "unit" ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .
   .venv/bin/lint-imports
-  # mypy (a minute cold) runs beside the unit tests on the second core; both must pass.
-  .venv/bin/mypy >/tmp/spool-unit-mypy.$$ 2>&1 &
-  MYPY=$!
-  rc=0
-  .venv/bin/python -m pytest tests/unit -p no:cacheprovider -q --durations=10 "$@" || rc=$?
-  wait $MYPY || { cat /tmp/spool-unit-mypy.$$; rc=1; }
-  rm -f /tmp/spool-unit-mypy.$$
-  exit $rc
+  # mypy: seconds with its cache (.mypy_cache), a minute cold; then the unit tests on both cores.
+  .venv/bin/mypy
+  exec .venv/bin/python -m pytest tests/unit -p no:cacheprovider -q --durations=10 -n 2 "$@"
 fi
 
 EXTRAS=cpu,test,bench,eval
@@ -52,8 +47,8 @@ fi
 # their time waiting (Postgres or Redis held away for 30 s), run in a process of their own beside
 # them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
 # what one two-thread engine does, and two engines of two threads each slow each other several-fold.
-# SPOOL_SERIAL=1: one process, as it was. The run fails if any lane fails; the wallclock lane's
-# report follows the rest.
+# The tests marked `solo` run after them, alone. SPOOL_SERIAL=1: one process, as it was. The run
+# fails if any lane fails; the wallclock lane's report follows the rest.
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
 LANES=${SPOOL_TEST_LANES:-2}
 WALL_LOG=$(mktemp /tmp/spool-wallclock.XXXXXX)
@@ -65,13 +60,19 @@ for ((i = 0; i < LANES; i++)); do
   TX+=(--tx "popen//env:SPOOL_TEST_LANE=$lane")
 done
 rc=0
-"${PYTEST[@]}" -m "not wallclock" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
+"${PYTEST[@]}" -m "not wallclock and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 wall_rc=0
 wait $WALL || wall_rc=$?
+# Tests marked `solo` (a schedule timed against a load of its own size) run last, alone.
+solo_rc=0
+echo
+echo "=== the solo tests, run after the lanes ==="
+env -u SPOOL_N_THREADS "${PYTEST[@]}" -m solo --durations=5 "$@" || solo_rc=$?  # the machine is its own: every core
+[ "$solo_rc" = 5 ] && solo_rc=0
 echo
 echo "=== the wallclock tests, run beside the rest ==="
 cat "$WALL_LOG"
 rm -f "$WALL_LOG"
 [ "$wall_rc" = 5 ] && wall_rc=0  # "$@" selected none of them
 [ "$rc" = 5 ] && rc=0
-exit $((rc != 0 || wall_rc != 0))
+exit $((rc != 0 || wall_rc != 0 || solo_rc != 0))

@@ -6,7 +6,6 @@ cancelled and rejoined, chains of `previous_response_id`, delete, tenancy and `s
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -207,7 +206,7 @@ def test_background_create_poll_completed(stack):
     assert got.output_text and got.usage.output_tokens > 0
 
 
-def test_cancel_a_running_background_response(stack, db):
+def test_cancel_a_running_background_response(stack, db, rds):
     key = stack.new_tenant("resp-cancels")
     client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=key, max_retries=0)
     r = client.responses.create(
@@ -218,8 +217,8 @@ def test_cancel_a_running_background_response(stack, db):
         extra_body={"ignore_eos": True},  # Spool's extension, as on chat: it runs long enough to cancel
     )
     job_id = _job_id(r.id)
-    wait_for(lambda: job_row(db, job_id)["state"] == "running", 60, "running")
-    time.sleep(0.5)  # let it generate a few tokens: the cancel bills them
+    # A few tokens out before the cancel, which bills them (a fixed sleep saw none on a loaded host).
+    wait_for(lambda: rds.xlen(f"job:{job_id}:events") >= 3, 60, "some tokens streamed")
     c = client.responses.cancel(r.id)
     assert c.status == "cancelled"
     assert job_row(db, job_id)["state"] == "cancelled"
