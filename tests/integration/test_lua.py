@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from core.infra import kv
 from core.tenancy import ratelimit
 from tests.integration.conftest import IT_REDIS
@@ -13,6 +15,9 @@ from tests.integration.conftest import IT_REDIS
 ECHO = kv.Lua("return {KEYS[1], ARGV[1]}")
 
 
+# solo: it counts EVAL calls in INFO commandstats, which are the whole server's, so another lane's
+# scripts on the same Redis moved the count (seen in a fresh-clone run, 2026-11-28).
+@pytest.mark.solo
 def test_a_script_runs_by_digest_and_is_loaded_again_after_a_flush(rds):
     rds.script_flush()
     assert rds.script_exists(ECHO.sha) == [False]
