@@ -81,7 +81,7 @@ def _insert_waiting(db) -> bool:
             conn.scalar(
                 text(
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query ILIKE 'INSERT INTO jobs%'"
+                    "AND query ILIKE 'INSERT INTO jobs%' AND datname = current_database()"  # not another lane's
                 )
             )
         )
