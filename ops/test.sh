@@ -36,7 +36,9 @@ lint
 # --durations: where the suite's time goes, printed at the end of every run.
 # SPOOL_STRICT_SKIPS: a skip fails the run unless its reason is an allowed one (no GPU; tests/strict_skips.py).
 export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
-PYTEST=(.venv/bin/python -m pytest tests -p no:cacheprovider -p tests.strict_skips -ra)
+# SPOOL_COSTS: each module's wall and CPU seconds (tests/costs.py), printed as a table at the end.
+export SPOOL_COSTS=${SPOOL_COSTS:-$(mktemp /tmp/spool-costs.XXXXXX)}
+PYTEST=(.venv/bin/python -m pytest tests -p no:cacheprovider -p tests.strict_skips -p tests.costs -ra)
 if [ "${SPOOL_SERIAL:-0}" = 1 ]; then
   exec "${PYTEST[@]}" --durations=40 "$@"
 fi
@@ -73,6 +75,9 @@ echo
 echo "=== the wallclock tests, run beside the rest ==="
 cat "$WALL_LOG"
 rm -f "$WALL_LOG"
+echo
+echo "=== what each module cost (every lane; CPU: the pytest process and all it started) ==="
+.venv/bin/python -m tests.costs "$SPOOL_COSTS" 30 || true
 [ "$wall_rc" = 5 ] && wall_rc=0  # "$@" selected none of them
 [ "$rc" = 5 ] && rc=0
 exit $((rc != 0 || wall_rc != 0 || solo_rc != 0))

@@ -21,6 +21,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ops/docker/cuda-install.sh"
 PINS = dict(re.findall(r"^([A-Z0-9_]+_VERSION)=(\S+)$", SCRIPT.read_text(), re.M))
+# wallclock: pip waits on the registry (a replay took 83 s of wall for 22 s of CPU, 2026-11-28), so
+# ops/test.sh runs it beside the CPU-bound lanes.
+pytestmark = pytest.mark.wallclock
 
 
 def _replay(target: str, report: Path) -> None:
