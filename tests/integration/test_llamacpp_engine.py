@@ -109,6 +109,41 @@ def test_prompt_prefixes_are_reused_only_within_a_tenant(engine):
     assert _cached(engine, ("p", 3), system + "Hey", "tenant-a") > 10
 
 
+def _choices(engine, tag: str, prompt: list[int], n: int, cache: bool, scope) -> tuple[list[list[int]], dict]:
+    """`n` sampled choices of one prompt, added at once (a request's `n`): their tokens, and the
+    cached-prefix length each one's prompt event reported."""
+    p = GenerationParams(max_tokens=12, temperature=0.9, ignore_eos=True, cache_prompt=cache)
+    for c in range(n):
+        engine.add(SeqSpec((tag, c), list(prompt), 12, p, 40 + c, interactive=True, cache_scope=scope))
+    tokens: dict = defaultdict(list)
+    cached: dict = {}
+    while engine.has_work():
+        for ev in engine.step():
+            if isinstance(ev, PromptEvent):
+                cached[ev.key[1]] = ev.cached
+            elif ev.token_id is not None:
+                tokens[ev.key[1]].append(ev.token_id)
+    return [tokens[c] for c in range(n)], cached
+
+
+def test_the_choices_of_one_prompt_prefill_it_once_and_sample_as_if_each_had(engine):
+    """n choices of one prompt: the first prefills it, the others wait a step and copy its KV
+    stream (llama.cpp's cross-stream copy) instead of prefilling it beside it; every choice samples
+    exactly the tokens it samples when each prefills its own. Another tenant copies nothing."""
+    prompt = engine.tokenize("A long shared instruction that every choice of the request starts from. " * 6)
+    apart, _ = _choices(engine, "apart", prompt, 4, cache=False, scope="t1")
+    for slot in engine._lane.slot_tokens:  # no slot keeps this prompt: only a copy can serve it
+        engine._lane.slot_tokens[slot] = []
+    before = engine._lane.copies
+    shared, cached = _choices(engine, "shared", prompt, 4, cache=True, scope="t1")
+    assert shared == apart
+    assert engine._lane.copies > before  # the module's engine has 2 slots: choice 1 copied choice 0's
+    assert cached[0] == 0 and cached[1] == len(prompt) - 1, cached
+    copies = engine._lane.copies
+    _, other = _choices(engine, "other", prompt, 1, cache=True, scope="t2")
+    assert other[0] == 0 and engine._lane.copies == copies
+
+
 # A chat prompt (SmolLM2's template) whose greedy answer has near-ties: found by the fault harness,
 # where answers resumed by a later attempt went another way than the undisturbed run's.
 CHAT = (

@@ -146,6 +146,11 @@ class _Seq:
 
 # The shortest cached prefix worth opening a new run of slots for (see `_Lane.pick_slot`).
 _FAR_PREFIX = 256
+# The fewest prompt tokens worth copying from another slot's cache rather than prefilling (see
+# `_Lane.pick_slot`). A copy moves a whole KV stream (llama.cpp copies across streams only whole:
+# ~23 MB for SmolLM2 at 1,024 tokens, milliseconds), while each prefilled token is a forward pass
+# of the model: 32 tokens of SmolLM2 cost ~0.2 s of one core.
+_COPY_MIN = 32
 
 # Prompt positions scored (echo with logprobs, prompt_logprobs) in one decode step: one chunk of one
 # sequence. Each scored position is a row of output logits (the vocabulary projection, ~57 MFLOP for
@@ -209,6 +214,31 @@ class _Lane:
         # continue, before any new batch sequence starts, when a slot frees.
         self.paused: collections.deque[_Seq] = collections.deque()
         self.preemptions = 0
+        self.copies = 0  # prompt prefixes copied from another slot's cache instead of prefilled
+
+    def held(self, slot: int) -> list[int]:
+        """The tokens whose KV `slot` holds: a live sequence's decoded ones, or what a free slot kept."""
+        seq = next((q for q in self.live.values() if q.slot == slot), None)
+        return seq.fed if seq is not None else self.slot_tokens[slot]
+
+    def shared(self, slot: int, tokens: list[int], scope: Hashable) -> int:
+        """How many of `tokens` lead what `slot` holds (0 for another scope's slot)."""
+        if self.slot_scope.get(slot) != scope:
+            return 0
+        return _common(self.held(slot), tokens)
+
+    def coming(self, tokens: list[int], scope: Hashable) -> bool:
+        """A live sequence of this scope is still prefilling at least `_COPY_MIN` more of `tokens` than
+        any slot holds now: a sequence of these tokens that waits for it copies its cache a step later
+        (the `n` choices of one prompt, or requests sharing a long system prompt) instead of
+        prefilling the same tokens beside it."""
+        now = max((self.shared(slot, tokens, scope) for slot in self.slot_tokens), default=0)
+        return any(
+            q.pending
+            and self.slot_scope.get(q.slot) == scope
+            and _common(q.fed + q.pending[: len(q.pending) - q.replay], tokens) >= now + _COPY_MIN
+            for q in self.live.values()
+        )
 
     def batch_live(self) -> int:
         return sum(1 for s in self.live.values() if not s.spec.interactive)
@@ -226,22 +256,22 @@ class _Lane:
         def joins(slot: int) -> bool:
             return not live or slot - 1 in live or slot + 1 in live
 
-        def cached(slot: int) -> int:
-            if not reuse or self.slot_scope.get(slot) != scope:
-                return 0
-            n = 0
-            for a, b in zip(self.slot_tokens[slot], tokens, strict=False):
-                if a != b:
-                    break
-                n += 1
-            return n
-
-        matches = {slot: cached(slot) for slot in self.free}
+        matches = {slot: self.shared(slot, tokens, scope) if reuse else 0 for slot in self.free}
         best = min(self.free, key=lambda s: (not joins(s), -matches[s], len(self.slot_tokens[s]), s))
         far = max(self.free, key=lambda s: (matches[s], -s))
         if not joins(far) and matches[far] >= max(_FAR_PREFIX, 2 * matches[best]):
             best = far
         best_len = matches[best]
+        # Another slot (live or free) of this scope may hold more of these tokens: its KV stream is
+        # copied into this one (the copy happens in the next decode, before that decode's tokens are
+        # written), and only what follows the shared prefix is prefilled here.
+        donor = max(
+            (d for d in self.slot_tokens if d != best), key=lambda d: self.shared(d, tokens, scope), default=None
+        )
+        if reuse and donor is not None and (got := self.shared(donor, tokens, scope)) >= best_len + _COPY_MIN:
+            llc.llama_memory_seq_cp(self.mem, donor, best, -1, -1)
+            best_len = got
+            self.copies += 1
         self.free.remove(best)
         self.slot_scope[best] = scope
         # Always decode at least the last token: its logits start (or continue) generation.
@@ -279,6 +309,16 @@ class _Lane:
         for slot in self.slot_tokens:
             self.slot_tokens[slot] = []
             llc.llama_memory_seq_rm(self.mem, slot, -1, -1)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the prefix `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class LlamaCppEngine(VocabEngine):
@@ -357,8 +397,12 @@ class LlamaCppEngine(VocabEngine):
         continue, then new ones start, while the batch share is not full. A sequence that cannot
         start fails alone."""
         failed: list[TokenEvent] = []
+        later: set[Hashable] = set()  # waiting for a live sequence's prefill to copy (`_Lane.coming`)
         while True:
-            spec = next((w for w in lane.waiting if w.interactive), None)
+            spec = next((w for w in lane.waiting if w.interactive and w.key not in later), None)
+            if spec is not None and self._copies_later(lane, spec):
+                later.add(spec.key)
+                continue
             if spec is not None:
                 if not lane.free:
                     victim = lane.victim()
@@ -369,7 +413,12 @@ class LlamaCppEngine(VocabEngine):
                 self._resume(lane, lane.paused.popleft())
                 continue
             elif lane.free and lane.batch_live() < lane.batch_cap and lane.waiting:
-                spec = lane.waiting[0]
+                spec = next((w for w in lane.waiting if w.key not in later), None)
+                if spec is None:
+                    break
+                if self._copies_later(lane, spec):
+                    later.add(spec.key)
+                    continue
             else:
                 break
             lane.waiting.remove(spec)
@@ -379,6 +428,11 @@ class LlamaCppEngine(VocabEngine):
                 log.exception("could not start sequence %s", spec.key)
                 failed.append(TokenEvent.failed(spec.key, str(exc), time.monotonic()))
         return failed
+
+    @staticmethod
+    def _copies_later(lane: _Lane, spec: SeqSpec) -> bool:
+        reuse = spec.params.cache_prompt and not spec.prompt_logprobs
+        return reuse and lane.coming(spec.prompt_ids, spec.cache_scope)
 
     def _resume(self, lane: _Lane, seq: _Seq) -> None:
         """A displaced sequence back on a slot: decode what it had (reusing any cached prefix), then
