@@ -372,6 +372,17 @@ class Settings(BaseSettings):
         return self.broker_url or self.redis_url
 
 
+# The engines' tuning knobs: listed among "Models and engines" below, and all of them in TUNING.
+ENGINE_TUNING = (
+    "n_threads",
+    "exl2_cache_tokens",
+    "exl2_cache_quant",
+    "exl2_chunk_size",
+    "paced_step_ms",
+    "paced_seq_ms",
+    "paced_prefill_tps",
+)
+
 # The README's configuration table, by concern (`spool settings` prints it; tests/unit/test_docs.py
 # checks that every setting is in exactly one group and that the README shows what it prints).
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -394,13 +405,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "engine",
         "model_path",
         "n_ctx",
-        "n_threads",
-        "exl2_cache_tokens",
-        "exl2_cache_quant",
-        "exl2_chunk_size",
-        "paced_step_ms",
-        "paced_seq_ms",
-        "paced_prefill_tps",
+        *ENGINE_TUNING,
     ),
     "Requests and limits": (
         "max_body_bytes",
@@ -469,13 +474,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 TUNING = frozenset(
     {
         "redis_max_connections",
-        "n_threads",
-        "exl2_cache_tokens",
-        "exl2_cache_quant",
-        "exl2_chunk_size",
-        "paced_step_ms",
-        "paced_seq_ms",
-        "paced_prefill_tps",
+        *ENGINE_TUNING,
         "upload_threads",
         "prepare_threads",
         "worker_concurrency",

@@ -7,6 +7,7 @@ import os
 import socket
 import time
 from functools import lru_cache
+from typing import Any
 
 from core.config import Settings, get_settings
 from core.infra import kv
@@ -30,40 +31,28 @@ def batch_slots(model_id: str, settings: Settings) -> int:
 
 def build_engine(model_id: str) -> Engine:
     s = settings_for(model_id, get_settings())  # the model's own engine, context, batch and weights
+    sized: dict[str, Any] = {"n_ctx": s.n_ctx, "max_batch": s.max_batch}  # every engine's
+    cache: dict[str, Any] = {"cache_size": s.exl2_cache_tokens, "chunk": s.exl2_chunk_size}  # both ExLlamas'
     if s.engine == "llamacpp":
         from workers.engine.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine(
-            model_id,
-            model_path(s, model_id),
-            n_ctx=s.n_ctx,
-            max_batch=s.max_batch,
-            n_threads=s.n_threads,
-            interactive_slots=s.interactive_slots,
+            model_id, model_path(s, model_id), **sized, n_threads=s.n_threads, interactive_slots=s.interactive_slots
         )
     if s.engine == "exllamav2":
         from workers.engine.exllamav2 import ExLlamaV2Engine  # imports torch and CUDA: only here
 
-        return ExLlamaV2Engine(
-            model_id,
-            model_path(s, model_id),
-            n_ctx=s.n_ctx,
-            max_batch=s.max_batch,
-            cache_size=s.exl2_cache_tokens,
-            cache_quant=s.exl2_cache_quant,
-            chunk=s.exl2_chunk_size,
-        )
+        return ExLlamaV2Engine(model_id, model_path(s, model_id), **sized, **cache, cache_quant=s.exl2_cache_quant)
     if s.engine == "null":
         from workers.engine.null import NullEngine
 
-        return NullEngine(model_id, n_ctx=s.n_ctx, max_batch=s.max_batch)
+        return NullEngine(model_id, **sized)
     if s.engine == "paced":
         from workers.engine.paced import PacedEngine
 
         return PacedEngine(
             model_id,
-            n_ctx=s.n_ctx,
-            max_batch=s.max_batch,
+            **sized,
             interactive_slots=s.interactive_slots,
             step_ms=s.paced_step_ms,
             seq_ms=s.paced_seq_ms,
@@ -72,14 +61,7 @@ def build_engine(model_id: str) -> Engine:
     if s.engine == "exllamav3":
         from workers.engine.exllamav3 import ExLlamaV3Engine  # imports torch and CUDA: only here
 
-        return ExLlamaV3Engine(
-            model_id,
-            model_path(s, model_id),
-            n_ctx=s.n_ctx,
-            max_batch=s.max_batch,
-            cache_size=s.exl2_cache_tokens,
-            chunk=s.exl2_chunk_size,
-        )
+        return ExLlamaV3Engine(model_id, model_path(s, model_id), **sized, **cache)
     raise ValueError(f"unknown engine {s.engine!r}: `llamacpp`, `exllamav2`, `exllamav3`, `null` or `paced`")
 
 

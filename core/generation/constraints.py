@@ -270,22 +270,15 @@ def check(
     return given
 
 
-def build(
-    *,
-    grammar: Any = None,
-    json_schema: Any = None,
-    response_format: dict[str, Any] | None = None,
-    regex: str | None = None,
-    guided_choice: list[str] | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-) -> str | None:
-    """The llguidance grammar for whichever one constraint the request carries (None: no constraint),
-    its size checked (`check`) before it is compiled."""
-    given = _given(grammar, json_schema, response_format, regex, guided_choice)
-    if given is None:
-        return None
-    param, value = given
-    _check_one(param, value, limits)
+def build(*, limits: Limits = DEFAULT_LIMITS, **constraint: Any) -> str | None:
+    """The llguidance grammar for whichever one constraint the request carries (`check`'s keyword
+    arguments; None: no constraint), its size checked (`check`) before it is compiled."""
+    given = check(**constraint, limits=limits)
+    return None if given is None else compiled(*given)
+
+
+def compiled(param: str, value: Any) -> str:
+    """The llguidance grammar of one constraint that `check` passed, as it returned it (parameter, value)."""
     try:
         # Every string of the value must be encodable: a lone surrogate ("\ud800") cannot cross into
         # llguidance's Rust strings, and json.dumps' ASCII escapes would otherwise smuggle one through.

@@ -225,14 +225,13 @@ def _constraint_args(req: CompletionRequest | ChatCompletionRequest) -> dict[str
 def _constraint(req: CompletionRequest, settings: Settings, compile: bool) -> tuple[str | None, bool]:
     """(the compiled grammar, or None when there is none or `compile` is False; whether the request
     carries a constraint). Its size is checked either way, before anything is compiled."""
-    args, limits = _constraint_args(req), limits_of(settings)
     try:
-        given = constraints.check(**args, limits=limits)
+        given = constraints.check(**_constraint_args(req), limits=limits_of(settings))
         if given is None:
             return None, False
         # An empty value (`guided_choice: []`, `json_schema: {}`) costs nothing to build: built now,
         # so the caller's `body.constrained()` (which counts only non-empty ones) never misses one.
-        return (constraints.build(**args, limits=limits) if compile or not given[1] else None), True
+        return (constraints.compiled(*given) if compile or not given[1] else None), True
     except constraints.ConstraintError as exc:
         raise bad(exc.param, str(exc), code="invalid_constraint") from exc
 

@@ -48,19 +48,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_column('tenants', 'max_queued')
-    op.drop_column('tenants', 'max_concurrent')
-    op.drop_column('tenants', 'tpd')
-    op.drop_column('tenants', 'tpm')
-    op.drop_column('tenants', 'rpm')
-    op.drop_column('tenants', 'weight')
+    for column in ('max_queued', 'max_concurrent', 'tpd', 'tpm', 'rpm', 'weight'):
+        op.drop_column('tenants', column)
     op.drop_index('ix_jobs_queue', table_name='jobs')
     op.drop_constraint('ck_jobs_kind', 'jobs', type_='check')
-    op.drop_column('jobs', 'reserved_tokens')
-    op.drop_column('jobs', 'kind')
-    op.drop_column('jobs', 'key_id')
-    op.drop_column('api_keys', 'tpm')
-    op.drop_column('api_keys', 'rpm')
-    op.drop_column('api_keys', 'expires_at')
-    op.drop_column('api_keys', 'scope')
+    for column in ('reserved_tokens', 'kind', 'key_id'):
+        op.drop_column('jobs', column)
+    for column in ('tpm', 'rpm', 'expires_at', 'scope'):
+        op.drop_column('api_keys', column)
     op.drop_table('usage_daily')

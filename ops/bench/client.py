@@ -62,6 +62,11 @@ class BenchConfig(BaseModel):
     seed: int = 0
     label: str = "spool"
 
+    def sampling(self) -> dict[str, int | float | bool]:
+        """What every server is asked to do with a prompt, by OpenAI's names (GenerationParams' too):
+        the HTTP bench sends them in each body, the engine bench hands them to the engine."""
+        return self.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "min_p", "cache_prompt"})
+
     def prompts(self) -> list[str]:
         if self.prompt:
             base = [self.prompt]
@@ -137,17 +142,7 @@ def summarize(
 
 
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str) -> RequestResult:
-    body = {
-        "model": cfg.model,
-        "prompt": prompt,
-        "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-        "min_p": cfg.min_p,
-        "cache_prompt": cfg.cache_prompt,
-        "stream": cfg.stream,
-    }
+    body: dict[str, object] = {"model": cfg.model, "prompt": prompt, **cfg.sampling(), "stream": cfg.stream}
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
     if cfg.ignore_eos:

@@ -23,16 +23,7 @@ from workers.runtime import build_engine
 
 
 def _client(loop: EngineLoop, cfg: BenchConfig, todo: queue.SimpleQueue, out: list[RequestResult]) -> None:
-    params = GenerationParams(
-        max_tokens=cfg.max_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        min_p=cfg.min_p,
-        cache_prompt=cfg.cache_prompt,
-        ignore_eos=cfg.ignore_eos,
-        seed=cfg.seed,
-    )
+    params = GenerationParams(**cfg.sampling(), ignore_eos=cfg.ignore_eos, seed=cfg.seed)
     while True:
         try:
             prompt = todo.get_nowait()

@@ -41,12 +41,11 @@ from workers.engine.exl2_mapping import (
 from workers.engine.exllama_base import ExLlamaEngine, load_ll_tokenizer
 from workers.engine.gpu_plan import (
     UNCLAIMED,
+    ClaimsPages,
     cache_salt,
-    claim_pages,
     exl2_lengths,
     hashing_for,
     own_first_pages_only,
-    release_pages,
     salted_checksum,
 )
 
@@ -148,7 +147,7 @@ def job_class() -> type:
 
     dynamic._tensor_hash_checksum = salted_checksum(dynamic._tensor_hash_checksum)
 
-    class ScopedJob(ExLlamaV2DynamicJob):
+    class ScopedJob(ClaimsPages, ExLlamaV2DynamicJob):
         spool_salt: bytes | None = None
         spool_output_from: int = 0  # where this sequence's output starts in sequence_ids
         spool_penalties: tuple[float, float] = (0.0, 0.0)  # presence, frequency over the output
@@ -166,20 +165,13 @@ def job_class() -> type:
         def allocate_pages(self) -> Any:
             gen = self.generator
             last_scope = getattr(gen.all_pages[0], "spool_scope", UNCLAIMED)
-            out = super().allocate_pages()
+            out = super().allocate_pages()  # the library's, then claimed for this scope (ClaimsPages)
             if not gen.paged and last_scope != self.spool_salt:
                 # One page, which keeps what the last job left as a prefix to reuse (its length is
                 # `kv_position_revert`, the backup taken as the page was handed to this job): not
                 # another scope's.
                 gen.all_pages[0].kv_position_revert = 0
-            for seq in self.sequences:
-                claim_pages(seq.allocated_pages, self.spool_salt)
             return out
-
-        def deallocate_pages(self) -> Any:
-            for seq in self.sequences:
-                release_pages(seq.allocated_pages or [])
-            return super().deallocate_pages()
 
         def prefill(self, results: list[Any]) -> Any:
             # exllamav2 contains no job's failure: one raising here lost the whole batch's step. It

@@ -30,12 +30,11 @@ from workers.engine.exl2_mapping import SeqState, stop_token_ids
 from workers.engine.exl3_mapping import Unsupported, job_args, output_window, sampler_args
 from workers.engine.exllama_base import ExLlamaEngine, load_ll_tokenizer
 from workers.engine.gpu_plan import (
+    ClaimsPages,
     cache_salt,
-    claim_pages,
     clamp_chunk,
     hashing_for,
     own_first_pages_only,
-    release_pages,
     salted_checksum,
 )
 
@@ -103,7 +102,7 @@ def job_class() -> type:
     job_module.tensor_hash_checksum = salted_checksum(job_module.tensor_hash_checksum)
     pagetable.tensor_hash_checksum = salted_checksum(pagetable.tensor_hash_checksum)
 
-    class ScopedJob(Job):
+    class ScopedJob(ClaimsPages, Job):
         spool_salt: bytes | None = None
         spool_error: str | None = None  # this job's own failure inside iterate(): it alone ends
 
@@ -145,17 +144,6 @@ def job_class() -> type:
         def hash_completed_page(self, *args: Any, **kwargs: Any) -> Any:
             with hashing_for(self.spool_salt):
                 return super().hash_completed_page(*args, **kwargs)
-
-        def allocate_pages(self) -> Any:
-            out = super().allocate_pages()
-            for seq in self.sequences:
-                claim_pages(seq.allocated_pages, self.spool_salt)
-            return out
-
-        def deallocate_pages(self) -> Any:
-            for seq in self.sequences:
-                release_pages(seq.allocated_pages or [])
-            return super().deallocate_pages()
 
         def prefill(self, *args: Any, **kwargs: Any) -> Any:
             with own_first_pages_only(self.pagetable.all_pages, self.spool_salt):

@@ -91,6 +91,26 @@ def release_pages(pages: Iterable[Any]) -> None:
             page.spool_scope = getattr(page, "spool_scope_revert", UNCLAIMED)
 
 
+class ClaimsPages:
+    """Mixed into an engine's job class before the library's (`class ScopedJob(ClaimsPages, Job)`): the
+    cache pages the library hands the job's sequences are claimed for its scope (`claim_pages`), and
+    released (`release_pages`) as the library takes them back."""
+
+    spool_salt: bytes | None
+    sequences: list[Any]  # the library job's
+
+    def allocate_pages(self) -> Any:
+        out = super().allocate_pages()  # type: ignore[misc]
+        for seq in self.sequences:
+            claim_pages(seq.allocated_pages, self.spool_salt)
+        return out
+
+    def deallocate_pages(self) -> Any:
+        for seq in self.sequences:
+            release_pages(seq.allocated_pages or [])
+        return super().deallocate_pages()  # type: ignore[misc]
+
+
 @contextmanager
 def own_first_pages_only(pages: Iterable[Any], salt: bytes | None) -> Iterator[None]:
     """While a job of this scope prefills: first pages (predecessor None) last held by another scope
