@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-from tests.conftest import MODEL, wait_for
+from tests.conftest import wait_for
+from tests.helpers import submit_async
 from tests.sse import collect
 
 
 def _submit(http, **body):
-    r = http.post(
-        "/v1/completions",
-        headers={"Prefer": "respond-async"},
-        json={
-            "model": MODEL,
-            "prompt": "The three primary colors are",
-            "max_tokens": 20,
-            "temperature": 0.5,
-            "seed": 5,
-            **body,
-        },
-    )
-    assert r.status_code == 202, r.text
-    job = r.json()
-    assert job["object"] == "job" and job["status"] in ("queued", "dispatched", "running")
-    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    body = {"prompt": "The three primary colors are", "max_tokens": 20, "temperature": 0.5, "seed": 5, **body}
+    job = submit_async(http, **body)
+    assert job["status"] in ("queued", "dispatched", "running")
     return job["id"]
 
 

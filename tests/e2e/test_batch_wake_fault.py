@@ -9,20 +9,17 @@ else (authentication, limits) passes. Nothing of Spool's is mocked."""
 from __future__ import annotations
 
 import io
-import json
 import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
-import httpx
 import openai
 import pytest
-from sqlalchemy import text
 
 from core.infra.redis_keys import BATCH_VALIDATE_WAKE
-from tests.conftest import MODEL, TEST_REDIS, free_port, wait_for
+from tests.conftest import MODEL, TEST_REDIS, wait_for
+from tests.helpers import api_replica, batch_file, close, pipe, tcp_proxy, tenant_rows
 
 
 @contextmanager
@@ -30,29 +27,8 @@ def redis_cut_on_wake(redis_url: str) -> Iterator[tuple[str, list[int]]]:
     """A TCP proxy to Redis that drops a connection (both ways, no reply) as soon as the client sends
     an LPUSH to the batch wake-up list on it. Yields (the proxied Redis URL, [connections cut])."""
     target = urlsplit(redis_url)
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
     cut = [0]
     wake = BATCH_VALIDATE_WAKE.encode()
-
-    def close(*socks: socket.socket) -> None:
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def upstream_to_client(up: socket.socket, client: socket.socket) -> None:
-        try:
-            while data := up.recv(65536):
-                client.sendall(data)
-        except OSError:
-            pass
-        finally:
-            close(up, client)
 
     def client_to_upstream(client: socket.socket, up: socket.socket) -> None:
         tail = b""
@@ -69,37 +45,14 @@ def redis_cut_on_wake(redis_url: str) -> Iterator[tuple[str, list[int]]]:
         finally:
             close(client, up)
 
-    def serve() -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection((target.hostname or "127.0.0.1", target.port or 6379))
-            threading.Thread(target=client_to_upstream, args=(client, up), daemon=True).start()
-            threading.Thread(target=upstream_to_client, args=(up, client), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"redis://127.0.0.1:{listener.getsockname()[1]}{target.path}", cut
-    finally:
-        listener.close()
+    with tcp_proxy(target.hostname or "127.0.0.1", target.port or 6379, lambda _n: (client_to_upstream, pipe)) as port:
+        yield f"redis://127.0.0.1:{port}{target.path}", cut
 
 
 @pytest.fixture(scope="module")
 def api_with_redis_cut_on_wake(stack) -> Iterator[tuple[str, list[int]]]:
     with redis_cut_on_wake(TEST_REDIS) as (url, cut):
-        port = free_port()
-        proc = stack.start("api-wakecut", "api", "--port", str(port), env={"SPOOL_REDIS_URL": url})
-        base = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(base + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, 60, "API replica behind the cutting proxy")
+        base, proc = api_replica(stack, "api-wakecut", SPOOL_REDIS_URL=url)
         try:
             yield base, cut
         finally:
@@ -108,19 +61,15 @@ def api_with_redis_cut_on_wake(stack) -> Iterator[tuple[str, list[int]]]:
 
 
 def _batches_of(db, tenant: str) -> list[str]:
-    with db.connect() as conn:
-        rows = conn.execute(
-            text("SELECT b.id FROM batches b JOIN tenants t ON t.id = b.tenant_id WHERE t.name = :n"), {"n": tenant}
-        )
-        return [r[0] for r in rows]
+    return [r["id"] for r in tenant_rows(db, tenant, "batches", "x.id")]
 
 
 def test_a_batch_stored_while_redis_is_away_for_its_wake_up_is_answered_once(stack, db, api_with_redis_cut_on_wake):
     base, cut = api_with_redis_cut_on_wake
     key = stack.new_tenant("wake-cut")
     direct = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=key, max_retries=0)
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "Hi"}}
-    f = direct.files.create(file=("w.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch")
+    line = batch_file("/v1/completions", {"a": {"model": MODEL, "prompt": "Hi"}})
+    f = direct.files.create(file=("w.jsonl", io.BytesIO(line)), purpose="batch")
 
     client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=2, timeout=60)
     try:

@@ -21,6 +21,7 @@ import redis as redis_lib
 import yaml
 
 from tests.conftest import ROOT, TEST_DB, TEST_REDIS, Stack, free_port, wait_for
+from tests.helpers import answers_health, env_example
 
 # A database and Redis db of its own: the rehearsal starts from empty ones, and must not wipe the
 # session's shared stack (it did: every later test on that stack then got 401s).
@@ -28,15 +29,6 @@ COMPOSE_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_compose"
 COMPOSE_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/7"
 
 SERVICES = ("migrate", "api", "dispatcher", "worker", "worker-gpu")
-
-
-def _env_example() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / ".env.example").read_text().splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
 
 
 def _registry_ids() -> list[str]:
@@ -116,7 +108,7 @@ def test_compose_services_serve_a_stream_for_the_gpu_and_the_cpu_model(tmp_path)
     from core.infra.dbadmin import drop_database
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    env_file = _env_example()
+    env_file = env_example()
     gpu_model = _interpolate(compose["worker-gpu"]["environment"]["SPOOL_WORKER_MODELS"], env_file)
     cpu_model = _interpolate(compose["worker"]["environment"]["SPOOL_WORKER_MODELS"], env_file)
     assert gpu_model == env_file["SPOOL_GPU_MODEL"] and gpu_model != cpu_model
@@ -147,13 +139,7 @@ def test_compose_services_serve_a_stream_for_the_gpu_and_the_cpu_model(tmp_path)
             wait_for(lambda n=name: "ready." in st.log(n) or st.procs[n].poll() is not None, 120, f"{name} ready")
             assert st.procs[name].poll() is None, st.log(name)[-3000:]
 
-        def healthy() -> bool:  # what compose's api healthcheck asks
-            try:
-                return httpx.get(st.base_url + "/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, 60, "api health")
+        wait_for(lambda: answers_health(st.base_url, timeout=5), 60, "api health")  # compose's api healthcheck
         # /ready wants a worker per registry entry: only the entries no compose worker serves lack one.
         others = [m for m in _registry_ids() if m not in (gpu_model, cpu_model)]
         want = sorted(f"no live worker for model '{m}'" for m in others)

@@ -8,9 +8,8 @@ import socket
 import time
 from typing import Any
 
-from sqlalchemy import text
-
 from tests.conftest import MODEL, wait_for
+from tests.helpers import tenant_rows
 
 
 def _raw_post(stack, key: str, body: dict, linger_s: float, until: Any = None) -> None:
@@ -29,17 +28,7 @@ def _raw_post(stack, key: str, body: dict, linger_s: float, until: Any = None) -
 
 
 def _jobs(db, tenant: str) -> list[dict]:
-    with db.connect() as conn:
-        return [
-            dict(r)
-            for r in conn.execute(
-                text(
-                    "SELECT j.id, j.state, j.usage FROM jobs j JOIN tenants t ON t.id = j.tenant_id "
-                    "WHERE t.name = :n ORDER BY j.created_at"
-                ),
-                {"n": tenant},
-            ).mappings()
-        ]
+    return tenant_rows(db, tenant, "jobs", "x.id, x.state, x.usage", "ORDER BY x.created_at")
 
 
 def test_a_stream_abandoned_before_its_first_byte_is_cancelled(stack, db):

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import io
-import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import openai
 import pytest
-from sqlalchemy import text
 
 from tests.conftest import MODEL
+from tests.helpers import Relay, pipe, tcp_proxy, tenant_rows
 from tests.sse import collect
 
 
 def _jobs_of(db, tenant: str) -> int:
-    with db.connect() as conn:
-        return conn.scalar(
-            text("SELECT count(*) FROM jobs j JOIN tenants t ON t.id = j.tenant_id WHERE t.name = :n"), {"n": tenant}
-        )
+    return len(tenant_rows(db, tenant, "jobs", "x.id"))
 
 
 def test_same_key_same_body_is_one_job_and_the_same_answer(stack, db):
@@ -80,44 +76,12 @@ def test_stream_retry_reattaches_to_the_same_job(stack, db):
 def dropping_proxy(port: int, drops: int) -> Iterator[str]:
     """A TCP proxy to the API that, on its first `drops` connections, forwards the request and then
     hangs up as soon as the answer starts: the server did the work, the client never hears of it."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    left = [drops]
 
-    def pipe(src: socket.socket, dst: socket.socket, drop: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if drop:
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def relays(n: int) -> tuple[Relay, Relay]:
+        return pipe, functools.partial(pipe, drop=n < drops)
 
-    def serve() -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", port))
-            drop = left[0] > 0
-            left[0] -= 1
-            threading.Thread(target=pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=pipe, args=(upstream, client, drop), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        listener.close()
+    with tcp_proxy("127.0.0.1", port, relays) as proxy_port:
+        yield f"http://127.0.0.1:{proxy_port}"
 
 
 @pytest.mark.parametrize("kind", ["completion", "stream", "file", "batch"])
@@ -144,9 +108,5 @@ def test_openai_client_whose_first_answer_is_lost_creates_exactly_one(stack, db,
                 input_file_id=f.id, endpoint="/v1/completions", completion_window="24h", extra_headers=h
             )
     table = {"completion": "jobs", "stream": "jobs", "file": "files", "batch": "batches"}[kind]
-    with db.connect() as conn:
-        n = conn.scalar(
-            text(f"SELECT count(*) FROM {table} x JOIN tenants t ON t.id = x.tenant_id WHERE t.name = :n"),
-            {"n": tenant},
-        )
+    n = len(tenant_rows(db, tenant, table, "x.id"))
     assert n == 1, f"{n} {table} for one logical request"

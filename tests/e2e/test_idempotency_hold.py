@@ -20,31 +20,17 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from tests.conftest import MODEL, free_port, wait_for
+from tests.conftest import MODEL, wait_for
+from tests.helpers import api_replica, tenant_rows
 
 BODY = {"model": MODEL, "prompt": "Say hi.", "max_tokens": 2, "temperature": 0}
 ASYNC = {"Prefer": "respond-async"}
 
 
-def _replica(stack, name: str, **env: str) -> tuple[str, object]:
-    port = free_port()
-    proc = stack.start(name, "api", "--port", str(port), env=env)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, 60, f"API replica {name}")
-    return url, proc
-
-
 @pytest.fixture(scope="module")
 def short_hold(stack) -> Iterator[tuple[str, object]]:
     """An API replica whose requests hold their keys for 2 s between renewals."""
-    url, proc = _replica(stack, "api-hold2", SPOOL_IDEMPOTENCY_LOCK_S="2")
+    url, proc = api_replica(stack, "api-hold2", SPOOL_IDEMPOTENCY_LOCK_S="2")
     yield url, proc
     proc.terminate()  # type: ignore[attr-defined]
 
@@ -63,11 +49,7 @@ def jobs_locked(db) -> Iterator[None]:
 
 
 def _jobs_of(db, tenant: str) -> list[str]:
-    with db.connect() as conn:
-        rows = conn.execute(
-            text("SELECT j.id FROM jobs j JOIN tenants t ON t.id = j.tenant_id WHERE t.name = :n"), {"n": tenant}
-        )
-        return [r[0] for r in rows]
+    return [r["id"] for r in tenant_rows(db, tenant, "jobs", "x.id")]
 
 
 def _key_taken(db, key: str) -> bool:
@@ -112,7 +94,7 @@ def test_simultaneous_takeovers_of_a_dead_requests_key_create_one_job(stack, db)
     key = stack.new_tenant(tenant)
     idem = str(uuid.uuid4())
     # The first request takes the key, then its API process dies before the job is stored.
-    url, doomed = _replica(stack, "api-doomed")
+    url, doomed = api_replica(stack, "api-doomed")
     with jobs_locked(db):
         _in_background(_post, url, key, idem, 30)
         wait_for(lambda: _key_taken(db, idem) and _insert_waiting(db), 30, "the first request to take its key")
@@ -171,7 +153,7 @@ def test_a_request_paused_past_its_hold_and_taken_over_creates_nothing(stack, db
     tenant = "idem-fenced"
     key = stack.new_tenant(tenant)
     idem = str(uuid.uuid4())
-    url, proc = _replica(stack, "api-paused", SPOOL_IDEMPOTENCY_LOCK_S="2")
+    url, proc = api_replica(stack, "api-paused", SPOOL_IDEMPOTENCY_LOCK_S="2")
     try:
         with jobs_locked(db):
             first, first_out = _in_background(_post, url, key, idem)

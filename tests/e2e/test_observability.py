@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import uuid
 
 import httpx
 
-from tests.conftest import MODEL, ROOT, SPOOL, free_port, wait_for
+from tests.conftest import MODEL, free_port, wait_for
+from tests.helpers import two_process_api
 
 
 def _json_lines(text: str) -> list[dict]:
@@ -107,21 +107,8 @@ def test_metrics_on_api_worker_and_dispatcher_have_sane_values(stack):
 
 
 def test_with_two_api_processes_the_counters_are_the_sum(stack):
-    port, metrics_port = free_port(), free_port()
-    log = open(stack.logdir / "api2.log", "ab")
-    env = {**stack.env, "SPOOL_API_PORT": str(port), "SPOOL_API_METRICS_PORT": str(metrics_port)}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    proc = subprocess.Popen([*SPOOL, "api", "--workers", "2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(base + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, 60, "api --workers 2")
+    metrics_port = free_port()
+    with two_process_api(stack, SPOOL_API_METRICS_PORT=str(metrics_port)) as base:
         headers = {"Authorization": f"Bearer {stack.keys['ops']}"}
         n = 12
         for i in range(n):  # new connections: both processes take some
@@ -137,9 +124,6 @@ def test_with_two_api_processes_the_counters_are_the_sum(stack):
         # The private metrics port (one of the two processes bound it) reports the same sum, no key needed.
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
         assert _metric(text, "spool_requests_admitted_total", tenant=tenant, model=MODEL) == n
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _tenant_id(stack, name: str) -> int:

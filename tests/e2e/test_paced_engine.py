@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import httpx
 import pytest
 
 from tests.conftest import MODEL, TEST_DB, running_stack
+from tests.helpers import two_process_api
 from tests.sse import collect
 from workers.engine.paced import PacedEngine
 
@@ -35,19 +37,21 @@ def expected_text(prompt: str, n: int, seed: int) -> str:
     return b"".join(eng.token_bytes(i) for i in ids).decode()
 
 
+def _streamed_text(client: httpx.Client, body: dict) -> str:
+    """The text of one streamed completion, read to its `[DONE]`."""
+    with client.stream("POST", "/v1/completions", json={"model": MODEL, "stream": True, **body}) as resp:
+        evs, done = collect(resp)
+    assert done
+    return "".join(e.json["choices"][0]["text"] for e in evs if e.json["choices"])
+
+
 def test_every_stream_is_the_paced_engines_text(paced_stack):
     jobs = [(f"Tell me about item {i}.", 24, i) for i in range(12)]
 
     def one(job):
         prompt, n, seed = job
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "seed": seed, "stream": True, "ignore_eos": True}
-        with (
-            paced_stack.http(paced_stack.keys["alpha"]) as http,
-            http.stream("POST", "/v1/completions", json=body) as resp,
-        ):
-            evs, done = collect(resp)
-        assert done
-        return "".join(e.json["choices"][0]["text"] for e in evs if e.json["choices"])
+        with paced_stack.http(paced_stack.keys["alpha"]) as http:
+            return _streamed_text(http, {"prompt": prompt, "max_tokens": n, "seed": seed, "ignore_eos": True})
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         got = list(pool.map(one, jobs))
@@ -57,48 +61,18 @@ def test_every_stream_is_the_paced_engines_text(paced_stack):
 def test_streams_through_two_api_processes_are_the_paced_engines_text(paced_stack):
     """`spool api --workers 2`: each process has its own shared reader (streams.Hub); streams on fresh
     connections land on both and every one is whole and exact."""
-    import subprocess
-
-    import httpx
-
-    from tests.conftest import ROOT, SPOOL, free_port, wait_for
-
-    port = free_port()
-    env = {**paced_stack.env, "SPOOL_API_PORT": str(port)}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    log = open(paced_stack.logdir / "api2.log", "ab")
-    proc = subprocess.Popen([*SPOOL, "api", "--workers", "2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(base + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, 60, "api --workers 2")
+    with two_process_api(paced_stack) as base:
         jobs = [(f"Two processes, item {i}.", 16, 100 + i) for i in range(8)]
         headers = {"Authorization": f"Bearer {paced_stack.keys['alpha']}"}
 
         def one(job):
             prompt, n, seed = job
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "seed": seed, "stream": True}
-            with (
-                httpx.Client(base_url=base, headers=headers, timeout=60) as c,
-                c.stream("POST", "/v1/completions", json=body) as resp,
-            ):
-                evs, done = collect(resp)
-            assert done
-            return "".join(e.json["choices"][0]["text"] for e in evs if e.json["choices"])
+            with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
+                return _streamed_text(c, {"prompt": prompt, "max_tokens": n, "seed": seed})
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             got = list(pool.map(one, jobs))
         assert got == [expected_text(p, n, s) for p, n, s in jobs]
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def test_the_gpu_front_table_in_one_command(paced_stack, tmp_path):

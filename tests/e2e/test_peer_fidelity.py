@@ -180,17 +180,21 @@ ONE_FIELD = {
 }
 
 
-def test_a_forced_call_has_only_the_declared_keys(stack):
-    client = stack.openai()
+def _forced_call(client: openai.OpenAI, content: str, tool: dict, max_tokens: int):
+    """The choice of a greedy chat completion of one user message that must call `tool`."""
     r = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "What's the weather like in Paris, in celsius, today and tomorrow?"}],
-        tools=[ONE_FIELD],
+        messages=[{"role": "user", "content": content}],
+        tools=[tool],
         tool_choice="required",
         temperature=0,
-        max_tokens=80,
+        max_tokens=max_tokens,
     )
-    c = r.choices[0]
+    return r.choices[0]
+
+
+def test_a_forced_call_has_only_the_declared_keys(stack):
+    c = _forced_call(stack.openai(), "What's the weather like in Paris, in celsius, today and tomorrow?", ONE_FIELD, 80)
     assert c.finish_reason == "tool_calls", c
     assert set(json.loads(c.message.tool_calls[0].function.arguments)) <= {"city"}
 
@@ -205,15 +209,8 @@ def test_strict_functions_need_a_strict_schema(stack):
     assert err.value.body["param"] == "tools" and "additionalProperties" in err.value.body["message"]
     params = {**loose["parameters"], "required": ["city"], "additionalProperties": False}
     ok = {"type": "function", "function": {**loose, "parameters": params}}
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather in Paris?"}],
-        tools=[ok],
-        tool_choice="required",
-        temperature=0,
-        max_tokens=60,
-    )
-    assert set(json.loads(r.choices[0].message.tool_calls[0].function.arguments)) == {"city"}
+    c = _forced_call(client, "Weather in Paris?", ok, 60)
+    assert set(json.loads(c.message.tool_calls[0].function.arguments)) == {"city"}
 
 
 # -- reproducibility ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from core.infra.orm import Tenant
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import transitions as jobs
 from tests.conftest import MODEL, TEST_REDIS, job_row, wait_for
+from tests.helpers import submit_async
 from tests.sse import collect
 
 
@@ -80,20 +81,9 @@ def test_killed_worker_job_is_requeued_and_finished_seamlessly(stack, db, rds):
     key = stack.keys["alpha"]
     n_tokens = 400
     with stack.http(key) as http:
-        r = http.post(
-            "/v1/completions",
-            headers={"Prefer": "respond-async"},
-            json={
-                "model": MODEL,
-                "prompt": "A long story about a lighthouse keeper:",
-                "max_tokens": n_tokens,
-                "temperature": 0.8,
-                "seed": 21,
-                "ignore_eos": True,
-            },
-        )
-        assert r.status_code == 202
-        job_id = r.json()["id"]
+        prompt = "A long story about a lighthouse keeper:"
+        job = submit_async(http, prompt=prompt, max_tokens=n_tokens, temperature=0.8, seed=21, ignore_eos=True)
+        job_id = job["id"]
 
         # A client following the stream across the crash.
         seen: dict = {}

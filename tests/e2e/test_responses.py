@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from tests.conftest import MODEL, job_row, wait_for
+from tests.helpers import batch_file
 
 SYSTEM = "You are a helpful assistant."
 WEATHER = {
@@ -460,23 +461,11 @@ def test_a_responses_batch_through_the_sdk_answers_response_objects(stack):
     from openai.types.responses import Response
 
     client = stack.openai()
-    lines = [
-        {
-            "custom_id": f"resp-{i}",
-            "method": "POST",
-            "url": "/v1/responses",
-            "body": {
-                "model": MODEL,
-                "instructions": SYSTEM,
-                "input": prompt,
-                "max_output_tokens": 8,
-                "temperature": 0,
-                "metadata": {"line": str(i)},
-            },
-        }
-        for i, prompt in enumerate(["Say hello.", "Name a colour."])
+    base = {"model": MODEL, "instructions": SYSTEM, "max_output_tokens": 8, "temperature": 0}
+    bodies = [
+        {**base, "input": p, "metadata": {"line": str(i)}} for i, p in enumerate(["Say hello.", "Name a colour."])
     ]
-    raw = ("\n".join(json.dumps(x) for x in lines) + "\n").encode()
+    raw = batch_file("/v1/responses", {f"resp-{i}": body for i, body in enumerate(bodies)})
     f = client.files.create(file=("responses.jsonl", io.BytesIO(raw)), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
     assert b.endpoint == "/v1/responses"
@@ -494,7 +483,7 @@ def test_a_responses_batch_through_the_sdk_answers_response_objects(stack):
         assert r.output_text and r.metadata == {"line": str(i)} and r.instructions == SYSTEM
         assert 0 < r.usage.output_tokens <= 8
         # The same as one sent alone, greedy: the batch line ran the same request.
-        alone = client.responses.create(**lines[i]["body"])
+        alone = client.responses.create(**bodies[i])
         assert r.output_text == alone.output_text
         # A line's response is stored as any response is.
         assert client.responses.retrieve(r.id).output_text == r.output_text

@@ -54,6 +54,23 @@ def _text(evs) -> str:
     return "".join(c["text"] for e in evs for c in e.json.get("choices", []))
 
 
+def _resumed_after_each_id(http, sdk, job_id: str, live, whole: str, where: str) -> list[list]:
+    """Resume after each id of the live stream, raw and through the SDK: each time, what came is the
+    rest of `whole`, and after the last id only `[DONE]`. What came after each id but the last."""
+    rests = []
+    for k, (last_id, _) in enumerate(live):
+        before = "".join(t for _, t in live[: k + 1])
+        rest, done = _resume_raw(http, job_id, last_id)
+        assert done
+        assert before + _text(rest) == whole, f"resumed after {last_id} ({where})"
+        assert before + _resume_sdk(sdk, job_id, last_id) == whole, f"SDK resumed after {last_id} ({where})"
+        if k == len(live) - 1:
+            assert rest == [], f"after the last id only [DONE], got {[e.data for e in rest]}"
+        else:
+            rests.append(rest)
+    return rests
+
+
 def test_a_resume_after_any_id_neither_repeats_nor_skips_from_the_stream_or_the_row(stack, db, rds):
     sdk = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.keys["alpha"], max_retries=0)
     with stack.http(stack.keys["alpha"]) as http:
@@ -65,31 +82,15 @@ def test_a_resume_after_any_id_neither_repeats_nor_skips_from_the_stream_or_the_
 
         # The stream is there: an ended job's is kept only minutes (SPOOL_ENDED_EVENTS_TTL_S).
         assert 0 < rds.ttl(streams.stream_key(job_id)) <= 300
-        for k, last_id in enumerate(ids):
-            before = "".join(t for _, t in live[: k + 1])
-            rest, done = _resume_raw(http, job_id, last_id)
-            assert done
-            assert before + _text(rest) == whole, f"resumed after {last_id} (stream)"
-            assert before + _resume_sdk(sdk, job_id, last_id) == whole, f"SDK resumed after {last_id} (stream)"
-            if k == len(ids) - 1:
-                assert rest == [], f"after the last id only [DONE], got {[e.data for e in rest]}"
-            else:
-                assert rest[-1].json["usage"]["completion_tokens"] == 40  # the ending once, at the end
+        for rest in _resumed_after_each_id(http, sdk, job_id, live, whole, "stream"):
+            assert rest[-1].json["usage"]["completion_tokens"] == 40  # the ending once, at the end
 
         # The stream expires; the row answers, and every id the stream gave still places the resume.
         rds.delete(streams.stream_key(job_id))
         row_ids: list[str] = []
-        for k, last_id in enumerate(ids):
-            before = "".join(t for _, t in live[: k + 1])
-            rest, done = _resume_raw(http, job_id, last_id)
-            assert done
-            assert before + _text(rest) == whole, f"resumed after {last_id} (row)"
-            assert before + _resume_sdk(sdk, job_id, last_id) == whole, f"SDK resumed after {last_id} (row)"
-            if k == len(ids) - 1:
-                assert rest == [], f"after the last id only [DONE], got {[e.data for e in rest]}"
-            else:
-                assert all(int(e.id.split("-")[0]) >= ROW_MS for e in rest)  # the row's answer has ids too
-                row_ids = [e.id for e in rest]
+        for rest in _resumed_after_each_id(http, sdk, job_id, live, whole, "row"):
+            assert all(int(e.id.split("-")[0]) >= ROW_MS for e in rest)  # the row's answer has ids too
+            row_ids = [e.id for e in rest]
 
         # ...and so does every id the row's own answer gave.
         rest, done = _resume_raw(http, job_id, "0-0")

@@ -8,7 +8,8 @@ import contextlib
 import httpx
 import pytest
 
-from tests.conftest import MODEL, free_port, wait_for
+from tests.conftest import MODEL, wait_for
+from tests.helpers import api_replica, submit_async
 
 CHAT_DONE = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\nOK."  # greedy: ends right away
 
@@ -17,19 +18,14 @@ def _post(http: httpx.Client, **body) -> httpx.Response:
     return http.post("/v1/completions", json={"model": MODEL, "prompt": CHAT_DONE, "temperature": 0, **body})
 
 
+def _long_story(http: httpx.Client) -> str:
+    """The id of an async job of 400 tokens, which holds its reservation while it runs."""
+    return submit_async(http, prompt="Tell me a long story.", max_tokens=400, ignore_eos=True)["id"]
+
+
 @pytest.fixture(scope="module")
 def replica2(stack):
-    port = free_port()
-    proc = stack.start("api2", "api", "--port", str(port))
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, 60, "second API replica")
+    url, proc = api_replica(stack, "api2")
     yield url
     proc.terminate()
 
@@ -74,13 +70,7 @@ def test_tpm_reservation_is_settled_to_real_usage(stack):
 def test_cancelled_and_failed_jobs_release_their_reservation(stack, db):
     key = stack.new_tenant("tpm500", tpm=500)
     with stack.http(key) as http:
-        r = http.post(
-            "/v1/completions",
-            headers={"Prefer": "respond-async"},
-            json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True},
-        )
-        assert r.status_code == 202
-        job_id = r.json()["id"]
+        job_id = _long_story(http)
         assert _post(http, max_tokens=400).status_code == 429  # the running job holds the tokens
         assert http.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
         ok = _post(http, max_tokens=400)
@@ -233,12 +223,7 @@ def test_a_job_whose_worker_keeps_dying_releases_its_reservation(stack, db):
 
     key = stack.new_tenant("tpm450", tpm=450)
     with stack.http(key) as http:
-        r = http.post(
-            "/v1/completions",
-            headers={"Prefer": "respond-async"},
-            json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True},
-        )
-        job_id = r.json()["id"]
+        job_id = _long_story(http)
         wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "running", 30, "running")
         assert _post(http, max_tokens=400).status_code == 429
         # Make this the last allowed attempt: the worker's lease renewal (attempt-fenced) now fails,

@@ -5,9 +5,8 @@ it. SmolLM2's vocabulary is byte-level: token 190 is the single byte 0x00."""
 
 from __future__ import annotations
 
-from sqlalchemy import text
-
 from tests.conftest import MODEL, wait_for
+from tests.helpers import tenant_rows
 from tests.sse import collect
 
 NUL_TOKEN = 190
@@ -36,16 +35,9 @@ def _polled(http, job_id: str) -> dict:
 
 
 def _usage_row(db, tenant: str) -> tuple[int, int, int, int]:
-    with db.connect() as conn:
-        return tuple(
-            conn.execute(
-                text(
-                    "SELECT sum(requests), sum(failed), sum(prompt_tokens), sum(completion_tokens) FROM usage_daily u "
-                    "JOIN tenants t ON t.id = u.tenant_id WHERE t.name = :n"
-                ),
-                {"n": tenant},
-            ).one()
-        )
+    sums = ", ".join(f"sum(x.{c}) AS {c}" for c in ("requests", "failed", "prompt_tokens", "completion_tokens"))
+    (row,) = tenant_rows(db, tenant, "usage_daily", sums)
+    return tuple(row.values())
 
 
 def test_an_echoed_nul_is_stored_exactly_and_the_job_succeeds(stack, db):

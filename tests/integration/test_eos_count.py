@@ -4,7 +4,7 @@ and Redis, in-process runner; the engine is the null engine made to end with an 
 
 from __future__ import annotations
 
-import time
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +14,7 @@ from core.infra.orm import Job
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
 from ops import factories
-from workers.engine.base import PromptEvent, TokenEvent
+from workers.engine.base import PromptEvent, SeqSpec, TokenEvent
 from workers.engine.loop import EngineLoop
 from workers.engine.null import NullEngine
 from workers.runner import JobRunner
@@ -24,18 +24,19 @@ EOS = 2
 
 
 class EndingEngine(NullEngine):
-    """Two words, then the end-of-sequence token (no text, as llama.cpp's engine reports it)."""
+    """The null engine's first two words, then the end-of-sequence token (no text, as llama.cpp's
+    engine reports it)."""
+
+    def add(self, spec: SeqSpec) -> None:
+        super().add(replace(spec, max_new_tokens=2))
 
     def step(self) -> list[TokenEvent | PromptEvent]:
-        now = time.monotonic()
         out: list[TokenEvent | PromptEvent] = []
-        for key, spec in list(self._live.items()):
-            del self._live[key]
-            out.append(PromptEvent(key, 0, None))
-            lp = -0.5 if spec.params.needs_token_logprobs else None
-            for tok in self._words[:2]:
-                out.append(TokenEvent(key, tok, lp, None, [] if lp is not None else None, now))
-            out.append(TokenEvent(key, None, lp, "stop", [] if lp is not None else None, now, eos_id=EOS))
+        for ev in super().step():
+            if isinstance(ev, TokenEvent) and ev.finish_reason == "length":  # the second word: the end follows
+                out += [replace(ev, finish_reason=None), replace(ev, token_id=None, finish_reason="stop", eos_id=EOS)]
+            else:
+                out.append(ev)
         return out
 
 

@@ -17,6 +17,7 @@ from api import bodies
 from api.bodies import _original_label, openapi_body, parse, ticking
 from api.routes.tokens import DetokenizeRequest, TokenizeRequest
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from tests.helpers import threads_of
 
 P, C = CompletionRequest, ChatCompletionRequest
 CASES: list[tuple[type[BaseModel], object]] = [
@@ -105,14 +106,7 @@ def test_openapi_body_is_the_models_schema_without_refs():
 
 def _body_via_dependency(model, raw: bytes, monkeypatch) -> tuple[object, list[int]]:
     """`json_body(model)` run on `raw`; returns its answer (or the exception) and the threads that parsed it."""
-    seen: list[int] = []
-    real = bodies._parse
-
-    def spy(*args):
-        seen.append(threading.get_ident())
-        return real(*args)
-
-    monkeypatch.setattr(bodies, "_parse", spy)
+    seen = threads_of(monkeypatch, bodies, "_parse")
 
     class FakeRequest:
         headers = {"content-type": "application/json"}

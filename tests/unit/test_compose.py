@@ -10,6 +10,7 @@ import yaml
 
 from core.config import Settings
 from core.registry import ENGINES
+from tests.helpers import env_example
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -62,15 +63,6 @@ COMPOSE_VARS |= {"SPOOL_GPU_WORKER_CONCURRENCY"}
 CLI_VARS = {"SPOOL_URL", "SPOOL_API_KEY", "SPOOL_KEY", "SPOOL_EXTRAS", "SPOOL_SKIP_EVAL", "SPOOL_WHEEL_CACHE"}
 
 
-def _env_example() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / ".env.example").read_text().splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
-
-
 def test_every_spool_variable_compose_passes_is_a_setting():
     for name, svc in S.items():
         for var in svc.get("environment", {}) or {}:
@@ -81,7 +73,7 @@ def test_every_spool_variable_compose_passes_is_a_setting():
 def test_every_variable_compose_interpolates_is_documented_in_env_example_or_a_setting():
     text = (ROOT / "docker-compose.yml").read_text()
     used = set(re.findall(r"\$\{(SPOOL_[A-Z0-9_]+)", text))
-    env = _env_example()
+    env = env_example()
     for var in used:
         assert var in COMPOSE_VARS | SETTINGS, f"compose interpolates {var}, which nothing documents"
         assert var in env or var in SETTINGS or f"{var}=" in (ROOT / "docs/gpu.md").read_text(), var
@@ -103,7 +95,7 @@ def test_docs_name_only_settings_that_exist():
 def test_the_gpu_default_is_an_entry_an_engine_serves():
     registry = tomllib.loads((ROOT / "ops/models.example.toml").read_text())["models"]
     by_id = {m["id"]: m for m in registry}
-    gpu_default = _env_example()["SPOOL_GPU_MODEL"]
+    gpu_default = env_example()["SPOOL_GPU_MODEL"]
     compose_default = re.search(r"\$\{SPOOL_GPU_MODEL:-([^}]+)\}", (ROOT / "docker-compose.yml").read_text())
     assert compose_default and compose_default.group(1) == gpu_default
     entry = by_id[gpu_default]
@@ -120,7 +112,7 @@ def test_the_gpu_default_is_an_entry_an_engine_serves():
 
 def test_the_cpu_default_is_the_bundled_model():
     assert S["worker"]["environment"]["SPOOL_WORKER_MODELS"] == "${SPOOL_CPU_MODELS:-smollm2-135m-instruct}"
-    assert _env_example()["SPOOL_CPU_MODELS"] == "smollm2-135m-instruct"
+    assert env_example()["SPOOL_CPU_MODELS"] == "smollm2-135m-instruct"
 
 
 def test_redis_is_bounded_and_never_evicts():
@@ -132,7 +124,7 @@ def test_redis_is_bounded_and_never_evicts():
     assert flags["--maxmemory-policy"] == "noeviction"
     bound = re.fullmatch(r"\$\{REDIS_MAXMEMORY:-(\d+)(gb|mb)\}", flags["--maxmemory"])
     assert bound, flags["--maxmemory"]  # a default, overridable from the environment (.env)
-    assert _env_example()["REDIS_MAXMEMORY"] == bound.group(1) + bound.group(2)
+    assert env_example()["REDIS_MAXMEMORY"] == bound.group(1) + bound.group(2)
     assert flags["--appendonly"] == "yes"
     local = (ROOT / "ops/services.sh").read_text()  # the development Redis ops/services.sh starts: the same
     assert "--maxmemory-policy noeviction" in local and "--maxmemory" in local

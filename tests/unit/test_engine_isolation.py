@@ -8,7 +8,8 @@ from __future__ import annotations
 import queue
 
 from ops.factories import params
-from workers.engine.base import SeqSpec, SequenceError, TokenEvent
+from tests.helpers import drain
+from workers.engine.base import SeqSpec, SequenceError
 from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine
 
@@ -34,19 +35,6 @@ class Faulty(PacedEngine):
 
 def spec(key: str) -> SeqSpec:
     return SeqSpec(key, [1, 2, 3, 4], TOKENS, params(), 7)
-
-
-def drain(q: queue.SimpleQueue, keys: set[str]) -> dict[str, list[TokenEvent]]:
-    """Every TokenEvent of `keys` until each has ended."""
-    got: dict[str, list[TokenEvent]] = {k: [] for k in keys}
-    open_ = set(keys)
-    while open_:
-        ev = q.get(timeout=30)
-        if isinstance(ev, TokenEvent):
-            got[ev.key].append(ev)
-            if ev.ended:
-                open_.discard(ev.key)
-    return got
 
 
 def test_one_sequences_error_fails_it_alone():

@@ -10,7 +10,8 @@ import queue
 import time
 
 from ops.factories import params
-from workers.engine.base import SeqSpec, TokenEvent
+from tests.helpers import drain
+from workers.engine.base import SeqSpec
 from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine
 
@@ -49,19 +50,6 @@ class Losing(PacedEngine):
 
 def spec(key: str, n: int = 10, prompt=(1, 2, 3, 4)) -> SeqSpec:
     return SeqSpec(key, list(prompt), n, params(), 7)
-
-
-def drain(q: queue.SimpleQueue, keys: set, timeout: float = 30) -> dict:
-    got: dict = {k: [] for k in keys}
-    open_ = set(keys)
-    deadline = time.monotonic() + timeout
-    while open_:
-        ev = q.get(timeout=max(deadline - time.monotonic(), 0.01))
-        if isinstance(ev, TokenEvent):
-            got[ev.key].append(ev)
-            if ev.ended:
-                open_.discard(ev.key)
-    return got
 
 
 def test_a_sequence_that_never_advances_fails_with_an_error_the_client_sees():

@@ -57,22 +57,24 @@ def _parse(source: str) -> ast.Module:
     return ast.parse(source)
 
 
-def key_literals(source: str) -> list[tuple[int, str]]:
-    """(line, text) of every string, or f-string's leading text, that names a Redis key."""
+def _texts(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every string constant, and of every f-string's leading text."""
     tree = _parse(source)
     parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
-    found = []
+    out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr) and node.values:
             first = node.values[0]
-            text = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                out.append((node.lineno, first.value))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts:
-            text = node.value
-        else:
-            continue
-        if _KEY.match(text):
-            found.append((node.lineno, text))
-    return sorted(found)
+            out.append((node.lineno, node.value))
+    return out
+
+
+def key_literals(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every string, or f-string's leading text, that names a Redis key."""
+    return sorted((line, text) for line, text in _texts(source) if _KEY.match(text))
 
 
 def _fields(node: ast.AST) -> tuple[dict[str, ast.expr], bool] | None:
@@ -177,21 +179,6 @@ def test_every_namespace_is_named_in_its_home():
 
 CELERY_HOME = "core/infra/broker.py"
 CELERY_IMPORTERS = ("core/infra/", "workers/tasks.py")  # the app and its adapters; the task bodies
-
-
-def _texts(source: str) -> list[tuple[int, str]]:
-    """(line, text) of every string constant, and of every f-string's leading text."""
-    tree = _parse(source)
-    parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.JoinedStr) and node.values:
-            first = node.values[0]
-            if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                out.append((node.lineno, first.value))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts:
-            out.append((node.lineno, node.value))
-    return out
 
 
 def celery_names() -> set[str]:

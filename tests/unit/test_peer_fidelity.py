@@ -10,17 +10,14 @@ import math
 import pytest
 from llguidance import LLMatcher
 
-from core.config import Settings
 from core.errors import DomainError
 from core.generation import chat_template, constraints
 from core.generation.params import GenerationParams
 from core.infra.tokenizers import tokenizer_for
-from core.protocol.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from core.protocol.translate import LOGIT_BIAS_TEXT_BYTES, chat_to_generation, to_generation
+from core.protocol.schemas import ChatMessage
+from core.protocol.translate import LOGIT_BIAS_TEXT_BYTES
+from tests.unit.test_translate import MODEL, chat, translate
 from workers.engine.llamacpp import sampler_plan
-
-MODEL = "smollm2-135m-instruct"
-SETTINGS = Settings(n_ctx=1024)
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +26,7 @@ def tok():
 
 
 def _completion(tok, **kw):
-    return to_generation(CompletionRequest.model_validate({"model": MODEL, "prompt": "p", **kw}), SETTINGS, tok)[0]
-
-
-def _chat(tok, **kw):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], **kw}
-    req = ChatCompletionRequest.model_validate(body)
-    return chat_to_generation(req, SETTINGS, tok, tok.chat_template())
+    return translate(tok, **kw)[0]
 
 
 # -- chat text parts ------------------------------------------------------------------------------
@@ -51,7 +42,7 @@ def test_text_parts_count_as_the_newline_joined_string(tok):
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the best book"}]
     joined = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is\nthe best book"}]
     as_parts = [joined[0], {"role": "user", "content": parts}]
-    ids = [_chat(tok, messages=m)[1][0].ids for m in (as_parts, joined)]
+    ids = [chat(tok, messages=m)[1][0].ids for m in (as_parts, joined)]
     assert ids[0] == ids[1]
 
 
@@ -85,7 +76,7 @@ def test_a_ban_survives_the_job_row_and_reaches_the_sampler(tok):
 
 
 def test_chat_takes_the_same_forms(tok):
-    params = _chat(tok, logit_bias={" Paris": False})[0]
+    params = chat(tok, logit_bias={" Paris": False})[0]
     assert params.logit_bias == dict.fromkeys(tok.encode(" Paris", add_special=False), -math.inf)
 
 
@@ -177,7 +168,7 @@ def test_closing_leaves_the_clients_schema_and_allof_parts_alone():
 def test_a_function_without_parameters_takes_none(tok, ll):
     """OpenAI: omitting `parameters` defines a function with an empty parameter list."""
     tools = [{"type": "function", "function": {"name": "f"}}]
-    grammar = _chat(tok, tools=tools, tool_choice="required")[0].grammar
+    grammar = chat(tok, tools=tools, tool_choice="required")[0].grammar
     for args, ok in (({}, True), ({"x": 1}, False)):
         m = LLMatcher(ll, grammar, log_level=0)
         ids = tok.encode(_call(args), add_special=False)
@@ -211,7 +202,7 @@ def _strict_tool(parameters) -> list[dict]:
 def test_strict_functions_must_have_a_strict_schema(tok, parameters, why):
     for choice in ("auto", "required"):
         with pytest.raises(DomainError) as err:
-            _chat(tok, tools=_strict_tool(parameters), tool_choice=choice)
+            chat(tok, tools=_strict_tool(parameters), tool_choice=choice)
         assert err.value.param == "tools" and why in err.value.message, err.value.message
 
 
@@ -231,10 +222,10 @@ def test_a_valid_strict_schema_is_accepted(tok):
         },
     }
     for parameters in (STRICT_OK, defs):
-        assert _chat(tok, tools=_strict_tool(parameters), tool_choice="required")[0].grammar
+        assert chat(tok, tools=_strict_tool(parameters), tool_choice="required")[0].grammar
     # Not strict: a loose schema is still accepted (and closed for the grammar).
     loose = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    assert _chat(tok, tools=loose, tool_choice="required")[0].grammar
+    assert chat(tok, tools=loose, tool_choice="required")[0].grammar
 
 
 # -- docs ------------------------------------------------------------------------------------------

@@ -3,8 +3,6 @@ numbered stream events), pure: no services."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,9 +12,9 @@ from core.generation.events import Cancelled, Delta, Done, ErrorInfo, Failed, Us
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponsesRequest
+from tests.helpers import T0, response_job
 
 MODEL = "smollm2-135m-instruct"
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 def _req(**body: Any) -> ResponsesRequest:
@@ -34,23 +32,14 @@ def _refused(**body: Any) -> DomainError:
 
 
 def _job(state: str = "succeeded", text: str = "Hello there.", finish: str = "stop", tools: bool = False, **meta):
-    req = _req(input="Hi", **meta)
-    chat: dict[str, Any] = {"tools": tools, "top_logprobs": None, "response": wire.meta(req)}
-    return SimpleNamespace(
-        id="cmpl-0123456789abcdef01234567",
-        model=MODEL,
-        state=state,
-        attempt=1,
-        params={},
-        chat=chat,
-        result={"choices": [{"index": 0, "text": text, "finish_reason": finish}]} if state == "succeeded" else None,
-        usage={"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
-        if state == "succeeded"
-        else None,
+    done = state == "succeeded"
+    return response_job(
+        state,
+        {"choices": [{"index": 0, "text": text, "finish_reason": finish}]} if done else None,
+        {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}} if done else None,
         error={"message": "boom", "type": "server_error", "code": "engine_error"} if state == "failed" else None,
-        created_at=T0,
-        started_at=T0,
-        finished_at=T0,
+        tools=tools,
+        **meta,
     )
 
 

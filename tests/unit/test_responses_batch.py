@@ -6,7 +6,6 @@ the row, core/jobs/lifecycle.py)."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,10 +17,9 @@ from core.generation.events import Delta
 from core.infra.orm import Batch
 from core.jobs.lifecycle import partial_result
 from core.protocol import render
-from core.protocol import responses as wire
+from tests.helpers import response_job
 
 MODEL = "smollm2-135m-instruct"
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
 ENDPOINT = "/v1/responses"
 
 
@@ -87,26 +85,8 @@ def test_a_line_with_another_endpoints_url_is_refused():
     assert caught.value.entry["code"] == "mismatched_url"
 
 
-def _job(state: str, result: dict[str, Any] | None, usage: dict[str, Any] | None) -> Any:
-    req = wire.ResponsesRequest.model_validate({"model": MODEL, "input": "Hi"})
-    return SimpleNamespace(
-        id="cmpl-0123456789abcdef01234567",
-        model=MODEL,
-        state=state,
-        attempt=1,
-        params={},
-        chat={"tools": False, "top_logprobs": None, "response": wire.meta(req)},
-        result=result,
-        usage=usage,
-        error=None,
-        created_at=T0,
-        started_at=T0,
-        finished_at=T0,
-    )
-
-
 def test_a_responses_batch_output_body_is_the_response_object_and_a_chat_ones_is_not():
-    done = _job(
+    done = response_job(
         "succeeded",
         {"choices": [{"index": 0, "text": "Hello.", "finish_reason": "stop"}]},
         {"prompt_tokens": 9, "completion_tokens": 2},
@@ -139,12 +119,12 @@ def test_a_cancelled_jobs_partial_result_is_the_text_its_stream_carried():
 
 def test_a_cancelled_response_shows_what_it_generated_and_its_usage():
     partial = partial_result([Delta(choice=0, text="Once upon", token_ids=[1, 2])])
-    r = render.response_of(_job("cancelled", partial, {"prompt_tokens": 12, "completion_tokens": 2}))
+    r = render.response_of(response_job("cancelled", partial, {"prompt_tokens": 12, "completion_tokens": 2}))
     assert r["status"] == "cancelled" and r["completed_at"] is None and r["error"] is None
     assert [(o["type"], o["status"], o["content"][0]["text"]) for o in r["output"]] == [
         ("message", "incomplete", "Once upon")
     ]
     assert r["usage"]["input_tokens"] == 12 and r["usage"]["output_tokens"] == 2 and r["usage"]["total_tokens"] == 14
     # Cancelled before it generated anything (or while Redis was away): no output, usage as billed.
-    bare = render.response_of(_job("cancelled", None, {"prompt_tokens": 0, "completion_tokens": 0}))
+    bare = render.response_of(response_job("cancelled", None, {"prompt_tokens": 0, "completion_tokens": 0}))
     assert bare["output"] == [] and bare["usage"]["output_tokens"] == 0

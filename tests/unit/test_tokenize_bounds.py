@@ -13,6 +13,7 @@ from api import bodies
 from api.errors import APIError
 from api.routes.tokens import MAX_PIECES, DetokenizeRequest, TokenizeRequest, detokenized, tokenized
 from core.infra.tokenizers import tokenizer_for
+from tests.helpers import threads_of
 
 MODEL = "smollm2-135m-instruct"
 
@@ -77,14 +78,7 @@ def test_encode_gives_what_json_loads_reads_back(value):
 
 
 def test_json_response_builds_and_encodes_on_a_thread(monkeypatch):
-    seen: list[int] = []
-    real = bodies.encode
-
-    def spy(value):
-        seen.append(threading.get_ident())
-        return real(value)
-
-    monkeypatch.setattr(bodies, "encode", spy)
+    seen = threads_of(monkeypatch, bodies, "encode")
 
     async def main():
         return await bodies.json_response(lambda n: {"tokens": list(range(n))}, 3), threading.get_ident()
