@@ -37,6 +37,11 @@ WEATHER = {
 }
 
 
+def _asked(question: str) -> list[dict]:
+    """The OpenAI quick start's conversation: a system prompt, then the question."""
+    return [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
+
+
 def _chat(stack, tenant: str = "alpha", **body) -> httpx.Response:
     with stack.http(stack.keys[tenant]) as http:
         return http.post("/v1/chat/completions", json={"model": MODEL, **body})
@@ -48,10 +53,7 @@ def test_the_openai_client_gets_a_sensible_answer(stack):
         model=MODEL,
         # The OpenAI quick start's shape. (Without a system message SmolLM2's template adds its own,
         # and this 135M model then rambles in French: checked with llama-cpp-python's own chat too.)
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France?"},
-        ],
+        messages=_asked("What is the capital of France?"),
         temperature=0,
         max_tokens=40,
     )
@@ -247,10 +249,7 @@ def test_the_sdks_own_helpers_parse_and_stream(stack):
     client = stack.openai()
     parsed = client.chat.completions.parse(
         model=MODEL,
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "Give me a city as JSON."},
-        ],
+        messages=_asked("Give me a city as JSON."),
         response_format=City,
         temperature=0,
         max_tokens=100,
@@ -258,10 +257,7 @@ def test_the_sdks_own_helpers_parse_and_stream(stack):
     assert isinstance(parsed.choices[0].message.parsed, City)
     with client.chat.completions.stream(
         model=MODEL,
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France?"},
-        ],
+        messages=_asked("What is the capital of France?"),
         temperature=0,
         max_tokens=60,
     ) as stream:
