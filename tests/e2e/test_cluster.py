@@ -17,19 +17,14 @@ import pytest
 
 from ops import cluster
 
-pytestmark = [
-    # wallclock: scripted in seconds (a 20 s partition, a host down 8 s, the load between faults),
-    # so ops/test.sh runs it beside the CPU-bound lanes.
-    pytest.mark.wallclock,
-    pytest.mark.skipif(
-        os.geteuid() != 0
-        or shutil.which("ip") is None
-        or shutil.which("haproxy") is None
-        or shutil.which("redis-server") is None
-        or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")),
-        reason="needs root, iproute2, HAProxy (ops/test-tools.sh), redis-server and PostgreSQL's server binaries",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0
+    or shutil.which("ip") is None
+    or shutil.which("haproxy") is None
+    or shutil.which("redis-server") is None
+    or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")),
+    reason="needs root, iproute2, HAProxy (ops/test-tools.sh), redis-server and PostgreSQL's server binaries",
+)
 
 
 def test_a_partition_and_an_api_host_death_lose_nothing(tmp_path):

@@ -109,39 +109,75 @@ def test_prompt_prefixes_are_reused_only_within_a_tenant(engine):
     assert _cached(engine, ("p", 3), system + "Hey", "tenant-a") > 10
 
 
-def _choices(engine, tag: str, prompt: list[int], n: int, cache: bool, scope) -> tuple[list[list[int]], dict]:
-    """`n` sampled choices of one prompt, added at once (a request's `n`): their tokens, and the
-    cached-prefix length each one's prompt event reported."""
-    p = GenerationParams(max_tokens=12, temperature=0.9, ignore_eos=True, cache_prompt=cache)
-    for c in range(n):
-        engine.add(SeqSpec((tag, c), list(prompt), 12, p, 40 + c, interactive=True, cache_scope=scope))
+def _fresh(engine) -> None:
+    """No slot keeps anything: the next sequences find their prefixes only where this test puts them."""
+    for slot in engine._lane.slot_tokens:
+        engine._lane.slot_tokens[slot] = []
+
+
+def _seq(key, prompt: list[int], n: int, seed: int, scope) -> SeqSpec:
+    p = GenerationParams(max_tokens=n, temperature=0.9, ignore_eos=True)
+    return SeqSpec(key, list(prompt), n, p, seed, interactive=True, cache_scope=scope)
+
+
+def _drain(engine, until=None) -> tuple[dict, dict]:
+    """Step until no work is left (or `until()` holds): tokens and reported cached prefix, per key."""
     tokens: dict = defaultdict(list)
     cached: dict = {}
-    while engine.has_work():
+    while engine.has_work() and not (until and until(tokens)):
         for ev in engine.step():
             if isinstance(ev, PromptEvent):
-                cached[ev.key[1]] = ev.cached
+                cached[ev.key] = ev.cached
             elif ev.token_id is not None:
-                tokens[ev.key[1]].append(ev.token_id)
-    return [tokens[c] for c in range(n)], cached
+                tokens[ev.key].append(ev.token_id)
+    return tokens, cached
 
 
-def test_the_choices_of_one_prompt_prefill_it_once_and_sample_as_if_each_had(engine):
-    """n choices of one prompt: the first prefills it, the others wait a step and copy its KV
-    stream (llama.cpp's cross-stream copy) instead of prefilling it beside it; every choice samples
-    exactly the tokens it samples when each prefills its own. Another tenant copies nothing."""
-    prompt = engine.tokenize("A long shared instruction that every choice of the request starts from. " * 6)
-    apart, _ = _choices(engine, "apart", prompt, 4, cache=False, scope="t1")
-    for slot in engine._lane.slot_tokens:  # no slot keeps this prompt: only a copy can serve it
-        engine._lane.slot_tokens[slot] = []
+SHARED = "A long shared instruction that every choice of the request starts from. " * 6
+
+
+def test_the_choices_of_one_prompt_prefill_it_once(engine):
+    """n choices of one prompt: the first prefills it; the others wait that step and copy its KV
+    stream (llama.cpp's cross-stream copy) instead of prefilling it beside it. Another tenant's
+    sequence copies nothing, and neither does one sent with `cache_prompt: false`."""
+    prompt = engine.tokenize(SHARED)
+    _fresh(engine)
     before = engine._lane.copies
-    shared, cached = _choices(engine, "shared", prompt, 4, cache=True, scope="t1")
-    assert shared == apart
-    assert engine._lane.copies > before  # the module's engine has 2 slots: choice 1 copied choice 0's
-    assert cached[0] == 0 and cached[1] == len(prompt) - 1, cached
+    for c in range(3):
+        engine.add(_seq(("n", c), prompt, 6, 40 + c, "t1"))
+    _, cached = _drain(engine)
+    # The module's engine has 2 slots: choice 1 copied choice 0's prompt; choice 2 found it in the
+    # slot choice 0 left.
+    assert cached[("n", 0)] == 0 and cached[("n", 1)] == len(prompt) - 1 == cached[("n", 2)], cached
+    assert engine._lane.copies == before + 1
+    engine.add(_seq(("other", 0), prompt, 6, 1, "t2"))
+    cold = GenerationParams(max_tokens=6, temperature=0.9, ignore_eos=True, cache_prompt=False)
+    engine.add(SeqSpec(("cold", 0), list(prompt), 6, cold, 1, interactive=True, cache_scope="t1"))
+    _, cached = _drain(engine)
+    assert cached[("other", 0)] == 0 and cached[("cold", 0)] == 0
+    assert engine._lane.copies == before + 1
+
+
+def test_a_copied_prefix_is_the_one_its_slot_held(engine):
+    """The copy is exact: a sequence that continues from a prefix copied out of another slot samples
+    the very tokens it samples continuing from the same prefix cached in its own slot."""
+    prompt = engine.tokenize(SHARED)
+    _fresh(engine)
+    # A live sequence holds the prompt; the next one takes the other slot and copies it from there.
+    engine.add(_seq(("holder", 0), prompt, 30, 5, "t1"))
+    _drain(engine, until=lambda tokens: tokens.get(("holder", 0)))
     copies = engine._lane.copies
-    _, other = _choices(engine, "other", prompt, 1, cache=True, scope="t2")
-    assert other[0] == 0 and engine._lane.copies == copies
+    engine.add(_seq(("copied", 0), prompt, 12, 7, "t1"))
+    copied, cached = _drain(engine)
+    assert engine._lane.copies == copies + 1 and cached[("copied", 0)] == len(prompt) - 1
+    # Again, with the prefix in the sequence's own slot: a first run leaves it there, alone.
+    _fresh(engine)
+    engine.add(_seq(("holder", 1), prompt, 30, 5, "t1"))
+    _drain(engine)
+    engine.add(_seq(("own", 0), prompt, 12, 7, "t1"))
+    own, cached = _drain(engine)
+    assert engine._lane.copies == copies + 1 and cached[("own", 0)] == len(prompt) - 1
+    assert copied[("copied", 0)] == own[("own", 0)]
 
 
 # A chat prompt (SmolLM2's template) whose greedy answer has near-ties: found by the fault harness,
