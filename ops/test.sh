@@ -46,8 +46,8 @@ fi
 # The suite runs in lanes, pytest processes side by side, each on a database and Redis dbs of its own
 # (ops/harness.py: SPOOL_TEST_LANE): SPOOL_TEST_LANES (2) pytest-xdist workers share the tests a module
 # at a time, longest first (tests/conftest.py: COSTS), and the tests marked `wallclock`, which spend
-# their time waiting (Postgres or Redis held away for 30 s), run in a process of their own beside
-# them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
+# their time waiting (an outage held, a client paused, a lease running out, the package registry),
+# run in a process of their own beside them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
 # what one two-thread engine does, and two engines of two threads each slow each other several-fold.
 # The tests marked `solo` run after them, alone. SPOOL_SERIAL=1: one process, as it was. The run
 # fails if any lane fails; the wallclock lane's report follows the rest.

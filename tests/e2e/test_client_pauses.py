@@ -18,6 +18,10 @@ import pytest
 
 from tests.conftest import MODEL
 
+# wallclock: each client reads through a 5 s SIGSTOP (42 s of wall, 22 s of CPU in a lane)
+# ops/test.sh runs it beside the CPU-bound lanes.
+pytestmark = pytest.mark.wallclock
+
 PAUSE_S = 5.0
 MAX_TOKENS = 120
 PROMPT = "Write a long story about a lighthouse keeper and a storm."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -18,6 +19,10 @@ from core.jobs import transitions as jobs
 from tests.conftest import MODEL, TEST_REDIS, job_row, wait_for
 from tests.helpers import submit_async
 from tests.sse import collect
+
+# wallclock: waits out a lease and the dispatcher's re-send (24 s of wall, 12 s of CPU in a lane)
+# ops/test.sh runs it beside the CPU-bound lanes.
+pytestmark = pytest.mark.wallclock
 
 
 def _deltas(rds, job_id):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from core.infra import streams
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
@@ -15,6 +17,10 @@ from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine
 from workers.outcome import Outcome
 from workers.runner import JobRunner
+
+# wallclock: waits for a cancel to be heard (8 s of wall, 1 s of CPU in a lane)
+# ops/test.sh runs it beside the CPU-bound lanes.
+pytestmark = pytest.mark.wallclock
 
 MODEL = "smollm2-135m-instruct"
 

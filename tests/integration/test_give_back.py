@@ -19,6 +19,10 @@ from workers.engine.null import NullEngine
 from workers.outcome import Outcome
 from workers.runner import CLAIM_RETRY_S, JobRunner
 
+# wallclock: waits out give-back windows (6 s of wall, 0.4 s of CPU in a lane)
+# ops/test.sh runs it beside the CPU-bound lanes.
+pytestmark = pytest.mark.wallclock
+
 MODEL = "give-back-model"
 
 

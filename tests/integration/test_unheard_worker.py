@@ -25,6 +25,10 @@ from core.jobs import workers
 from core.states import JobState
 from ops import factories
 
+# wallclock: waits until a worker is unheard (5 s of wall, 0.3 s of CPU in a lane)
+# ops/test.sh runs it beside the CPU-bound lanes.
+pytestmark = pytest.mark.wallclock
+
 
 @pytest.fixture
 def model() -> str:
