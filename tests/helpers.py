@@ -218,3 +218,36 @@ def response_job(
         started_at=T0,
         finished_at=T0,
     )
+
+
+# -- request parts -----------------------------------------------------------------------------------
+# A function tool and a strict JSON schema, for the chat tests on the wire (tests/e2e/test_chat.py) and
+# their 50-sample counterparts in-process (tests/integration/test_constrained_samples.py).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}

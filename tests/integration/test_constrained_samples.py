@@ -1,0 +1,102 @@
+"""The statistical checks of constrained chat output, 50 sampled choices each, driven in-process: the
+request translated as the API translates it (`core.jobs.service.translate`), stored as a job row in
+the real Postgres, run by the worker's job runner on the real SmolLM2 engine (publishing to the real
+Redis), and the stored result rendered as the API renders it (`core.protocol.render`). Only HTTP is
+left out; each of these has one sample on the wire, through the `openai` SDK, in tests/e2e/test_chat.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from core.infra.orm import Job
+from core.infra.tokenizers import tokenizer_for
+from core.jobs.service import translate
+from core.protocol import render
+from core.protocol.schemas import ChatCompletionRequest
+from core.registry import smollm2_gguf
+from core.states import JobState
+from ops import factories
+from ops.harness import ENGINE_THREADS
+from tests import openapi
+from tests.helpers import PERSON, WEATHER
+from workers.engine.llamacpp import LlamaCppEngine
+from workers.engine.loop import EngineLoop
+from workers.runner import JobRunner
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def loop() -> EngineLoop:
+    # The test stack's engine: its context and slots (ops/harness.py), one thread per lane.
+    engine = LlamaCppEngine(
+        MODEL, smollm2_gguf(), n_ctx=1024, max_batch=16, interactive_slots=4, n_threads=ENGINE_THREADS
+    )
+    return EngineLoop(engine)
+
+
+def _chat(session, sessions, rds, it_settings, loop, **body) -> dict:
+    """A chat request run as a job to its end: the body the API would answer."""
+    req = ChatCompletionRequest.model_validate({"model": MODEL, **body})
+    params, prompts, chat = translate(req, it_settings, tokenizer_for(MODEL))
+    t = factories.tenant(session)
+    job = factories.job(
+        session, t, state=JobState.dispatched, params=params, prompts=[p.to_json() for p in prompts], chat=chat
+    )
+    assert JobRunner(loop, it_settings, rds, sessions, "w-constrained").run(job.id, 1) == "succeeded"
+    row = session.get(Job, job.id, populate_existing=True)
+    body = render.response(row, "fp_test")
+    openapi.validate(body, "CreateChatCompletionResponse")
+    return body
+
+
+def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(session, sessions, rds, it_settings, loop):
+    body = _chat(
+        session,
+        sessions,
+        rds,
+        it_settings,
+        loop,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}},
+        n=50,
+        seed=3,
+        temperature=1.0,
+        max_tokens=120,
+    )
+    choices = body["choices"]
+    assert len(choices) == 50
+    for c in choices:
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
+    assert len({c["message"]["content"] for c in choices}) > 5  # really sampled, not one answer 50 times
+
+
+def test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples(session, sessions, rds, it_settings, loop):
+    body = _chat(
+        session,
+        sessions,
+        rds,
+        it_settings,
+        loop,
+        messages=[{"role": "user", "content": "What's the weather like in Paris?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        n=50,
+        seed=5,
+        temperature=1.0,
+        max_tokens=80,
+    )
+    choices = body["choices"]
+    assert len(choices) == 50
+    for c in choices:
+        assert c["finish_reason"] == "tool_calls", c
+        assert c["message"]["tool_calls"] and c["message"]["content"] is None
+        call = c["message"]["tool_calls"][0]
+        assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
