@@ -947,7 +947,7 @@ def _load_and_faults(
     injector = Injector(st, pg, rd, db, report, N_TOKENS)
 
     def inject() -> None:
-        gap = 3.0 if short else 5.0
+        gap = 2.0 if short else 5.0  # between faults: the load goes on (each kill also waits for work in flight)
         time.sleep(gap)
         for fault in schedule(short, worker_kills, only, rounds):
             print(f"[{time.strftime('%H:%M:%S')}] fault: {fault.label}", flush=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import socket
 import subprocess
 import threading
@@ -18,6 +19,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from sqlalchemy import text
 
@@ -250,4 +252,40 @@ PERSON = {
     },
     "required": ["name", "age", "pets"],
     "additionalProperties": False,
+}
+
+
+# Constraints of /v1/completions, and what a text each lets finish must be: on the wire in
+# tests/e2e/test_protocol.py, 100 samples each in-process in tests/integration/test_constrained_samples.py.
+NAME_AGE = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def matches_schema(text: str, schema: dict[str, Any] = NAME_AGE) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+_REGEX = r"[0-9]{3}-[a-z]{2,5}"
+_COLOURS = ["red", "green", "blue"]
+# A GBNF grammar with both quoting styles of literals (llama.cpp's single-quoted ones included).
+_GBNF = "root ::= num op num\nop ::= '+' | \"-\"\nnum ::= [0-9] | [1-9][0-9]"
+CONSTRAINTS: dict[str, tuple[dict[str, Any], Callable[[str], bool]]] = {
+    "regex": ({"regex": _REGEX}, lambda t: re.fullmatch(_REGEX, t) is not None),
+    "guided_choice": ({"guided_choice": _COLOURS}, lambda t: t in _COLOURS),
+    "gbnf": (
+        {"grammar": _GBNF},
+        lambda t: re.fullmatch(r"(?:[0-9]|[1-9][0-9])[+-](?:[0-9]|[1-9][0-9])", t) is not None,
+    ),
+    "json_schema": ({"json_schema": NAME_AGE}, matches_schema),
 }

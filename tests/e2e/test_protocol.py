@@ -14,6 +14,7 @@ import pytest
 
 from tests import openapi
 from tests.conftest import MODEL, wait_for
+from tests.helpers import CONSTRAINTS, NAME_AGE, matches_schema
 from tests.sse import collect
 
 CHAT_DONE = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\nOK."  # greedy: ends right away
@@ -358,70 +359,22 @@ def test_tools_are_refused_on_completions_and_images_refused(api):
     assert api.complete(prompt=CAPITAL, images=["data:image/png;base64,AAAA"], expect=400)["error"]["param"] == "images"
 
 
-# -- constrained decoding: 100 seeded samples each, none invalid -----------------------------------
-def _hundred(api, **constraint) -> list[dict]:
-    out = []
-    for seed in (1, 2):
-        r = api.complete(prompt="Answer:", n=50, temperature=1.0, seed=seed, max_tokens=40, **constraint)
-        out += r["choices"]
-    assert len(out) == 100
-    return out
-
-
-def _valid_when_finished(choices: list[dict], check) -> None:
-    finished = [c for c in choices if c["finish_reason"] == "stop"]
-    assert len(finished) >= 95, f"only {len(finished)} of 100 finished inside max_tokens"
-    bad = [c["text"] for c in finished if not check(c["text"])]
-    assert not bad, bad[:5]
-
-
-def test_regex(api):
-    pattern = r"[0-9]{3}-[a-z]{2,5}"
-    _valid_when_finished(_hundred(api, regex=pattern), lambda t: re.fullmatch(pattern, t))
-
-
-def test_guided_choice(api):
-    _valid_when_finished(_hundred(api, guided_choice=["red", "green", "blue"]), lambda t: t in {"red", "green", "blue"})
-
-
-def test_gbnf_grammar_including_single_quoted_literals(api):
-    gbnf = "root ::= num op num\nop ::= '+' | \"-\"\nnum ::= [0-9] | [1-9][0-9]"
-    _valid_when_finished(
-        _hundred(api, grammar=gbnf), lambda t: re.fullmatch(r"(?:[0-9]|[1-9][0-9])[+-](?:[0-9]|[1-9][0-9])", t)
-    )
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-
-
-def _matches_schema(text: str) -> bool:
-    import jsonschema
-
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-        return True
-    except (ValueError, jsonschema.ValidationError):
-        return False
-
-
-def test_json_schema(api):
-    _valid_when_finished(_hundred(api, json_schema=SCHEMA), _matches_schema)
+# -- constrained decoding: a sample of each on the wire (100 of each in-process:
+# tests/integration/test_constrained_samples.py) --------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CONSTRAINTS))
+def test_a_constraint_holds_on_the_wire(api, name):
+    constraint, check = CONSTRAINTS[name]
+    choices = api.complete(prompt="Answer:", n=4, temperature=1.0, seed=1, max_tokens=40, **constraint)["choices"]
+    finished = [c["text"] for c in choices if c["finish_reason"] == "stop"]
+    assert finished and all(check(t) for t in finished), choices
 
 
 def test_other_constraint_spellings(api):
     r = api.complete(
-        prompt="Answer:", n=10, seed=3, max_tokens=40, response_format={"type": "json_object", "schema": SCHEMA}
+        prompt="Answer:", n=10, seed=3, max_tokens=40, response_format={"type": "json_object", "schema": NAME_AGE}
     )
     _valid = [c for c in r["choices"] if c["finish_reason"] == "stop"]
-    assert _valid and all(_matches_schema(c["text"]) for c in _valid)
+    assert _valid and all(matches_schema(c["text"]) for c in _valid)
     r = api.complete(prompt="Answer:", n=10, seed=3, max_tokens=20, grammar={"type": "regex", "value": "(yes|no)!"})
     assert all(c["text"] in ("yes!", "no!") for c in r["choices"])
     r = api.complete(
@@ -435,8 +388,8 @@ def test_other_constraint_spellings(api):
 
 
 def test_constraint_in_a_stream(api):
-    chunks = api.stream(prompt="Answer:", max_tokens=40, seed=9, json_schema=SCHEMA)
-    assert _matches_schema("".join(c["choices"][0]["text"] for c in chunks))
+    chunks = api.stream(prompt="Answer:", max_tokens=40, seed=9, json_schema=NAME_AGE)
+    assert matches_schema("".join(c["choices"][0]["text"] for c in chunks))
 
 
 # -- context ---------------------------------------------------------------------------------------

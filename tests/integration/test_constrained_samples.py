@@ -1,4 +1,5 @@
-"""The statistical checks of constrained chat output, 50 sampled choices each, driven in-process: the
+"""The statistical checks of constrained output (chat: 50 sampled choices each; completions: 100 of
+each constraint) driven in-process: the
 request translated as the API translates it (`core.jobs.service.translate`), stored as a job row in
 the real Postgres, run by the worker's job runner on the real SmolLM2 engine (publishing to the real
 Redis), and the stored result rendered as the API renders it (`core.protocol.render`). Only HTTP is
@@ -16,13 +17,13 @@ from core.infra.orm import Job
 from core.infra.tokenizers import tokenizer_for
 from core.jobs.service import translate
 from core.protocol import render
-from core.protocol.schemas import ChatCompletionRequest
+from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.registry import smollm2_gguf
 from core.states import JobState
 from ops import factories
 from ops.harness import ENGINE_THREADS
 from tests import openapi
-from tests.helpers import PERSON, WEATHER
+from tests.helpers import CONSTRAINTS, PERSON, WEATHER
 from workers.engine.llamacpp import LlamaCppEngine
 from workers.engine.loop import EngineLoop
 from workers.runner import JobRunner
@@ -39,23 +40,24 @@ def loop() -> EngineLoop:
     return EngineLoop(engine)
 
 
-def _chat(session, sessions, rds, it_settings, loop, **body) -> dict:
-    """A chat request run as a job to its end: the body the API would answer."""
-    req = ChatCompletionRequest.model_validate({"model": MODEL, **body})
-    params, prompts, chat = translate(req, it_settings, tokenizer_for(MODEL))
+def _run(session, sessions, rds, it_settings, loop, **body) -> dict:
+    """A request run as a job to its end (a chat one if it has messages): the body the API would answer."""
+    chat = "messages" in body
+    req = (ChatCompletionRequest if chat else CompletionRequest).model_validate({"model": MODEL, **body})
+    params, prompts, meta = translate(req, it_settings, tokenizer_for(MODEL))
     t = factories.tenant(session)
     job = factories.job(
-        session, t, state=JobState.dispatched, params=params, prompts=[p.to_json() for p in prompts], chat=chat
+        session, t, state=JobState.dispatched, params=params, prompts=[p.to_json() for p in prompts], chat=meta
     )
     assert JobRunner(loop, it_settings, rds, sessions, "w-constrained").run(job.id, 1) == "succeeded"
     row = session.get(Job, job.id, populate_existing=True)
     body = render.response(row, "fp_test")
-    openapi.validate(body, "CreateChatCompletionResponse")
+    openapi.validate(body, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse")
     return body
 
 
 def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(session, sessions, rds, it_settings, loop):
-    body = _chat(
+    body = _run(
         session,
         sessions,
         rds,
@@ -77,7 +79,7 @@ def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(session, sessio
 
 
 def test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples(session, sessions, rds, it_settings, loop):
-    body = _chat(
+    body = _run(
         session,
         sessions,
         rds,
@@ -100,3 +102,20 @@ def test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples(session, ses
         assert call["type"] == "function" and call["function"]["name"] == "get_weather"
         assert call["id"].startswith("call_")
         jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRAINTS))
+def test_a_completion_constraint_holds_in_100_samples(session, sessions, rds, it_settings, loop, name):
+    constraint, check = CONSTRAINTS[name]
+    choices = []
+    for seed in (1, 2):
+        body = _run(
+            session, sessions, rds, it_settings, loop, prompt="Answer:", n=50, temperature=1.0, seed=seed,
+            max_tokens=40, **constraint,
+        )  # fmt: skip
+        choices += body["choices"]
+    assert len(choices) == 100
+    finished = [c for c in choices if c["finish_reason"] == "stop"]
+    assert len(finished) >= 95, f"only {len(finished)} of 100 finished inside max_tokens"
+    bad = [c["text"] for c in finished if not check(c["text"])]
+    assert not bad, bad[:5]
