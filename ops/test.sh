@@ -47,15 +47,14 @@ fi
 # (ops/harness.py: SPOOL_TEST_LANE): SPOOL_TEST_LANES (2) pytest-xdist workers share the tests a module
 # at a time, longest first (tests/conftest.py: COSTS), and the tests marked `wallclock`, which spend
 # their time waiting (an outage held, a client paused, a lease running out, the package registry),
-# run in a process of their own beside them, with the tests marked `side` (CPU-bound, timed by
-# nothing), which fill the time that waiting leaves the cores idle. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
+# run in a process of their own beside them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
 # what one two-thread engine does, and two engines of two threads each slow each other several-fold.
 # The tests marked `solo` run after them, alone. SPOOL_SERIAL=1: one process, as it was. The run
 # fails if any lane fails; the wallclock lane's report follows the rest.
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
 LANES=${SPOOL_TEST_LANES:-2}
 WALL_LOG=$(mktemp /tmp/spool-wallclock.XXXXXX)
-SPOOL_TEST_LANE=2 "${PYTEST[@]}" -m "wallclock or side" --durations=10 "$@" >"$WALL_LOG" 2>&1 &
+SPOOL_TEST_LANE=2 "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
 WALL=$!
 TX=()
 for ((i = 0; i < LANES; i++)); do
@@ -63,7 +62,7 @@ for ((i = 0; i < LANES; i++)); do
   TX+=(--tx "popen//env:SPOOL_TEST_LANE=$lane")
 done
 rc=0
-"${PYTEST[@]}" -m "not wallclock and not side and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
+"${PYTEST[@]}" -m "not wallclock and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 wall_rc=0
 wait $WALL || wall_rc=$?
 # Tests marked `solo` (a schedule timed against a load of its own size) run last, alone.
@@ -73,7 +72,7 @@ echo "=== the solo tests, run after the lanes ==="
 env -u SPOOL_N_THREADS "${PYTEST[@]}" -m solo --durations=5 "$@" || solo_rc=$?  # the machine is its own: every core
 [ "$solo_rc" = 5 ] && solo_rc=0
 echo
-echo "=== the wallclock and side tests, run beside the rest ==="
+echo "=== the wallclock tests, run beside the rest ==="
 cat "$WALL_LOG"
 rm -f "$WALL_LOG"
 echo

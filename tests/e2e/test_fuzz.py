@@ -15,10 +15,6 @@ import pytest
 
 from tests.conftest import TEST_DB, TEST_REDIS, running_stack
 
-# side: CPU-bound and timed by nothing, so the side lane takes it (ops/test.sh) into the time its
-# waiting tests leave the cores idle
-pytestmark = pytest.mark.side
-
 
 @pytest.fixture(scope="module")
 def fuzz_stack(tmp_path_factory):

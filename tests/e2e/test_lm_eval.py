@@ -19,15 +19,10 @@ import pytest
 
 from tests.conftest import MODEL
 
-pytestmark = [
-    # side: CPU-bound and timed by nothing, so the side lane takes it (ops/test.sh) into the time its
-    # waiting tests leave the cores idle
-    pytest.mark.side,
-    pytest.mark.skipif(
-        importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("gguf") is None,
-        reason="needs the `eval` extra (lm_eval, gguf): installed by ops/bootstrap.sh unless SPOOL_SKIP_EVAL=1",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs the `eval` extra (lm_eval, gguf): installed by ops/bootstrap.sh unless SPOOL_SKIP_EVAL=1",
+)
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 
