@@ -8,7 +8,9 @@ left out; each of these has one sample on the wire, through the `openai` SDK, in
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 
 import jsonschema
 import pytest
@@ -40,6 +42,12 @@ def loop() -> EngineLoop:
     return EngineLoop(engine)
 
 
+@pytest.fixture
+def run(session, sessions, rds, it_settings, loop) -> Callable[..., dict]:
+    """`_run` on this test's Postgres session, Redis and the module's engine."""
+    return functools.partial(_run, session, sessions, rds, it_settings, loop)
+
+
 def _run(session, sessions, rds, it_settings, loop, **body) -> dict:
     """A request run as a job to its end (a chat one if it has messages): the body the API would answer."""
     chat = "messages" in body
@@ -56,13 +64,8 @@ def _run(session, sessions, rds, it_settings, loop, **body) -> dict:
     return body
 
 
-def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(session, sessions, rds, it_settings, loop):
-    body = _run(
-        session,
-        sessions,
-        rds,
-        it_settings,
-        loop,
+def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(run):
+    body = run(
         messages=[{"role": "user", "content": "Describe a person as JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}},
         n=50,
@@ -78,13 +81,8 @@ def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(session, sessio
     assert len({c["message"]["content"] for c in choices}) > 5  # really sampled, not one answer 50 times
 
 
-def test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples(session, sessions, rds, it_settings, loop):
-    body = _run(
-        session,
-        sessions,
-        rds,
-        it_settings,
-        loop,
+def test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples(run):
+    body = run(
         messages=[{"role": "user", "content": "What's the weather like in Paris?"}],
         tools=[WEATHER],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -105,14 +103,11 @@ def test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples(session, ses
 
 
 @pytest.mark.parametrize("name", sorted(CONSTRAINTS))
-def test_a_completion_constraint_holds_in_100_samples(session, sessions, rds, it_settings, loop, name):
+def test_a_completion_constraint_holds_in_100_samples(run, name):
     constraint, check = CONSTRAINTS[name]
     choices = []
     for seed in (1, 2):
-        body = _run(
-            session, sessions, rds, it_settings, loop, prompt="Answer:", n=50, temperature=1.0, seed=seed,
-            max_tokens=40, **constraint,
-        )  # fmt: skip
+        body = run(prompt="Answer:", n=50, temperature=1.0, seed=seed, max_tokens=40, **constraint)
         choices += body["choices"]
     assert len(choices) == 100
     finished = [c for c in choices if c["finish_reason"] == "stop"]
