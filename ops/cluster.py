@@ -65,6 +65,7 @@ API_PORT, REDIS_PORT = 8000, 6379
 # after which the dispatcher gives a worker Redis no longer hears away (LIVE_S 10 + UNHEARD_S 5).
 PARTITION_S = 30.0
 DOWN_S = 8.0  # how long a dead host stays dead before it is started again
+GAP_S = 4.0  # the load alone, before the first fault and after each
 SCENARIOS = ("worker-redis", "worker-postgres", "worker-isolated", "api-death", "worker-death")
 SHORT = ("worker-redis", "api-death")  # CI's run
 
@@ -348,7 +349,7 @@ def _timed(report: ClusterReport, name: str) -> Iterator[dict]:
 _T0 = time.monotonic()
 
 
-def _scenario(c: Cluster, name: str, report: ClusterReport, partition_s: float) -> None:
+def _scenario(c: Cluster, name: str, report: ClusterReport, partition_s: float, down_s: float, gap_s: float) -> None:
     running = _on_host(c, "work1")
     with _timed(report, name) as row:
         if name in ("worker-redis", "worker-postgres", "worker-isolated"):
@@ -370,7 +371,7 @@ def _scenario(c: Cluster, name: str, report: ClusterReport, partition_s: float) 
             c.net.link("api1", False)
             time.sleep(1)
             row["killed"] = c.kill_host("api1")
-            time.sleep(DOWN_S)
+            time.sleep(down_s)
             c.net.link("api1", True)
             c.start_api("api1")
         elif name == "worker-death":
@@ -380,17 +381,24 @@ def _scenario(c: Cluster, name: str, report: ClusterReport, partition_s: float) 
                 held, row["problem"] = [], "no job was running when the host died"
             since = time.time()
             row["killed"] = c.kill_host("work1")
-            time.sleep(DOWN_S)
+            time.sleep(down_s)
             c.start_worker("work1")
             row |= _fate(c, held, since)
         else:
             raise ValueError(name)
-    time.sleep(4)  # the load goes on between faults
+    time.sleep(gap_s)  # the load goes on between faults
 
 
 def run(
-    scenarios: tuple[str, ...], workdir: Path | None = None, seed: int = 7, partition_s: float = PARTITION_S
+    scenarios: tuple[str, ...],
+    workdir: Path | None = None,
+    seed: int = 7,
+    partition_s: float = PARTITION_S,
+    down_s: float = DOWN_S,
+    gap_s: float = GAP_S,
 ) -> ClusterReport:
+    """`scenarios` one after another under the load, then the audit. CI's short run passes shorter
+    `partition_s`, `down_s` and `gap_s`: the load keeps both worker cores busy the whole time."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="spool-cluster-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {workdir}", flush=True)
@@ -406,12 +414,13 @@ def run(
         c.up()
 
         def inject() -> None:
-            time.sleep(4)
+            time.sleep(gap_s)
             for name in scenarios:
-                _scenario(c, name, report, partition_s)
+                _scenario(c, name, report, partition_s, down_s, gap_s)
                 report.faults.append(name)
 
-        load_and_audit(c.base_url, c.key, c.db_url, random.Random(seed), True, report, inject)
+        history = workdir / "history.jsonl"
+        load_and_audit(c.base_url, c.key, c.db_url, random.Random(seed), True, report, inject, history)
         logs = "".join(c.log(n) for n in ("work1", "work2") if (workdir / f"{n}.log").exists())
         # An attempt told it no longer owns its job: by the lease's compare-and-set, or the stream's fence.
         report.stale_attempts_refused = logs.count("lost its lease") + logs.count("was superseded")

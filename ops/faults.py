@@ -53,6 +53,7 @@ import httpx
 import httpx2  # the openai SDK's HTTP client (its fork of httpx)
 import openai
 
+from ops import history
 from ops.harness import Stack, events, free_port, refuse_writes
 from ops.harness import wait_for as _wait_for
 
@@ -211,6 +212,9 @@ class Outcome:
     # cut ones (the connection broke) may have stored a job, which must still end.
     refused: list[str] = field(default_factory=list)
     cut: list[str] = field(default_factory=list)
+    # A streamed request's events, each with the connection it came on (ops/history.py checks them).
+    events: list[history.Seen] = field(default_factory=list)
+    conns: int = 0  # connections opened so far
 
 
 def from_balancer(r: httpx.Response | httpx2.Response) -> bool:
@@ -298,6 +302,10 @@ class Client:
                             out.retried_posts += 1
                         time.sleep(1.0)
                         continue
+                    conn = out.conns
+                    out.conns += 1
+                    if out.job_id is None:  # a POST again: nothing of an earlier try was kept
+                        out.events.clear()
                     for ev in events(resp):
                         ev_id, data = ev.id, ev.data
                         if data == "[DONE]":
@@ -309,7 +317,9 @@ class Client:
                             return out
                         out.job_id = chunk["id"]
                         last_id = ev_id or last_id
-                        text += "".join(c.get("text", "") for c in chunk.get("choices", []))
+                        delta = "".join(c.get("text", "") for c in chunk.get("choices", []))
+                        out.events.append(history.Seen(conn, ev_id, delta))
+                        text += delta
             except RETRYABLE:
                 pass
             time.sleep(0.5)  # the API is restarting: try again
@@ -527,19 +537,25 @@ class SdkClient:
                 if chat:
                     messages: Any = [{"role": "user", "content": prompt}]
                     if stream:
-                        pieces = []
+                        pieces, conn = [], out.conns
+                        out.conns += 1
                         for chunk in self.sdk.chat.completions.create(messages=messages, stream=True, **common):
                             out.job_id = chunk.id
                             pieces += [c.delta.content or "" for c in chunk.choices]
+                            out.events.append(
+                                history.Seen(conn, None, "".join(c.delta.content or "" for c in chunk.choices))
+                            )
                         out.text = "".join(pieces)
                     else:
                         resp = self.sdk.chat.completions.create(messages=messages, **common)
                         out.job_id, out.text = resp.id, resp.choices[0].message.content or ""
                 elif stream:
-                    pieces = []
+                    pieces, conn = [], out.conns
+                    out.conns += 1
                     for part in self.sdk.completions.create(prompt=prompt, stream=True, **common):
                         out.job_id = part.id
                         pieces += [c.text for c in part.choices]
+                        out.events.append(history.Seen(conn, None, "".join(c.text for c in part.choices)))
                     out.text = "".join(pieces)
                 else:
                     done = self.sdk.completions.create(prompt=prompt, **common)
@@ -573,6 +589,13 @@ class Report:
     reattached_streams: int = 0
     resumed_jobs: int = 0  # jobs that ran more than one attempt
     keyless_orphans: int = 0  # keyless requests cut off after their job was stored (it ran; nobody read it)
+    # Every streamed request's events, connection by connection (ops/history.py): checked, and how
+    # many repeated or skipped text at a resume point.
+    streams_checked: int = 0
+    stream_events: int = 0
+    stream_connections: int = 0
+    repeated_events: int = 0
+    skipped_events: int = 0
     by_client: dict[str, int] = field(default_factory=dict)  # requests per kind of client
     faults: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -580,7 +603,15 @@ class Report:
 
     @property
     def clean(self) -> bool:
-        return not (self.lost or self.duplicated or self.wrong or self.stuck or self.http_5xx)
+        return not (
+            self.lost
+            or self.duplicated
+            or self.wrong
+            or self.stuck
+            or self.http_5xx
+            or self.repeated_events
+            or self.skipped_events
+        )
 
 
 def run(
@@ -623,11 +654,19 @@ N_TOKENS = 40  # every client request's length (greedy, ignore_eos)
 
 
 def load_and_audit(
-    base_url: str, key: str, db_url: str, rng: random.Random, short: bool, report: Report, inject: Callable[[], None]
+    base_url: str,
+    key: str,
+    db_url: str,
+    rng: random.Random,
+    short: bool,
+    report: Report,
+    inject: Callable[[], None],
+    history_path: Path | None = None,
 ) -> Report:
     """The harness's clients against `base_url` while `inject()` runs the faults; then every client's
-    outcome audited against the ledger at `db_url` (lost, duplicated, wrong, stuck, 5xx) into `report`.
-    The fault harness (one host) and the cluster harness (ops/cluster.py) share it."""
+    outcome audited against the ledger at `db_url` (lost, duplicated, wrong, stuck, 5xx) and every
+    stream's events against the undisturbed text (ops/history.py; written to `history_path`) into
+    `report`. The fault harness (one host) and the cluster harness (ops/cluster.py) share it."""
     tally = Tally()
     n_tokens = N_TOKENS
     prompts = [f"Fault test {i}: once upon a time" for i in range(12)]
@@ -658,16 +697,12 @@ def load_and_audit(
     asked = [(kind, p) for kind in ("completion", "chat", "response") for p in prompts]
     with ThreadPoolExecutor(len(asked)) as pool:
         answers = dict(zip(asked, pool.map(lambda a: answer(*a), asked), strict=True))
-    reference, chat_reference, response_reference = (
-        {p: answers[kind, p] for p in prompts} for kind in ("completion", "chat", "response")
-    )
+    references = {kind: {p: answers[kind, p] for p in prompts} for kind in ("completion", "chat", "response")}
+    reference = references["completion"]
     reference_jobs = 3 * len(prompts)
 
     def expected_of(kind: str) -> dict[str, str]:
-        """The undisturbed answers a client of this kind must get: a completion's, a chat's, a response's."""
-        if "response" in kind:
-            return response_reference
-        return chat_reference if "chat" in kind else reference
+        return history.reference_for(references, kind)
 
     stop = threading.Event()
     outcomes: list[Outcome] = []
@@ -759,6 +794,20 @@ def load_and_audit(
                 f"{o.kind} {o.job_id}: text differs from the undisturbed run's (re-attached {o.reattached}x, "
                 f"POST retried {o.retried_posts}x): got {o.text!r}, expected {expected!r}"
             )
+    # Inside each stream: at every connection, what the client had so far must begin the reference.
+    seen = history.Verdict()
+    for o in outcomes:
+        history.check(o.kind, f"{o.kind} {o.job_id}", o.events, expected_of(o.kind)[o.prompt], seen)
+    report.streams_checked, report.stream_events, report.stream_connections = (
+        seen.histories,
+        seen.events,
+        seen.connections,
+    )
+    report.repeated_events, report.skipped_events = seen.repeated, seen.skipped
+    report.problems += seen.problems
+    if history_path is not None:
+        records = (history.Record(o.kind, o.prompt, o.job_id, o.status, o.events) for o in outcomes)
+        history.write(history_path, references, records)
     texts = batch_result.get("texts", {})
     report.batch_lines = len(batch_prompts)
     for i, p in enumerate(batch_prompts):
@@ -956,7 +1005,7 @@ def _load_and_faults(
             time.sleep(gap)
 
     try:
-        return load_and_audit(st.base_url, key, pg.url, rng, short, report, inject)
+        return load_and_audit(st.base_url, key, pg.url, rng, short, report, inject, st.logdir / "history.jsonl")
     finally:
         db.dispose()
 

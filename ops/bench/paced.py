@@ -16,7 +16,9 @@ For each concurrency (streamed, `ignore_eos`), interleaved: the paced engine alo
 SPOOL_MAX_BATCH), then the same prompts through Spool, with the CPU of every named process tree
 (`/proc/PID/stat` utime+stime of the process and its descendants: uvicorn's and Postgres's
 children count) and of this client read before and after the Spool run. Then short jobs
-(`max_tokens` 1, plain JSON) at the last concurrency. Prints one table; `--json` keeps it.
+(`max_tokens` 1, plain JSON) at the last concurrency. Prints one table; `--json` keeps it. Each
+checkout's run first times this sitting's yardstick (ops/bench/yardstick.py, a fixed CPU workload):
+Spool's CPU costs are also given in its units (`yu`), which compare across sittings.
 The machine should be otherwise idle: other processes' CPU is not separated from Postgres's.
 """
 
@@ -35,6 +37,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ops.bench import yardstick
 from ops.bench.client import BenchConfig, Summary, bench_engine, bench_http
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,6 +250,9 @@ def run_levels(
 ) -> list[dict]:
     rows: list[dict] = []
     prof = Path(a.profile) if a.profile else None
+    # This sitting's yardstick (ops/bench/yardstick.py), timed while the stack is idle: every CPU cost
+    # below is also given in its units, which compare across sittings and machines.
+    ys = yardstick.measure()
     for conc in levels:
         base = BenchConfig(
             url=url,
@@ -275,6 +281,10 @@ def run_levels(
                 "itl_ms": {"engine": eng.itl_ms, "spool": spool.itl_ms},
                 "cpu_ms_per_token": {k: 1000 * v / toks for k, v in cpu.items()},
                 "spool_cpu_ms_per_token": 1000 * sum(v for k, v in cpu.items() if k != "client") / toks,
+                "yardstick_ms": ys,
+                "spool_cpu_yu_per_token": yardstick.in_units(
+                    1000 * sum(v for k, v in cpu.items() if k != "client") / toks, ys
+                ),
                 "redis_calls_per_token": _per(served, toks),
                 "traffic_per_token": _traffic(served, toks),
             }
@@ -300,6 +310,10 @@ def run_levels(
                 "errors": s.errors,
                 "cpu_ms_per_job": {k: 1000 * v / jobs for k, v in cpu.items()},
                 "spool_cpu_ms_per_job": 1000 * sum(v for k, v in cpu.items() if k != "client") / jobs,
+                "yardstick_ms": ys,
+                "spool_cpu_yu_per_job": yardstick.in_units(
+                    1000 * sum(v for k, v in cpu.items() if k != "client") / jobs, ys
+                ),
                 "redis_calls_per_job": _per(served, jobs),
                 "traffic_per_job": _traffic(served, jobs),
             }
@@ -321,7 +335,8 @@ def print_rows(rows: list[dict]) -> None:
                 f" engine {i['engine'].get('p50', 0):.2f}/{i['engine'].get('p99', 0):.2f} ms\n"
                 f"       CPU ms/token: "
                 + "  ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items())
-                + f"  | Spool total {r['spool_cpu_ms_per_token']:.3f}",
+                + f"  | Spool total {r['spool_cpu_ms_per_token']:.3f}"
+                + f" = {r['spool_cpu_yu_per_token']:.2f} yu (yardstick {r['yardstick_ms']:.1f} ms)",
                 flush=True,
             )
         else:
@@ -329,7 +344,8 @@ def print_rows(rows: list[dict]) -> None:
                 f"{tag}short JSON jobs c={r['concurrency']}: {r['jobs_s']:.0f} jobs/s, failed {r['failed']}\n"
                 "       CPU ms/job: "
                 + "  ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_job"].items())
-                + f"  | Spool total {r['spool_cpu_ms_per_job']:.2f}",
+                + f"  | Spool total {r['spool_cpu_ms_per_job']:.2f}"
+                + f" = {r['spool_cpu_yu_per_job']:.1f} yu (yardstick {r['yardstick_ms']:.1f} ms)",
                 flush=True,
             )
         per = r.get("redis_calls_per_token") or r.get("redis_calls_per_job")
@@ -360,7 +376,8 @@ def print_medians(rows: list[dict]) -> None:
                     f"  c={conc:>4} {label:>8}: ratio {med(r['ratio'] or 0 for r in rs):.3f}"
                     f"  TTFT p50 {med(r['ttft_ms']['spool'].get('p50', 0) for r in rs):.0f}"
                     f" (engine {med(r['ttft_ms']['engine'].get('p50', 0) for r in rs):.0f}) ms"
-                    f"  CPU ms/token {med(r['spool_cpu_ms_per_token'] for r in rs):.3f} ("
+                    f"  CPU ms/token {med(r['spool_cpu_ms_per_token'] for r in rs):.3f}"
+                    f" = {med(r['spool_cpu_yu_per_token'] for r in rs):.2f} yu ("
                     + ", ".join(
                         f"{k} {med(r['cpu_ms_per_token'][k] for r in rs):.3f}" for k in rs[0]["cpu_ms_per_token"]
                     )
@@ -369,7 +386,8 @@ def print_medians(rows: list[dict]) -> None:
             else:
                 print(
                     f"  short c={conc:>4} {label:>8}: {med(r['jobs_s'] for r in rs):.0f} jobs/s"
-                    f"  CPU ms/job {med(r['spool_cpu_ms_per_job'] for r in rs):.2f} ("
+                    f"  CPU ms/job {med(r['spool_cpu_ms_per_job'] for r in rs):.2f}"
+                    f" = {med(r['spool_cpu_yu_per_job'] for r in rs):.1f} yu ("
                     + ", ".join(f"{k} {med(r['cpu_ms_per_job'][k] for r in rs):.2f}" for k in rs[0]["cpu_ms_per_job"])
                     + ")"
                 )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import faults
+from ops import faults, history
 
 pytestmark = [
     pytest.mark.skipif(
@@ -40,3 +40,13 @@ def test_short_fault_run_loses_doubles_and_garbles_nothing(tmp_path):
     assert report.reattached_streams >= 1  # API restarts really cut streams that clients re-attached
     assert all(report.by_client.get(k) for k in faults.SDK_KINDS), report.by_client  # the openai SDK was a client
     assert report.by_client.get("keyless"), report.by_client  # and bursts without a key (group commit)
+    # Every stream's events, connection by connection, recorded and checked (ops/history.py): the
+    # re-attached ones among them, so a resume point was looked at, not only the final text.
+    assert report.streams_checked >= 4 and report.stream_connections > report.streams_checked, report
+    again = history.check_file(workdir / "history.jsonl")
+    assert (again.histories, again.events, again.repeated, again.skipped) == (
+        report.streams_checked,
+        report.stream_events,
+        0,
+        0,
+    )

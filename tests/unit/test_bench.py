@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ops.bench.client import BenchConfig, RequestResult, percentiles, plot, ratios, summarize
 
 
@@ -29,3 +31,14 @@ def test_summary_counts_only_successes_and_ratio_against_the_engine(tmp_path):
 def test_prompts_are_sampled_reproducibly():
     cfg = BenchConfig(requests=10, seed=3)
     assert cfg.prompts() == cfg.prompts() and len(cfg.prompts()) == 10
+
+
+def test_the_yardstick_is_the_same_work_every_time_and_costs_are_given_in_its_units():
+    from ops.bench import yardstick
+
+    assert yardstick._pass() == yardstick._pass()  # fixed work: nothing in it depends on the sitting
+    assert yardstick.measure(rounds=1) > 0
+    # 0.15 ms per token in a sitting whose pass takes 100 ms is 1.5 thousandths of a pass: 1.5 yu;
+    # the same work on a machine twice as slow costs 0.30 ms against a 200 ms pass, the same 1.5 yu.
+    assert yardstick.in_units(0.15, 100.0) == pytest.approx(1.5)
+    assert yardstick.in_units(0.30, 200.0) == pytest.approx(1.5)
