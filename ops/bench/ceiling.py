@@ -126,7 +126,7 @@ def pgbench_script(statements: list[str], job_id_pattern: str, tenant: int) -> s
     for st in statements:
         st = re.sub(f"'{job_id_pattern}'", "('pgb-' || :client_id || '-' || :n)", st)
         if st.startswith("INSERT INTO jobs"):
-            st = st.replace(f"'::VARCHAR, {tenant}::BIGINT,", "'::VARCHAR, :tenant::BIGINT,", 1)
+            st = st.replace(f"::VARCHAR, {tenant}::BIGINT,", "::VARCHAR, :tenant::BIGINT,", 1)
         out += [" ".join(st.split()) + ";", "COMMIT;", "BEGIN;"]  # each statement its own transaction
     return "\n".join(out[:-1]) + "\n"
 
@@ -140,7 +140,7 @@ def postgres_levels(db_url: str, redis_url: str, levels: list[int], seconds: flo
     assert len(statements) == 3, [s[:60] for s in statements]  # insert, claim, end
     job_id = re.search(r"'(cmpl-[0-9a-f]+)'", statements[1])
     assert job_id is not None
-    # Every client a tenant of its own (ids t0+1 ... t0+max(levels)): the daily usage row is per tenant.
+    # Every client a tenant of its own (ids t0 ... t0+max(levels)-1): the daily usage row is per tenant.
     from sqlalchemy.orm import Session
 
     engine = create_engine(db_url)
@@ -158,7 +158,7 @@ def postgres_levels(db_url: str, redis_url: str, levels: list[int], seconds: flo
         out = subprocess.run(
             [
                 *["pgbench", "-n", "-M", "prepared", "-f", str(script), "-c", str(clients), "-j", str(min(clients, 2))],
-                *["-T", str(int(seconds)), "-D", f"t0={ids[0] - 1}", conninfo],
+                *["-T", str(int(seconds)), "-D", f"t0={ids[0]}", conninfo],
             ],
             capture_output=True,
             text=True,

@@ -42,3 +42,24 @@ def test_the_yardstick_is_the_same_work_every_time_and_costs_are_given_in_its_un
     # the same work on a machine twice as slow costs 0.30 ms against a 200 ms pass, the same 1.5 yu.
     assert yardstick.in_units(0.15, 100.0) == pytest.approx(1.5)
     assert yardstick.in_units(0.30, 200.0) == pytest.approx(1.5)
+
+
+def test_the_ceiling_bench_replays_the_captured_job_with_a_new_id_and_the_clients_tenant():
+    from ops.bench.ceiling import pgbench_script
+
+    insert = "INSERT INTO jobs (id, tenant_id, model) VALUES ('cmpl-ab12'::VARCHAR, 5::BIGINT, 'm'::VARCHAR)"
+    claim = "UPDATE jobs SET state='running'::VARCHAR WHERE jobs.id = 'cmpl-ab12'::VARCHAR AND jobs.attempt = 1"
+    script = pgbench_script([insert, claim], "cmpl\\-ab12", 5)
+    lines = script.splitlines()
+    assert lines[:3] == ["\\set n random(1, 9000000000000000000)", "\\set tenant :t0 + :client_id", "BEGIN;"]
+    assert "cmpl-ab12" not in script  # every transaction a job of its own
+    assert lines[3] == (
+        "INSERT INTO jobs (id, tenant_id, model) VALUES (('pgb-' || :client_id || '-' || :n)::VARCHAR,"
+        " :tenant::BIGINT, 'm'::VARCHAR);"
+    )
+    assert lines[4:] == [
+        "COMMIT;",
+        "BEGIN;",
+        claim.replace("'cmpl-ab12'", "('pgb-' || :client_id || '-' || :n)") + ";",
+        "COMMIT;",
+    ]
