@@ -22,9 +22,10 @@ pytestmark = [
         or (os.geteuid() == 0 and shutil.which("runuser") is None),
         reason="needs redis-server and PostgreSQL's server binaries",
     ),
-    # solo: its schedule is timed against a load of a fixed size, so it runs after the lanes, alone
-    # (beside them, slower streams had all ended before the API kill it waits to land mid-stream).
-    pytest.mark.solo,
+    # wallclock: beside the lanes, in the wallclock tests' process (one llama.cpp thread); its kills
+    # wait for work in flight (a running job, a stream under half written), so a slower engine only
+    # makes its run longer. It ran after the lanes, alone, while it still killed on a timer.
+    pytest.mark.wallclock,
 ]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 
 from core.infra import kv
 from core.tenancy import ratelimit
@@ -15,10 +14,19 @@ from tests.integration.conftest import IT_REDIS
 ECHO = kv.Lua("return {KEYS[1], ARGV[1]}")
 
 
-# solo: it counts EVAL calls in INFO commandstats, which are the whole server's, so another lane's
-# scripts on the same Redis moved the count (seen in a fresh-clone run, 2026-11-28).
-@pytest.mark.solo
-def test_a_script_runs_by_digest_and_is_loaded_again_after_a_flush(rds):
+# On a redis-server of its own: it counts EVAL calls in INFO commandstats, which are the whole
+# server's, so another lane's scripts on the shared Redis moved the count (a fresh-clone run,
+# 2026-11-28), and its SCRIPT FLUSH would be theirs too.
+def test_a_script_runs_by_digest_and_is_loaded_again_after_a_flush():
+    import redis
+
+    from ops.bench.paced import private_redis
+
+    with private_redis() as (url, _pid), redis.Redis.from_url(url) as rds:
+        _script_by_digest(rds)
+
+
+def _script_by_digest(rds) -> None:
     rds.script_flush()
     assert rds.script_exists(ECHO.sha) == [False]
     assert ECHO(rds, ["k"], "v") == [b"k", b"v"]  # NOSCRIPT, then EVAL: cached again
