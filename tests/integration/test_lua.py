@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-
 from core.infra import kv
 from core.tenancy import ratelimit
 from tests.integration.conftest import IT_REDIS
