@@ -79,11 +79,17 @@ def ready_engine(model_id: str) -> Engine:
     return engine
 
 
+def engine_loop(model_id: str, stall_s: float) -> EngineLoop:
+    """The worker's engine loop: its engine loaded and warmed up on the loop's own thread, so every
+    engine call comes from that one thread (EngineLoop: one OpenMP team for llama.cpp)."""
+    return EngineLoop(make=lambda: ready_engine(model_id), stall_s=stall_s)
+
+
 @lru_cache
 def runner() -> JobRunner:
     s = get_settings()
     model_id = s.worker_model_ids[0]
-    loop = EngineLoop(ready_engine(model_id), stall_s=s.sequence_stall_s)
+    loop = engine_loop(model_id, s.sequence_stall_s)
     name = worker_name()
     log.info("worker %s serving %s", name, model_id)
     return JobRunner(loop, s, kv.client(s.redis_url), sync_sessions(), name)

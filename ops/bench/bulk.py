@@ -66,7 +66,7 @@ def engine_alone(lines: list[str], max_tokens: int) -> tuple[float, float, dict[
     worker logs the same figure once a minute ("engine: ... between steps")."""
     from workers.runtime import build_engine
 
-    loop = EngineLoop(build_engine(MODEL))
+    loop = EngineLoop(make=lambda: build_engine(MODEL))  # on its own thread, as the worker does
     eng = loop.engine
     if not isinstance(eng, PacedEngine):
         raise SystemExit("run with SPOOL_ENGINE=paced (and the stack's SPOOL_MAX_BATCH, SPOOL_PACED_*)")

@@ -79,7 +79,7 @@ def _label(loop: EngineLoop, conc: int) -> str:
 def main(raw: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig.model_validate_json(raw)
-    loop = EngineLoop(build_engine(cfg.model))
+    loop = EngineLoop(make=lambda: build_engine(cfg.model))  # on its own thread, as the worker does
     summaries = []
     for conc in cfg.concurrency:
         todo: queue.SimpleQueue[str] = queue.SimpleQueue()
