@@ -33,7 +33,6 @@ import multiprocessing
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
