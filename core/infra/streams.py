@@ -615,8 +615,13 @@ class Hub:
                 self._wake_last = _text(raw_entries[-1][0])
                 continue
             entries = [(_text(i), p) for i, fields in raw_entries if (p := _payload_or_none(fields)) is not None]
+            began = _order(wanted[key]) if key in wanted else None
             for f in self._followers.get(key, ()):
                 after = _order(f.delivered)
+                if began is None or after < began:
+                    # Joined while this read was in flight, from before where it began: these entries
+                    # would skip what lies between. The next read starts from this follower's place.
+                    continue
                 mine = [e for e in entries if _order(e[0]) > after]
                 if mine:
                     f.delivered, f.fed_at = mine[-1][0], now

@@ -181,3 +181,53 @@ def test_followers_joining_during_one_blocked_read_share_one_wake(rds):
             await hub.redis.aclose()
 
     asyncio.run(scenario())
+
+
+class _JoinsDuringRead:
+    """The hub's real Redis client; once armed, `joined()` runs when a shared XREAD has its answer and
+    before the hub hands it out: a follower joining at that moment (a race seen in CI with 1,000
+    readers on one API process, 2026-11-28: some readers' text lacked the job's first entry)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.joined = real, None
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    async def xread(self, *args, **kw):
+        resp = await self.real.xread(*args, **kw)
+        if self.joined is not None and any("hub-late" in str(k) for k, _ in resp or []):
+            joined, self.joined = self.joined, None
+            await joined()
+        return resp
+
+
+def test_a_follower_joining_while_a_read_is_answered_misses_nothing(rds):
+    async def scenario() -> None:
+        client = _JoinsDuringRead(kv.async_client(IT_REDIS, decode_responses=True))
+        hub = streams.Hub(client, block_ms=HUB_BLOCK_MS)
+        late = hub.read("hub-late", "0-0", FOLLOWER_WAIT_MS)
+        first_of_late: list[asyncio.Task] = []
+        try:
+            early = hub.read("hub-late", "0-0", FOLLOWER_WAIT_MS)
+            e1 = _append(rds, "hub-late", "e1")
+            assert await _take(early, 1) == [(e1[0], "e1")]
+
+            async def join() -> None:  # the late reader registers from the stream's start
+                first_of_late.append(asyncio.ensure_future(anext(late)))
+                await asyncio.sleep(0)
+
+            client.joined = join
+            e2 = _append(rds, "hub-late", "e2")  # the shared read (from e1) answers with e2 alone
+            assert await _take(early, 1) == [(e2[0], "e2")]
+            # Before, the late reader was handed that answer and skipped e1 for good.
+            assert await first_of_late[0] == (e1[0], "e1")
+            assert await _take(late, 1) == [(e2[0], "e2")]
+            for it in (early, late):
+                await it.aclose()
+        finally:
+            await hub.aclose()
+            await client.real.aclose()
+
+    rds.delete(streams.stream_key("hub-late"))
+    asyncio.run(scenario())
