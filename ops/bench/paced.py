@@ -237,6 +237,20 @@ def _traffic(served: dict[str, int], n: int) -> dict[str, float]:
     return {k: served[k] / n for k in TRAFFIC if k in served}
 
 
+def _costs(cpu: dict[str, float], served: dict[str, int], n: int, ys: float, unit: str) -> dict:
+    """What `n` tokens or jobs cost: each process's CPU ms, Spool's (all but the client's) in ms and in
+    this sitting's yardstick units, Redis calls and traffic, each per `unit`."""
+    spool_ms = 1000 * sum(v for k, v in cpu.items() if k != "client") / n
+    return {
+        f"cpu_ms_per_{unit}": {k: 1000 * v / n for k, v in cpu.items()},
+        f"spool_cpu_ms_per_{unit}": spool_ms,
+        "yardstick_ms": ys,
+        f"spool_cpu_yu_per_{unit}": yardstick.in_units(spool_ms, ys),
+        f"redis_calls_per_{unit}": _per(served, n),
+        f"traffic_per_{unit}": _traffic(served, n),
+    }
+
+
 def run_levels(
     url: str,
     api_key: str | None,
@@ -279,14 +293,7 @@ def run_levels(
                 "errors": spool.errors,
                 "ttft_ms": {"engine": eng.ttft_ms, "spool": spool.ttft_ms},
                 "itl_ms": {"engine": eng.itl_ms, "spool": spool.itl_ms},
-                "cpu_ms_per_token": {k: 1000 * v / toks for k, v in cpu.items()},
-                "spool_cpu_ms_per_token": 1000 * sum(v for k, v in cpu.items() if k != "client") / toks,
-                "yardstick_ms": ys,
-                "spool_cpu_yu_per_token": yardstick.in_units(
-                    1000 * sum(v for k, v in cpu.items() if k != "client") / toks, ys
-                ),
-                "redis_calls_per_token": _per(served, toks),
-                "traffic_per_token": _traffic(served, toks),
+                **_costs(cpu, served, toks, ys, "token"),
             }
         )
     if a.short_jobs:
@@ -308,14 +315,7 @@ def run_levels(
                 "jobs_s": s.requests_s,
                 "failed": s.failed,
                 "errors": s.errors,
-                "cpu_ms_per_job": {k: 1000 * v / jobs for k, v in cpu.items()},
-                "spool_cpu_ms_per_job": 1000 * sum(v for k, v in cpu.items() if k != "client") / jobs,
-                "yardstick_ms": ys,
-                "spool_cpu_yu_per_job": yardstick.in_units(
-                    1000 * sum(v for k, v in cpu.items() if k != "client") / jobs, ys
-                ),
-                "redis_calls_per_job": _per(served, jobs),
-                "traffic_per_job": _traffic(served, jobs),
+                **_costs(cpu, served, jobs, ys, "job"),
             }
         )
     return rows
