@@ -22,10 +22,10 @@ pytestmark = [
         or (os.geteuid() == 0 and shutil.which("runuser") is None),
         reason="needs redis-server and PostgreSQL's server binaries",
     ),
-    # wallclock: beside the lanes, in the wallclock tests' process (one llama.cpp thread); its kills
-    # wait for work in flight (a running job, a stream under half written), so a slower engine only
-    # makes its run longer. It ran after the lanes, alone, while it still killed on a timer.
-    pytest.mark.wallclock,
+    # solo: its schedule is timed against a load of a fixed size, so it runs after the lanes, alone.
+    # Beside them (in the wallclock lane, 2026-11-28) it passed three fresh-clone runs and failed the
+    # fourth: no stream was mid-generation within 20 s when an API kill was due.
+    pytest.mark.solo,
 ]
 
 
