@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -29,6 +29,14 @@ class Settings(BaseSettings):
         description="Postgres ends a session of Spool's left idle inside a transaction this long "
         "(`idle_in_transaction_session_timeout`; 0 = never), so a stuck caller never holds a transaction, "
         "its locks or its connection for long.",
+    )
+    db_idle_session_s: float = Field(
+        60.0,
+        ge=0,
+        description="Postgres closes a connection of Spool's pools left idle this long (`idle_session_timeout`; "
+        "0 = never; else at least 2 s, past the pool's ping of a connection idle 1 s). The pools hand out the "
+        "most recently used connection first, so what a burst opened is "
+        "closed once the burst is over and a process holds about as many connections as it uses.",
     )
 
     models: str = Field(
@@ -341,6 +349,13 @@ class Settings(BaseSettings):
         "Pure Python under the GIL: more at once add no speed and make every other request wait longer.",
     )
 
+    @field_validator("db_idle_session_s")
+    @classmethod
+    def _idle_session(cls, v: float) -> float:
+        if 0 < v < 2:  # a pooled connection idle 1 s is pinged before use; one closed sooner could be handed out
+            raise ValueError("must be 0 (never) or at least 2 seconds")
+        return v
+
     @property
     def model_ids(self) -> list[str]:
         if self.models_file:
@@ -392,6 +407,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "redis_max_connections",
         "broker_url",
         "db_idle_transaction_s",
+        "db_idle_session_s",
         "api_host",
         "api_port",
     ),

@@ -904,6 +904,12 @@ def schedule(
     return [WORKER_KILL] * (kills // 2) + others[:2] + [WORKER_KILL] * (kills - kills // 2) + others[2:]
 
 
+# How long a kill waits for work to cut. Long: beside the test lanes (a machine shared with other
+# stacks) a stream may still be waiting out the lease of the worker killed just before, and the kill
+# must still cut one mid-flight (20 s failed once in four runs there, 2026-11-28).
+KILL_WAIT_S = 90.0
+
+
 class Injector:
     """What each fault of the table does (`Fault.action`) to the one-host stack."""
 
@@ -941,7 +947,7 @@ class Injector:
 
     def kill_worker(self, f: Fault) -> None:
         try:
-            wait_for(self._running_jobs, 20, "a job mid-generation")
+            wait_for(self._running_jobs, KILL_WAIT_S, "a job mid-generation")
         except TimeoutError:
             self.report.problems.append("no job was running when a worker kill was due")
         self.st.signal("worker", signal.Signals[f.how])
@@ -964,7 +970,7 @@ class Injector:
         # Cut streams mid-flight, as the worker kills cut jobs mid-generation: a faster engine
         # finishes short streams before a blind kill lands, and then nothing re-attaches.
         try:
-            wait_for(self._streaming_jobs, 20, "a stream mid-generation")
+            wait_for(self._streaming_jobs, KILL_WAIT_S, "a stream mid-generation")
         except TimeoutError:
             self.report.problems.append("no stream was running when an API kill was due")
         self.st.signal("api", signal.Signals[f.how])

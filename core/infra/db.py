@@ -39,13 +39,22 @@ def connect_args(settings: Settings, *, api: bool = False) -> dict[str, object]:
     """Connection arguments of Spool's engines. Every connection tells Postgres to end a session left
     idle inside a transaction for SPOOL_DB_IDLE_TRANSACTION_S (`idle_in_transaction_session_timeout`):
     a caller that hangs mid-transaction (a dead client, a stuck thread) never holds its locks or its
-    connection for long. The API's also bound each statement (`statement_timeout`)."""
+    connection for long; and to close a session left idle outside one for SPOOL_DB_IDLE_SESSION_S
+    (`idle_session_timeout`), which with the pools' last-in-first-out order (`POOLS`) gives back what a
+    burst opened. The API's also bound each statement (`statement_timeout`)."""
     idle_ms = int(settings.db_idle_transaction_s * 1000)
     options = f"-c idle_in_transaction_session_timeout={idle_ms}"
+    options += f" -c idle_session_timeout={int(settings.db_idle_session_s * 1000)}"
     if api:
         options += f" -c statement_timeout={_API_STATEMENT_MS}"
     return {**_CONNECT, "options": options}
 
+
+# The pools: the most recently returned connection goes out first, so under a steady load the same few
+# stay busy and the rest sit idle until Postgres closes them (idle_session_timeout, above); the ping of
+# a connection idle PING_IDLE_S replaces one it closed. First in, first out kept all of a burst's
+# connections warm for good: every stack of a test run held its pools' 20 + 10 and Postgres ran out.
+POOLS: dict[str, object] = {"pool_use_lifo": True}
 
 # A pooled connection idle at least this long is pinged before use (see `ping_when_idle`).
 PING_IDLE_S = 1.0
@@ -82,7 +91,11 @@ def ping_when_idle(engine: Engine, idle_s: float = PING_IDLE_S) -> Engine:
 def sync_engine() -> Engine:
     return ping_when_idle(
         create_engine(
-            get_settings().database_url, pool_size=10, max_overflow=20, connect_args=connect_args(get_settings())
+            get_settings().database_url,
+            pool_size=10,
+            max_overflow=20,
+            connect_args=connect_args(get_settings()),
+            **POOLS,
         )
     )
 
@@ -100,6 +113,7 @@ def async_engine() -> AsyncEngine:
         max_overflow=40,
         pool_timeout=10,
         connect_args=connect_args(get_settings(), api=True),
+        **POOLS,
     )
     ping_when_idle(engine.sync_engine)
     return engine
