@@ -255,6 +255,14 @@ class Settings(BaseSettings):
     lease_s: float = Field(30.0, description="A running job's lease; its worker renews it every third.")
     max_attempts: int = Field(3, description="Attempts before a job whose worker keeps dying fails.")
     dispatch_timeout_s: float = Field(60.0, description="A job `dispatched` but unclaimed this long is sent again.")
+    worker_unheard_s: float = Field(
+        15.0,
+        ge=5,
+        description="A worker whose heartbeat (every 2 s) has stood still this long by the dispatcher's own clock, "
+        "while the dispatcher read Redis all along, loses its running jobs to other workers: a host cut from "
+        "Redis but not from Postgres. Past the 10 s after which the API takes a silent worker for gone, so "
+        "that every worker beats again after a Redis restart before anyone is judged.",
+    )
     dispatcher_interval_s: float = Field(1.0, description="Dispatcher loop period.")
     dispatcher_batch: int = Field(200, description="Jobs the dispatcher moves per tick.")
     queue_depth: int = Field(
@@ -470,6 +478,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "dispatcher_batch",
         "queue_depth",
         "dispatch_timeout_s",
+        "worker_unheard_s",
         "batch_group",
         "retention_jobs_days",
         "retention_batches_days",

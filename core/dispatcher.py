@@ -37,10 +37,6 @@ from core.tenancy import admission
 log = logging.getLogger(__name__)
 
 WAKE_COALESCE_S = 0.05
-# A worker that holds running jobs while its heartbeat has not moved for this long, by this
-# dispatcher's own clock and while it could read Redis all along, loses them: LIVE_S, and 5 s more
-# so that every worker beats again after a Redis restart (workers.HEARTBEAT_S) before anyone is judged.
-UNHEARD_S = workers.LIVE_S + 5.0
 
 
 class Dispatcher:
@@ -108,7 +104,7 @@ class Dispatcher:
     def _revoke_unheard(self, session: Session) -> int:
         """A worker cut from Redis but not from Postgres keeps renewing its leases, so its jobs'
         streams stay silent for as long as the cut lasts. Redis stops receiving its heartbeats; once
-        this dispatcher has seen one's heartbeat stand still for UNHEARD_S, reading Redis itself all
+        this dispatcher has seen one's heartbeat stand still for SPOOL_WORKER_UNHEARD_S, reading Redis itself all
         along, the worker's running jobs are re-queued with their next attempt in one statement:
         another worker resumes each from what its stream delivered. The cut worker finds its next
         renewal refused and stops; an append it still has in flight is refused by the stream's fence.
@@ -136,7 +132,8 @@ class Dispatcher:
             else:
                 heard[w] = last
         self.heard = heard
-        due = sorted(w for w, (_, since) in heard.items() if now - since >= UNHEARD_S)
+        unheard_s = self.settings.worker_unheard_s
+        due = sorted(w for w, (_, since) in heard.items() if now - since >= unheard_s)
         if not due:
             return 0
         ended = session.execute(jobs.requeue_held_by(due, self.settings.max_attempts)).all()
@@ -147,7 +144,7 @@ class Dispatcher:
             "workers %s: heartbeat still for %.0f s while renewing leases in Postgres (cut from Redis?): "
             "%d running jobs go to other workers",
             due,
-            UNHEARD_S,
+            unheard_s,
             len(ended),
         )
         return len(ended)

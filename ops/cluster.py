@@ -62,8 +62,9 @@ BRIDGE = f"{PREFIX}-br"
 HOSTS = {"data": 10, "cache": 11, "api1": 21, "api2": 22, "work1": 31, "work2": 32}
 API_PORT, REDIS_PORT = 8000, 6379
 # Longer than SPOOL_LEASE_S (3), the dispatcher's re-send (SPOOL_DISPATCH_TIMEOUT_S, 8) and the time
-# after which the dispatcher gives a worker Redis no longer hears away (LIVE_S 10 + UNHEARD_S 5).
+# after which the dispatcher gives a worker Redis no longer hears away (SPOOL_WORKER_UNHEARD_S, 15).
 PARTITION_S = 30.0
+UNHEARD_S = 15.0
 DOWN_S = 8.0  # how long a dead host stays dead before it is started again
 GAP_S = 4.0  # the load alone, before the first fault and after each
 SCENARIOS = ("worker-redis", "worker-postgres", "worker-isolated", "api-death", "worker-death")
@@ -144,6 +145,7 @@ class Cluster:
     pg: OwnPostgres | None = None
     lb_port: int = 0
     key: str = ""
+    unheard_s: float = UNHEARD_S
 
     @property
     def db_url(self) -> str:
@@ -162,6 +164,7 @@ class Cluster:
             "SPOOL_API_HOST": "0.0.0.0",
             "SPOOL_API_PORT": str(API_PORT),
             **TIMINGS,
+            "SPOOL_WORKER_UNHEARD_S": str(self.unheard_s),
             **extra,
         }
 
@@ -396,14 +399,16 @@ def run(
     partition_s: float = PARTITION_S,
     down_s: float = DOWN_S,
     gap_s: float = GAP_S,
+    unheard_s: float = UNHEARD_S,
 ) -> ClusterReport:
     """`scenarios` one after another under the load, then the audit. CI's short run passes shorter
-    `partition_s`, `down_s` and `gap_s`: the load keeps both worker cores busy the whole time."""
+    `partition_s`, `down_s` and `gap_s` (and a dispatcher that judges a silent worker sooner,
+    `unheard_s`): the load keeps both worker cores busy the whole time."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="spool-cluster-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {workdir}", flush=True)
     report = ClusterReport()
-    c = Cluster(workdir)
+    c = Cluster(workdir, unheard_s=unheard_s)
     started = time.monotonic()
 
     def stop(*_: object) -> None:

@@ -49,10 +49,10 @@ fi
 # their time waiting (an outage held, a client paused, a lease running out, the package registry),
 # run in a process of their own beside them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
 # what one two-thread engine does, and two engines of two threads each slow each other several-fold.
-# The tests marked `solo` run after them, alone. SPOOL_SERIAL=1: one process, as it was. The run
+# SPOOL_SERIAL=1: one process, as it was. The run
 # fails if any lane fails; the wallclock lane's report follows the rest.
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
-LANES=${SPOOL_TEST_LANES:-3}
+LANES=${SPOOL_TEST_LANES:-2}
 WALL_LOG=$(mktemp /tmp/spool-wallclock.XXXXXX)
 SPOOL_TEST_LANE=2 "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
 WALL=$!
@@ -62,7 +62,7 @@ for ((i = 0; i < LANES; i++)); do
   TX+=(--tx "popen//env:SPOOL_TEST_LANE=$lane")
 done
 rc=0
-"${PYTEST[@]}" -m "not wallclock and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
+"${PYTEST[@]}" -m "not wallclock" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 wall_rc=0
 wait $WALL || wall_rc=$?
 echo

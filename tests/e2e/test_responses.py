@@ -186,6 +186,7 @@ def test_a_function_call_streams_as_argument_events(stack):
         tools=[WEATHER],
         tool_choice="required",
         max_output_tokens=60,
+        temperature=0,  # sampled, the model once chose an empty city (2026-11-28): what streams is the point
         stream=True,
     )
     kinds = [e["type"] for e in events]
