@@ -65,6 +65,12 @@ class Dispatcher:
         lost: list = []
         with self.sessions() as session:
             sent = 0
+            if upkeep and not woken and not session.scalar(select(jobs.any_unended())):
+                # Idle: no job queued, dispatched or running, so nothing to reap, re-send or pick. One
+                # probe instead of a full pass: an idle dispatcher took 5 % of a core at 2 passes a second.
+                self._next_upkeep = time.monotonic() + s.dispatcher_interval_s
+                self.heard.clear()
+                return {"resent": 0, "sent": 0}
             if upkeep:
                 self._next_upkeep = time.monotonic() + s.dispatcher_interval_s
                 revoked = self._revoke_unheard(session)
@@ -155,14 +161,22 @@ class Dispatcher:
         expiring or finalizing a huge batch must not hold up dispatch, reaping and re-sends."""
         s = self.settings
         counts: dict[str, int] = {}
-        done = batches.advance(self.sessions, self.lifecycle, rotation=self.batch_rotation)
+        # What there is to do, in one round trip: each part below that finds nothing is skipped, so an
+        # idle keeper costs a probe a pass rather than a pass of statements.
+        with self.sessions() as session:
+            unended, live, hooks = session.execute(
+                select(jobs.any_unended(), batches.any_live(), webhooks.any_pending())
+            ).one()
+        done = batches.advance(self.sessions, self.lifecycle, rotation=self.batch_rotation) if live else batches.Pass()
         counts["batches_ended"] = done.ended
         self.batches_pending = done.more
         with self.sessions() as session:
-            self._gauges(session)
+            self._gauges(session, scan=bool(unended))
         # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
-        with self.sessions() as session:
-            due = webhooks.claim_due(session, lease_s=s.webhook_timeout_s * 3 + 30)
+        due = []
+        if hooks:
+            with self.sessions() as session:
+                due = webhooks.claim_due(session, lease_s=s.webhook_timeout_s * 3 + 30)
         for b in due:
             send_deliver_webhook(b.id, webhooks.event_body(b.status, batches.batch_json(b)))
         counts["webhooks"] = len(due)
@@ -231,17 +245,21 @@ class Dispatcher:
             self.lifecycle.fail_queued(job_id, attempts[job_id], err)
         return [p for p in picks if p not in wait and p not in over]
 
-    def _gauges(self, session: Session) -> None:
+    def _gauges(self, session: Session, scan: bool = True) -> None:
         """Queue depth, oldest queued job and live workers per model: a scan of the backlog, so once
-        per interval, not per tick."""
+        per interval, not per tick; none when no job is unended (`scan` false: every count is 0)."""
         seen: dict[tuple[str, str], tuple[int, Any]] = {
             (m, k): (0, None) for m in self.settings.model_ids for k in (JobKind.interactive.value, JobKind.batch.value)
         }
-        rows = session.execute(
-            select(Job.model, Job.kind, func.count(), func.min(Job.created_at))
-            .where(Job.state == JobState.queued.value)
-            .group_by(Job.model, Job.kind)
-        ).all()
+        rows = (
+            session.execute(
+                select(Job.model, Job.kind, func.count(), func.min(Job.created_at))
+                .where(Job.state == JobState.queued.value)
+                .group_by(Job.model, Job.kind)
+            ).all()
+            if scan
+            else []
+        )
         for model, kind, n, oldest in rows:
             seen[(model, kind)] = (n, oldest)
         now = time.time()

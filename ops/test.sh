@@ -49,7 +49,7 @@ fi
 # their time waiting (an outage held, a client paused, a lease running out, the package registry),
 # run in a process of their own beside them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
 # what one two-thread engine does, and two engines of two threads each slow each other several-fold.
-# SPOOL_SERIAL=1: one process, as it was. The run
+# The tests marked `solo` run after them, alone. SPOOL_SERIAL=1: one process, as it was. The run
 # fails if any lane fails; the wallclock lane's report follows the rest.
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
 LANES=${SPOOL_TEST_LANES:-2}
@@ -62,9 +62,15 @@ for ((i = 0; i < LANES; i++)); do
   TX+=(--tx "popen//env:SPOOL_TEST_LANE=$lane")
 done
 rc=0
-"${PYTEST[@]}" -m "not wallclock" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
+"${PYTEST[@]}" -m "not wallclock and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 wall_rc=0
 wait $WALL || wall_rc=$?
+# Tests marked `solo` (the fault harness: a schedule timed against a load of its own size) run last, alone.
+solo_rc=0
+echo
+echo "=== the solo tests, run after the lanes ==="
+env -u SPOOL_N_THREADS "${PYTEST[@]}" -m solo --durations=5 "$@" || solo_rc=$?  # the machine is its own: every core
+[ "$solo_rc" = 5 ] && solo_rc=0
 echo
 echo "=== the wallclock tests, run beside the rest ==="
 cat "$WALL_LOG"
@@ -74,4 +80,4 @@ echo "=== what each module cost (every lane; CPU: the pytest process and all it 
 .venv/bin/python -m tests.costs "$SPOOL_COSTS" 30 || true
 [ "$wall_rc" = 5 ] && wall_rc=0  # "$@" selected none of them
 [ "$rc" = 5 ] && rc=0
-exit $((rc != 0 || wall_rc != 0))
+exit $((rc != 0 || wall_rc != 0 || solo_rc != 0))

@@ -50,7 +50,7 @@ COSTS = {
     "tests/e2e/test_chat.py": 90,
     "tests/e2e/test_batches.py": 86,
     "tests/integration/test_constrained_samples.py": 75,
-    "tests/e2e/test_faults.py": 150,
+    "tests/e2e/test_faults.py": 69,
     "tests/e2e/test_client_pauses.py": 68,
     "tests/integration/test_llamacpp_engine.py": 54,
     "tests/e2e/test_lm_eval.py": 45,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, Text, and_, bindparam, case, cast, exists, func, or_, select
+from sqlalchemy import BigInteger, ColumnElement, Exists, Text, and_, bindparam, case, cast, exists, func, or_, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -222,6 +222,11 @@ def _pick(session: Session, rotation: Rotation, per_tenant: int) -> list[Any]:
         .order_by(ranked.c.rank, ranked.c.tenant_id)  # tenant by tenant: one of each, then the next of each
     )
     return list(session.execute(stmt, {"after": rotation.after}).all())
+
+
+def any_live() -> Exists:
+    """Some batch is in progress, cancelling or finalizing: `advance` has something to move."""
+    return exists().where(Batch.status.in_([s.value for s in LIVE]))
 
 
 def advance(

@@ -32,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import ColumnElement, and_, func, or_, select, text, update
+from sqlalchemy import ColumnElement, Exists, and_, exists, func, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
@@ -185,6 +185,12 @@ def _is_due(now: datetime) -> ColumnElement[bool]:
     """Never tried, or a retry (or a lapsed lease) is due. Delivered or abandoned: no next_at."""
     next_at = Batch.webhook_state["next_at"].astext.cast(Batch.created_at.type)
     return and_(_with_webhook(), or_(Batch.webhook_state.is_(None), next_at <= now))
+
+
+def any_pending() -> Exists:
+    """Some ended batch's webhook is not yet delivered or abandoned (never tried, leased, or a retry
+    waiting): `claim_due` may have something to claim now or later."""
+    return exists().where(_with_webhook(), or_(Batch.webhook_state.is_(None), Batch.webhook_state.has_key("next_at")))
 
 
 def _in_flight(now: datetime) -> ColumnElement[bool]:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, ParamSpec, cast
 from sqlalchemy import (
     ARRAY,
     Boolean,
+    Exists,
     Insert,
     Integer,
     Interval,
@@ -27,6 +28,7 @@ from sqlalchemy import (
     any_,
     bindparam,
     case,
+    exists,
     func,
     insert,
     literal,
@@ -370,6 +372,15 @@ def keep_cancelled(row: Job, usage: dict[str, Any], result: dict[str, Any] | Non
     row.usage = usage
     if result is not None:
         row.result = result
+
+
+UNENDED = (JobState.queued.value, JobState.dispatched.value, JobState.running.value)
+
+
+def any_unended() -> Exists:
+    """Some job is queued, dispatched or running: the dispatcher's idle pass asks only this (one probe
+    of ix_jobs_state_created) before the reaping, re-sending and picking that find nothing otherwise."""
+    return exists().where(Job.state.in_(UNENDED))
 
 
 def batch_in_flight(model: str):
