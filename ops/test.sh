@@ -8,11 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-lint() {
-  .venv/bin/ruff check .
-  .venv/bin/ruff format --check .
-  .venv/bin/lint-imports
-  .venv/bin/mypy
+lint() {  # chained: called as `lint || ...`, where set -e does not stop at a failing step
+  .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/lint-imports && .venv/bin/mypy
 }
 
 if [ "${1:-}" = "unit" ]; then
@@ -32,7 +29,6 @@ EXTRAS=cpu,test,bench,eval
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="$EXTRAS,gpu"; fi
 SPOOL_EXTRAS=$EXTRAS bash ops/bootstrap.sh
 bash ops/test-tools.sh
-lint
 # --durations: where the suite's time goes, printed at the end of every run.
 # SPOOL_STRICT_SKIPS: a skip fails the run unless its reason is an allowed one (no GPU; tests/strict_skips.py).
 export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
@@ -40,7 +36,25 @@ export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
 export SPOOL_COSTS=${SPOOL_COSTS:-$(mktemp /tmp/spool-costs.XXXXXX)}
 PYTEST=(.venv/bin/python -m pytest tests -p no:cacheprovider -p tests.strict_skips -p tests.costs -ra)
 if [ "${SPOOL_SERIAL:-0}" = 1 ]; then
+  lint
   exec "${PYTEST[@]}" --durations=40 "$@"
+fi
+
+# The tests marked `solo` (the fault harness: a schedule timed against a load of its own size) cannot
+# share the machine with the lanes, but the lint can share it with them: mypy, most of it, holds one core
+# for about a minute on a fresh clone, and the solo run took 70-80 s after the lanes. Side by side they
+# take about the longer one's time. Every core the lint leaves goes to the engine (no SPOOL_N_THREADS).
+SOLO_LOG=$(mktemp /tmp/spool-solo.XXXXXX)
+env -u SPOOL_N_THREADS "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
+SOLO=$!
+lint_rc=0
+lint || lint_rc=$?
+solo_rc=0
+wait $SOLO || solo_rc=$?
+[ "$solo_rc" = 5 ] && solo_rc=0  # "$@" selected none of them
+if [ "$lint_rc" != 0 ]; then
+  cat "$SOLO_LOG"
+  exit "$lint_rc"
 fi
 
 # The suite runs in lanes, pytest processes side by side, each on a database and Redis dbs of its own
@@ -49,7 +63,7 @@ fi
 # their time waiting (an outage held, a client paused, a lease running out, the package registry),
 # run in a process of their own beside them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
 # what one two-thread engine does, and two engines of two threads each slow each other several-fold.
-# The tests marked `solo` run after them, alone. SPOOL_SERIAL=1: one process, as it was. The run
+# The tests marked `solo` ran before them, beside the lint. SPOOL_SERIAL=1: one process, as it was. The run
 # fails if any lane fails; the wallclock lane's report follows the rest.
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
 LANES=${SPOOL_TEST_LANES:-2}
@@ -65,12 +79,10 @@ rc=0
 "${PYTEST[@]}" -m "not wallclock and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 wall_rc=0
 wait $WALL || wall_rc=$?
-# Tests marked `solo` (the fault harness: a schedule timed against a load of its own size) run last, alone.
-solo_rc=0
 echo
-echo "=== the solo tests, run after the lanes ==="
-env -u SPOOL_N_THREADS "${PYTEST[@]}" -m solo --durations=5 "$@" || solo_rc=$?  # the machine is its own: every core
-[ "$solo_rc" = 5 ] && solo_rc=0
+echo "=== the solo tests, run beside the lint, before the lanes ==="
+cat "$SOLO_LOG"
+rm -f "$SOLO_LOG"
 echo
 echo "=== the wallclock tests, run beside the rest ==="
 cat "$WALL_LOG"
