@@ -28,6 +28,7 @@ EXTRAS=cpu,test,bench,eval
 # A host with a CUDA device also installs the GPU engines, and tests/gpu then runs instead of skipping.
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="$EXTRAS,gpu"; fi
 SPOOL_EXTRAS=$EXTRAS bash ops/bootstrap.sh
+bash ops/test-tools.sh
 # --durations: where the suite's time goes, printed at the end of every run.
 # SPOOL_STRICT_SKIPS: a skip fails the run unless its reason is an allowed one (no GPU; tests/strict_skips.py).
 export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
@@ -35,7 +36,6 @@ export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
 export SPOOL_COSTS=${SPOOL_COSTS:-$(mktemp /tmp/spool-costs.XXXXXX)}
 PYTEST=(.venv/bin/python -m pytest tests -p no:cacheprovider -p tests.strict_skips -p tests.costs -ra)
 if [ "${SPOOL_SERIAL:-0}" = 1 ]; then
-  bash ops/test-tools.sh
   lint
   exec "${PYTEST[@]}" --durations=40 "$@"
 fi
@@ -43,14 +43,12 @@ fi
 # The tests marked `solo` (the fault harness: a schedule timed against a load of its own size) cannot
 # share the machine with the lanes, but the lint can share it with them: mypy, most of it, holds one core
 # for about a minute on a fresh clone, and the solo run took 70-80 s after the lanes. Side by side they
-# take about the longer one's time. Every core the lint leaves goes to the engine (no SPOOL_N_THREADS). The
-# test tools (Chromium, HAProxy, the GPU contract wheels) are installed meanwhile too: it needs none of them.
+# take about the longer one's time. Every core the lint leaves goes to the engine (no SPOOL_N_THREADS).
 SOLO_LOG=$(mktemp /tmp/spool-solo.XXXXXX)
 env -u SPOOL_N_THREADS "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
 SOLO=$!
 lint_rc=0
-bash ops/test-tools.sh || lint_rc=$?
-[ "$lint_rc" = 0 ] && { lint || lint_rc=$?; }
+lint || lint_rc=$?
 solo_rc=0
 wait $SOLO || solo_rc=$?
 [ "$solo_rc" = 5 ] && solo_rc=0  # "$@" selected none of them
