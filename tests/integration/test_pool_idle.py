@@ -12,6 +12,7 @@ import time
 
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
 
 from core.config import Settings
 from core.infra import db
@@ -23,9 +24,10 @@ IDLE_S = 2.0
 
 def _open(engine) -> int:
     """This engine's connections Postgres has open (its own application_name)."""
-    with create_engine(IT_DB).connect() as admin:
+    admin = create_engine(IT_DB, poolclass=NullPool)  # its own connection closed at once: never counted
+    with admin.connect() as conn:
         q = "SELECT count(*) FROM pg_stat_activity WHERE application_name = :a"
-        return admin.scalar(text(q), {"a": engine.url.query["application_name"]})
+        return conn.scalar(text(q), {"a": engine.url.query["application_name"]})
 
 
 def _pool(lifo: bool, name: str):
