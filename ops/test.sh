@@ -43,9 +43,12 @@ fi
 # The tests marked `solo` (the fault harness: a schedule timed against a load of its own size) cannot
 # share the machine with the lanes, but the lint can share it with them: mypy, most of it, holds one core
 # for about a minute on a fresh clone, and the solo run took 70-80 s after the lanes. Side by side they
-# take about the longer one's time. Every core the lint leaves goes to the engine (no SPOOL_N_THREADS).
+# take about the longer one's time. The engine takes one thread (SPOOL_N_THREADS=1): with two, llama.cpp's
+# threads meet at a barrier after every operation, and while mypy holds a core one of them waits for it
+# each time. Seen on a slow stretch (2026-11-28, yardstick 140 ms): 984 ms a decode step, the harness's
+# reference requests timed out after 60 s.
 SOLO_LOG=$(mktemp /tmp/spool-solo.XXXXXX)
-env -u SPOOL_N_THREADS "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
+SPOOL_N_THREADS=1 "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
 SOLO=$!
 lint_rc=0
 lint || lint_rc=$?
