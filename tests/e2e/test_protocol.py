@@ -400,7 +400,9 @@ def test_context_length_exceeded_behaviours(api):
     r = api.complete(prompt=long_prompt, max_tokens=100, ignore_eos=True, context_length_exceeded_behavior="truncate")
     assert r["usage"]["completion_tokens"] == 24 and r["choices"][0]["finish_reason"] == "length"
     api.complete(prompt=long_prompt, max_tokens=100, context_length_exceeded_behavior="error", expect=400)
-    too_long = tokens(api, "word " * 1100)[:1100]
+    # 1,100 tokens whose last 1,016 (what truncation keeps) begin with long_prompt: that prefix is in
+    # the cache from the request above, so the engine prefills 16 tokens here instead of 1,016.
+    too_long = long_prompt[:84] + long_prompt + long_prompt[1:17]
     api.complete(prompt=too_long, max_tokens=8, expect=400)
     r = api.complete(prompt=too_long, max_tokens=8, ignore_eos=True, truncate_sequence=True)
     assert r["usage"]["prompt_tokens"] == 1024 - 8 and r["usage"]["completion_tokens"] == 8
