@@ -674,6 +674,10 @@ def load_and_audit(
     # reference requests go at once, so the engine decodes them together (one after another they took
     # a quarter of a short run); the load's own requests are batched with each other just the same.
     ref_client = Client(base_url, key, tally)
+    # Each waits for its whole answer, and the last of them for the batches before it: on a slow stretch
+    # of a shared 2-core machine (four engines on it, a fixed CPU workload 3x its quick time) the last
+    # took over the clients' 60 s read timeout (2026-11-28, twice). Nothing is being faulted yet.
+    ref_client.http.timeout = httpx.Timeout(60, read=ref_client.give_up_s)
 
     def answer(kind: str, p: str) -> str:
         if kind == "completion":
@@ -910,6 +914,28 @@ def schedule(
 KILL_WAIT_S = 90.0
 
 
+def streaming_jobs(db: Any, redis_url: str, n_tokens: int) -> int:
+    """Streams mid-flight: started a while ago and less than half written (the stream's own length,
+    from Redis), so a kill that follows cuts one rather than landing after its end or before its first
+    chunk (a stream with no chunk yet is sent again, not re-attached). Both harnesses wait on it."""
+    import redis as redis_lib
+    from sqlalchemy import text
+
+    from core.infra.streams import stream_key
+
+    with db.connect() as conn:
+        q = (
+            "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
+            " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
+        )
+        ids = list(conn.scalars(text(q)))
+    try:
+        with redis_lib.Redis.from_url(redis_url) as r:
+            return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < n_tokens // 2)
+    except redis_lib.RedisError:
+        return 0
+
+
 class Injector:
     """What each fault of the table does (`Fault.action`) to the one-host stack."""
 
@@ -926,24 +952,7 @@ class Injector:
             return conn.scalar(text("SELECT count(*) FROM jobs WHERE state = 'running'")) or 0
 
     def _streaming_jobs(self) -> int:
-        """Streams mid-flight: started a while ago and less than half written (the stream's own
-        length, from Redis), so a kill that follows cuts one rather than landing after its end."""
-        import redis as redis_lib
-        from sqlalchemy import text
-
-        from core.infra.streams import stream_key
-
-        with self.db.connect() as conn:
-            q = (
-                "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
-                " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
-            )
-            ids = list(conn.scalars(text(q)))
-        try:
-            with redis_lib.Redis.from_url(self.rd.url) as r:
-                return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < self.n_tokens // 2)
-        except redis_lib.RedisError:
-            return 0
+        return streaming_jobs(self.db, self.rd.url, self.n_tokens)
 
     def kill_worker(self, f: Fault) -> None:
         try:

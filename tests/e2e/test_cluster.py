@@ -1,8 +1,8 @@
 """Issue 39, CI's short run of the cluster harness (ops/cluster.py): six network-namespace hosts
 behind HAProxy, under the fault harness's mixed load (streamed, non-streamed, async, keyless, chat,
-Responses and batch requests; the `openai` SDK among the clients). An API host's link is cut under
-streams and its processes SIGKILLed, then a worker host is cut from Redis for 14 s while it generates
-(its processes running, no FIN or RST). The audit: every accepted job ended exactly once with the
+Responses and batch requests; the `openai` SDK among the clients). A worker host is cut from Redis
+for 14 s while it generates (its processes running, no FIN or RST), then an API host's link is cut
+under streams and its processes SIGKILLed. The audit: every accepted job ended exactly once with the
 text of an undisturbed run, no 5xx from Spool, streams resumed through the other API host, and the
 cut worker's jobs taken over by the other worker while the cut lasted. `python -m ops.cluster` runs
 every scenario (docs/reliability.md has its figures)."""
