@@ -17,7 +17,9 @@ case "$(uname -m)" in
   x86_64 | amd64) FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" ;;
   *) FLAGS="-DGGML_NATIVE=OFF" ;;
 esac
-KEY=$(printf '%s|%s|%s' "$SPEC" "$FLAGS" "$("$PY" -c 'import sys; print(sys.version_info[:2])')" | sha1sum | cut -c1-12)
+# CMAKE_ARGS count too (with none the key is what it always was): a host's own flags get a build of their own.
+KEY=$(printf '%s|%s|%s%s' "$SPEC" "$FLAGS" "$("$PY" -c 'import sys; print(sys.version_info[:2])')" "${CMAKE_ARGS:+|$CMAKE_ARGS}" \
+  | sha1sum | cut -c1-12)
 DIR=${SPOOL_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spool/wheels}/llama-$KEY
 if ! ls "$DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   # About 8-12 minutes on 2 cores, once per machine (or image build).
