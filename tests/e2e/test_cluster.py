@@ -30,12 +30,8 @@ pytestmark = pytest.mark.skipif(
 def test_a_partition_and_an_api_host_death_lose_nothing(tmp_path):
     # Shorter than the full run's windows, with a dispatcher that judges a worker Redis no longer hears
     # after 8 s (SPOOL_WORKER_UNHEARD_S; 15 by default): the cut still outlasts it by 6 s (20 s outlasted
-    # the default by 5). The load keeps both worker cores busy throughout, so every second is two CPU seconds:
-    # the cut's jobs are followed until the other worker has taken each over, not until each has ended
-    # behind its backlog (wait_ended=False; the audit checks every job's end).
-    report = cluster.run(
-        cluster.SHORT, tmp_path / "cluster", partition_s=14.0, down_s=4.0, gap_s=2.0, unheard_s=8.0, wait_ended=False
-    )
+    # the default by 5). The load keeps both worker cores busy throughout, so every second is two CPU seconds.
+    report = cluster.run(cluster.SHORT, tmp_path / "cluster", partition_s=14.0, down_s=4.0, gap_s=2.0, unheard_s=8.0)
     assert report.clean, report.problems
     assert (report.lost, report.duplicated, report.wrong, report.stuck, report.http_5xx) == (0, 0, 0, 0, 0)
     assert report.requests >= 60 and report.batch_lines == 24
