@@ -917,7 +917,7 @@ KILL_WAIT_S = 90.0
 def streaming_jobs(db: Any, redis_url: str, n_tokens: int) -> int:
     """Streams mid-flight: started a while ago and less than half written (the stream's own length,
     from Redis), so a kill that follows cuts one rather than landing after its end or before its first
-    chunk (a stream with no chunk yet is sent again, not re-attached). Both harnesses wait on it."""
+    chunk (a stream with no chunk yet is sent again, not re-attached)."""
     import redis as redis_lib
     from sqlalchemy import text
 
