@@ -914,28 +914,6 @@ def schedule(
 KILL_WAIT_S = 90.0
 
 
-def streaming_jobs(db: Any, redis_url: str, n_tokens: int) -> int:
-    """Streams mid-flight: started a while ago and less than half written (the stream's own length,
-    from Redis), so a kill that follows cuts one rather than landing after its end or before its first
-    chunk (a stream with no chunk yet is sent again, not re-attached)."""
-    import redis as redis_lib
-    from sqlalchemy import text
-
-    from core.infra.streams import stream_key
-
-    with db.connect() as conn:
-        q = (
-            "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
-            " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
-        )
-        ids = list(conn.scalars(text(q)))
-    try:
-        with redis_lib.Redis.from_url(redis_url) as r:
-            return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < n_tokens // 2)
-    except redis_lib.RedisError:
-        return 0
-
-
 class Injector:
     """What each fault of the table does (`Fault.action`) to the one-host stack."""
 
@@ -952,7 +930,24 @@ class Injector:
             return conn.scalar(text("SELECT count(*) FROM jobs WHERE state = 'running'")) or 0
 
     def _streaming_jobs(self) -> int:
-        return streaming_jobs(self.db, self.rd.url, self.n_tokens)
+        """Streams mid-flight: started a while ago and less than half written (the stream's own
+        length, from Redis), so a kill that follows cuts one rather than landing after its end."""
+        import redis as redis_lib
+        from sqlalchemy import text
+
+        from core.infra.streams import stream_key
+
+        with self.db.connect() as conn:
+            q = (
+                "SELECT id FROM jobs WHERE state = 'running' AND kind = 'interactive' AND stream"
+                " AND started_at < now() - interval '100 milliseconds'"  # its first chunks are out
+            )
+            ids = list(conn.scalars(text(q)))
+        try:
+            with redis_lib.Redis.from_url(self.rd.url) as r:
+                return sum(1 for i in ids if 0 < r.xlen(stream_key(i)) < self.n_tokens // 2)
+        except redis_lib.RedisError:
+            return 0
 
     def kill_worker(self, f: Fault) -> None:
         try:
