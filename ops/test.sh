@@ -48,13 +48,15 @@ fi
 # each time. Seen on a slow stretch (2026-11-28, yardstick 140 ms): 984 ms a decode step, the harness's
 # reference requests timed out after 60 s.
 SOLO_LOG=$(mktemp /tmp/spool-solo.XXXXXX)
-SPOOL_N_THREADS=1 "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
+T_TESTS=$SECONDS  # the tests' clock (printed at the end): from here, the solo run's start
+SPOOL_COSTS_LANE=solo SPOOL_N_THREADS=1 "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
 SOLO=$!
 lint_rc=0
 lint || lint_rc=$?
 solo_rc=0
 wait $SOLO || solo_rc=$?
 [ "$solo_rc" = 5 ] && solo_rc=0  # "$@" selected none of them
+T_LANES=$SECONDS
 if [ "$lint_rc" != 0 ]; then
   cat "$SOLO_LOG"
   exit "$lint_rc"
@@ -71,7 +73,7 @@ fi
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
 LANES=${SPOOL_TEST_LANES:-2}
 WALL_LOG=$(mktemp /tmp/spool-wallclock.XXXXXX)
-SPOOL_TEST_LANE=2 "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
+SPOOL_COSTS_LANE=wallclock SPOOL_TEST_LANE=2 "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
 WALL=$!
 TX=()
 for ((i = 0; i < LANES; i++)); do
@@ -82,6 +84,7 @@ rc=0
 "${PYTEST[@]}" -m "not wallclock and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 wall_rc=0
 wait $WALL || wall_rc=$?
+T_END=$SECONDS
 echo
 echo "=== the solo tests, run beside the lint, before the lanes ==="
 cat "$SOLO_LOG"
@@ -93,6 +96,9 @@ rm -f "$WALL_LOG"
 echo
 echo "=== what each module cost (every lane; CPU: the pytest process and all it started) ==="
 .venv/bin/python -m tests.costs "$SPOOL_COSTS" 30 || true
+echo
+echo "=== time: the solo tests beside the lint $((T_LANES - T_TESTS)) s, the lanes $((T_END - T_LANES)) s;" \
+  "tests in all (the solo run's start to the last lane's end) $((T_END - T_TESTS)) s ==="
 [ "$wall_rc" = 5 ] && wall_rc=0  # "$@" selected none of them
 [ "$rc" = 5 ] && rc=0
 exit $((rc != 0 || wall_rc != 0 || solo_rc != 0))

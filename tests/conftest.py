@@ -38,41 +38,42 @@ if TEST_REDIS.rsplit("/", 1)[-1] in {str(n) for n in SIDE_REDIS_DBS}:
 MODEL = "smollm2-135m-instruct"
 
 # Seconds a module takes (its tests' calls and its own stacks' start), from the costs table of a full
-# run in lanes (tests/costs.py; 2026-11-28, 2-core VM; the two in-process sampling modules measured
-# after). ops/test.sh's lanes take modules in this order, longest first, so that no long module starts
-# last while the other lane idles; modules not listed follow in their own order. The wallclock lane
+# run in lanes (tests/costs.py; 2026-11-28 23:00, the 2-core VM, 45d9df9). ops/test.sh's lanes take
+# modules in this order, longest first, so that no long module starts last while the other lane
+# idles; modules not listed follow in their own order. The wallclock lane
 # (the modules marked so) takes its own in the same order.
 COSTS = {
-    "tests/e2e/test_cluster.py": 138,
-    "tests/e2e/test_image_replay.py": 107,
+    "tests/e2e/test_protocol.py": 129,
+    "tests/e2e/test_cluster.py": 120,
     "tests/e2e/test_long_outages.py": 104,
-    "tests/e2e/test_protocol.py": 100,
-    "tests/e2e/test_chat.py": 90,
-    "tests/e2e/test_batches.py": 86,
-    "tests/integration/test_constrained_samples.py": 75,
-    "tests/e2e/test_faults.py": 69,
-    "tests/e2e/test_client_pauses.py": 68,
-    "tests/integration/test_llamacpp_engine.py": 54,
-    "tests/e2e/test_lm_eval.py": 45,
-    "tests/e2e/test_fuzz.py": 36,
-    "tests/e2e/test_clients.py": 31,
-    "tests/e2e/test_reliability.py": 29,
-    "tests/e2e/test_responses.py": 28,
+    "tests/e2e/test_image_replay.py": 99,
+    "tests/e2e/test_faults.py": 82,
+    "tests/integration/test_constrained_samples.py": 80,
+    "tests/e2e/test_batches.py": 57,
+    "tests/e2e/test_client_pauses.py": 52,
+    "tests/e2e/test_chat.py": 44,
+    "tests/integration/test_llamacpp_engine.py": 43,
+    "tests/e2e/test_lm_eval.py": 39,
+    "tests/e2e/test_fuzz.py": 34,
+    "tests/e2e/test_responses.py": 30,
+    "tests/e2e/test_clients.py": 26,
     "tests/e2e/test_dead_host.py": 26,
-    "tests/e2e/test_durability.py": 24,
-    "tests/e2e/test_fairness.py": 22,
+    "tests/e2e/test_idempotency_hold.py": 26,
+    "tests/e2e/test_reliability.py": 25,
+    "tests/e2e/test_model_registry.py": 24,
+    "tests/e2e/test_paced_engine.py": 22,
+    "tests/e2e/test_status_page.py": 20,
+    "tests/e2e/test_durability.py": 20,
     "tests/e2e/test_peer_fidelity.py": 20,
-    "tests/e2e/test_model_registry.py": 19,
-    "tests/e2e/test_idempotency_hold.py": 19,
-    "tests/e2e/test_outages.py": 18,
-    "tests/e2e/test_paced_engine.py": 18,
-    "tests/e2e/test_compose_rehearsal.py": 15,
-    "tests/e2e/test_tenancy.py": 14,
-    "tests/e2e/test_status_page.py": 13,
-    "tests/e2e/test_fresh_machine.py": 11,
+    "tests/e2e/test_tenancy.py": 20,
+    "tests/e2e/test_bare_host_rehearsal.py": 18,
+    "tests/e2e/test_fairness.py": 18,
+    "tests/e2e/test_outages.py": 17,
+    "tests/e2e/test_fresh_machine.py": 16,
+    "tests/e2e/test_compose_rehearsal.py": 14,
+    "tests/integration/test_redis_refusals.py": 13,
     "tests/e2e/test_webhooks.py": 10,
-    "tests/integration/test_redis_refusals.py": 10,
-    "tests/e2e/test_bare_host_rehearsal.py": 10,
+    "tests/integration/test_pool_idle.py": 10,
 }
 
 

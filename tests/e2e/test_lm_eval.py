@@ -27,19 +27,10 @@ pytestmark = pytest.mark.skipif(
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 
 
-def _in_process_loglikelihood(ids: list[int], ctxlen: int) -> float:
+def _in_process_loglikelihood(llm, ids: list[int], ctxlen: int) -> float:
     """Sum of log p(token | everything before it) over the continuation, from llama.cpp's logits, with
     the engine's arithmetic: flash attention on (llama.cpp's default on CPU, and the CPU engine's).
     Without it the same model differs by up to ~0.1 nats per token on this prompt set (measured)."""
-    from llama_cpp import Llama
-
-    from core.registry import smollm2_gguf
-
-    llm = _llm_cache.get("llm")
-    if llm is None:
-        llm = _llm_cache["llm"] = Llama(
-            str(smollm2_gguf()), n_ctx=1024, logits_all=True, flash_attn=True, verbose=False
-        )
     llm.reset()
     llm.eval(ids)
     scores = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
@@ -50,10 +41,20 @@ def _in_process_loglikelihood(ids: list[int], ctxlen: int) -> float:
     return total
 
 
-_llm_cache: dict = {}
+@pytest.fixture
+def llm():
+    """The model in this process, closed after the test (one left to the interpreter's exit is
+    finalized after llama-cpp-python's modules, and prints a TypeError from `Llama.__del__`)."""
+    from llama_cpp import Llama
+
+    from core.registry import smollm2_gguf
+
+    model = Llama(str(smollm2_gguf()), n_ctx=1024, logits_all=True, flash_attn=True, verbose=False)
+    yield model
+    model.close()
 
 
-def test_lm_eval_local_completions_scores_what_the_model_computes(stack, tmp_path):
+def test_lm_eval_local_completions_scores_what_the_model_computes(stack, llm, tmp_path):
     from core.registry import smollm2_gguf
     from ops.tokenizer_from_gguf import export
 
@@ -108,7 +109,7 @@ def test_lm_eval_local_completions_scores_what_the_model_computes(stack, tmp_pat
             # How lm-eval splits a pair into tokens (TemplateLM._encode_pair): the whole, then the context.
             whole = hf.encode(context + continuation, add_special_tokens=False).ids
             ctxlen = len(hf.encode(context, add_special_tokens=False).ids)
-            expected = _in_process_loglikelihood(whole, ctxlen)
+            expected = _in_process_loglikelihood(llm, whole, ctxlen)
             worst = max(worst, abs(loglik - expected))
             assert abs(loglik - expected) < 1e-3, (context, continuation, loglik, expected)
     print(f"largest difference from the in-process value: {worst:.2e} nats over {len(mc) * 4} continuations")
