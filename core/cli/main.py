@@ -226,10 +226,15 @@ def settings_markdown() -> str:
 LimitOpt = typer.Option(None, help="Limit: a positive number, or 'none' for unlimited (omit: leave as is).")
 
 
-def _limits(**kw: str | int | None) -> dict[str, int | None]:
-    """Options given on the command line, 'none' as None (unlimited): the same values /admin takes."""
+LIMITS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes")
+
+
+def _limits(args: dict[str, object]) -> dict[str, int | None]:
+    """The limit options among a command's arguments (its `locals()`, taken first thing), those given
+    only, 'none' as None (unlimited): the same values /admin takes."""
     out: dict[str, int | None] = {}
-    for k, v in kw.items():
+    for k in LIMITS:
+        v = args.get(k)
         if v is None:
             continue
         text = str(v).strip().lower()
@@ -287,17 +292,9 @@ def tenant_create(
     max_storage_bytes: str | None = LimitOpt,
 ) -> None:
     """Create a tenant, optionally with limits (requests/tokens per minute, tokens per day, ...)."""
+    values = _limits(locals())
     from core.tenancy import service as tenancy
 
-    values = _limits(
-        weight=weight,
-        rpm=rpm,
-        tpm=tpm,
-        tpd=tpd,
-        max_concurrent=max_concurrent,
-        max_queued=max_queued,
-        max_storage_bytes=max_storage_bytes,
-    )
     body = _service(lambda _s: tenancy.parse(tenancy.TenantCreate, {"name": name, **values}))
     t = _service(tenancy.create_tenant, body)
     typer.echo(f"tenant '{t.name}' created (id {t.id})")
@@ -316,18 +313,10 @@ def tenant_update(
     as_json: bool = JsonOpt,
 ) -> None:
     """Change a tenant's weight or limits ('none' clears a limit)."""
+    values = _limits(locals())
     from core.protocol import render
     from core.tenancy import service as tenancy
 
-    values = _limits(
-        weight=weight,
-        rpm=rpm,
-        tpm=tpm,
-        tpd=tpd,
-        max_concurrent=max_concurrent,
-        max_queued=max_queued,
-        max_storage_bytes=max_storage_bytes,
-    )
     body = _service(lambda _s: tenancy.parse(tenancy.TenantLimits, values))
     _print([render.tenant(_service(tenancy.update_tenant, name, body))], as_json, TENANT_COLUMNS)
 

@@ -124,18 +124,22 @@ def test_json_schema_strict_answers_valid_json_on_the_wire(stack):
     openapi.validate(r.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionResponse")
 
 
+def _weather_call(client, question: str, tool_choice, **sampling):
+    """One user question with the weather tool offered and a tool call asked for (`tool_choice`)."""
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        max_tokens=80,
+        **sampling,
+    )
+
+
 def test_a_named_tool_choice_yields_a_valid_call_on_the_wire(stack):
     """One sample on the wire; 50 of 50 are valid in tests/integration/test_constrained_samples.py."""
-    client = stack.openai()
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "What's the weather like in Paris?"}],
-        tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        seed=5,
-        temperature=1.0,
-        max_tokens=80,
-    )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = _weather_call(stack.openai(), "What's the weather like in Paris?", named, seed=5, temperature=1.0)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c
     assert c.message.tool_calls and c.message.content is None
@@ -172,14 +176,7 @@ def test_tool_calls_stream_as_tool_call_deltas(stack):
 
 def test_a_tool_round_trip_renders_through_the_template(stack):
     client = stack.openai()
-    first = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "What's the weather in Rome?"}],
-        tools=[WEATHER],
-        tool_choice="required",
-        temperature=0,
-        max_tokens=80,
-    )
+    first = _weather_call(client, "What's the weather in Rome?", "required", temperature=0)
     call = first.choices[0].message.tool_calls[0]
     messages = [
         {"role": "user", "content": "What's the weather in Rome?"},
@@ -433,33 +430,23 @@ def test_continue_final_message_and_response_format_answers_are_not_cut_at_16(st
 
 def test_chat_top_logprobs_20_returns_20_alternatives(stack):
     client = stack.openai()
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=20,
-        extra_body={"ignore_eos": True},
-    )
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "extra_body": {"ignore_eos": True},
+    }
+    r = client.chat.completions.create(**ask)
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     for e in content:
         alts = e.top_logprobs
         assert len(alts) == 20 and len({a.token for a in alts}) == 20
         assert [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=4,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=20,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-    )
+    chunks = list(client.chat.completions.create(**ask, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
     assert [len(e.top_logprobs) for e in streamed] == [20] * 4
 

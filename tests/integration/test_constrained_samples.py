@@ -64,17 +64,16 @@ def _run(session, sessions, rds, it_settings, loop, **body) -> dict:
     return body
 
 
-def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(run):
-    body = run(
-        messages=[{"role": "user", "content": "Describe a person as JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}},
-        n=50,
-        seed=3,
-        temperature=1.0,
-        max_tokens=120,
-    )
-    choices = body["choices"]
+def _fifty(run, question: str, **body) -> list[dict]:
+    """50 samples at temperature 1 of one user question: the choices, all 50 of them there."""
+    choices = run(messages=[{"role": "user", "content": question}], n=50, temperature=1.0, **body)["choices"]
     assert len(choices) == 50
+    return choices
+
+
+def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(run):
+    person = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+    choices = _fifty(run, "Describe a person as JSON.", response_format=person, seed=3, max_tokens=120)
     for c in choices:
         assert c["finish_reason"] == "stop", c
         jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
@@ -82,17 +81,10 @@ def test_json_schema_strict_gives_valid_json_in_50_of_50_samples(run):
 
 
 def test_a_named_tool_choice_yields_valid_calls_in_50_of_50_samples(run):
-    body = run(
-        messages=[{"role": "user", "content": "What's the weather like in Paris?"}],
-        tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        n=50,
-        seed=5,
-        temperature=1.0,
-        max_tokens=80,
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choices = _fifty(
+        run, "What's the weather like in Paris?", tools=[WEATHER], tool_choice=named, seed=5, max_tokens=80
     )
-    choices = body["choices"]
-    assert len(choices) == 50
     for c in choices:
         assert c["finish_reason"] == "tool_calls", c
         assert c["message"]["tool_calls"] and c["message"]["content"] is None

@@ -69,3 +69,8 @@ def test_cli_speaks_the_same_limits_as_admin(session, sessions):
     assert cli("tenant", "update", "svc-cli", "--rpm", "none", "--json").returncode == 0
     with sessions() as s:
         assert s.get(Tenant, tenancy.tenant(s, "svc-cli").id).rpm is None
+    made = cli("tenant", "create", "svc-cli-made", "--weight", "3", "--tpm", "500", "--max-queued", "none")
+    assert made.returncode == 0, made.stderr
+    with sessions() as s:
+        t = s.get(Tenant, tenancy.tenant(s, "svc-cli-made").id)
+        assert (t.weight, t.tpm, t.max_queued, t.rpm) == (3, 500, None, None)
