@@ -53,6 +53,7 @@ SPOOL_COSTS_LANE=solo SPOOL_N_THREADS=1 "${PYTEST[@]}" -m solo --durations=5 "$@
 SOLO=$!
 lint_rc=0
 lint || lint_rc=$?
+T_LINT=$SECONDS
 solo_rc=0
 wait $SOLO || solo_rc=$?
 [ "$solo_rc" = 5 ] && solo_rc=0  # "$@" selected none of them
@@ -97,7 +98,8 @@ echo
 echo "=== what each module cost (every lane; CPU: the pytest process and all it started) ==="
 .venv/bin/python -m tests.costs "$SPOOL_COSTS" 30 || true
 echo
-echo "=== time: the solo tests beside the lint $((T_LANES - T_TESTS)) s, the lanes $((T_END - T_LANES)) s;" \
+echo "=== time: the solo tests beside the lint $((T_LANES - T_TESTS)) s (the lint $((T_LINT - T_TESTS)) s)," \
+  "the lanes $((T_END - T_LANES)) s;" \
   "tests in all (the solo run's start to the last lane's end) $((T_END - T_TESTS)) s ==="
 [ "$wall_rc" = 5 ] && wall_rc=0  # "$@" selected none of them
 [ "$rc" = 5 ] && rc=0
