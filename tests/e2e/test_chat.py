@@ -343,12 +343,11 @@ STORY = [
 ]
 
 
-# A story already ~870 tokens long: running on to the context's end is ~150 tokens, not ~1,000 (the
-# short STORY's two runs of 991 tokens took 50 s of the suite).
-LONG_STORY = [
-    {"role": "system", "content": "You are a storyteller who never stops."},
-    {"role": "user", "content": "Go on with this story: " + "The fox ran through the forest and the river. " * 85},
-]
+# A question the model answers in ~70 tokens and then ends its turn by itself, greedily: past
+# completions' 16, and cheap. It was an ~870-token story run on to the context's end (2 x 1,024 tokens
+# through the engine, whose prefill costs about what generating does: 25 s of the suite); the
+# context's end is shown by `max_tokens: -1` (test_protocol) and the reservation test below.
+ENDS_BY_ITSELF = [{"role": "user", "content": "Say hello in French and in Spanish."}]
 
 
 FRESH = {"cache_prompt": False}
@@ -362,7 +361,7 @@ def test_a_chat_without_max_tokens_runs_to_the_models_stop_or_the_context_end(st
         return list(
             client.chat.completions.create(
                 model=MODEL,
-                messages=LONG_STORY,
+                messages=ENDS_BY_ITSELF,
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -373,12 +372,10 @@ def test_a_chat_without_max_tokens_runs_to_the_models_stop_or_the_context_end(st
     # One after the other, each prefilling its own prompt (`cache_prompt: false`): prompts prefilled
     # side by side are cut into different chunks, and a cached prefix is not the same KV either, so
     # either may part from the other after a few dozen greedy tokens (docs/parameters.md).
-    r = client.chat.completions.create(model=MODEL, messages=LONG_STORY, temperature=0, extra_body=FRESH)
+    r = client.chat.completions.create(model=MODEL, messages=ENDS_BY_ITSELF, temperature=0, extra_body=FRESH)
     chunks = streamed_run()
     c = r.choices[0]
-    assert r.usage.prompt_tokens > 800 and r.usage.completion_tokens > 16, r.usage
-    # SmolLM2-135M goes on greedily: it fills the test stack's 1024-token context.
-    assert c.finish_reason == "stop" or r.usage.total_tokens == 1024, (c.finish_reason, r.usage)
+    assert c.finish_reason == "stop" and r.usage.completion_tokens > 16, (c.finish_reason, r.usage)
     assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == c.message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 

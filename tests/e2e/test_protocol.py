@@ -94,6 +94,23 @@ def test_max_tokens_default_is_16_and_minus_one_fills_the_context(api):
         assert r["usage"]["completion_tokens"] == 24 and r["choices"][0]["finish_reason"] == "length"
 
 
+def test_context_length_exceeded_behaviours(api):
+    # Right after the test above: its 1,000-token prompt is still in a slot's cache, and the truncated
+    # request here takes 999 of its tokens from there (a prefill of all 1,000 cost ~12 s of the suite).
+    long_prompt = tokens(api, "word " * 1000)[:1000]
+    err = api.complete(prompt=long_prompt, max_tokens=100, expect=400)["error"]
+    assert err["code"] == "context_length_exceeded"
+    r = api.complete(prompt=long_prompt, max_tokens=100, ignore_eos=True, context_length_exceeded_behavior="truncate")
+    assert r["usage"]["completion_tokens"] == 24 and r["choices"][0]["finish_reason"] == "length"
+    api.complete(prompt=long_prompt, max_tokens=100, context_length_exceeded_behavior="error", expect=400)
+    # 1,100 tokens whose last 1,016 (what truncation keeps) begin with long_prompt: that prefix is in
+    # the cache from the request above, so the engine prefills 16 tokens here instead of 1,016.
+    too_long = long_prompt[:84] + long_prompt + long_prompt[1:17]
+    api.complete(prompt=too_long, max_tokens=8, expect=400)
+    r = api.complete(prompt=too_long, max_tokens=8, ignore_eos=True, truncate_sequence=True)
+    assert r["usage"]["prompt_tokens"] == 1024 - 8 and r["usage"]["completion_tokens"] == 8
+
+
 def test_min_tokens_and_ignore_eos_hold_off_the_end(api):
     short = api.complete(prompt=CHAT_DONE, temperature=0, max_tokens=30)
     assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 8
@@ -393,21 +410,6 @@ def test_constraint_in_a_stream(api):
 
 
 # -- context ---------------------------------------------------------------------------------------
-def test_context_length_exceeded_behaviours(api):
-    long_prompt = tokens(api, "word " * 1000)[:1000]
-    err = api.complete(prompt=long_prompt, max_tokens=100, expect=400)["error"]
-    assert err["code"] == "context_length_exceeded"
-    r = api.complete(prompt=long_prompt, max_tokens=100, ignore_eos=True, context_length_exceeded_behavior="truncate")
-    assert r["usage"]["completion_tokens"] == 24 and r["choices"][0]["finish_reason"] == "length"
-    api.complete(prompt=long_prompt, max_tokens=100, context_length_exceeded_behavior="error", expect=400)
-    # 1,100 tokens whose last 1,016 (what truncation keeps) begin with long_prompt: that prefix is in
-    # the cache from the request above, so the engine prefills 16 tokens here instead of 1,016.
-    too_long = long_prompt[:84] + long_prompt + long_prompt[1:17]
-    api.complete(prompt=too_long, max_tokens=8, expect=400)
-    r = api.complete(prompt=too_long, max_tokens=8, ignore_eos=True, truncate_sequence=True)
-    assert r["usage"]["prompt_tokens"] == 1024 - 8 and r["usage"]["completion_tokens"] == 8
-
-
 def test_cache_prompt_reuses_the_prefix(api):
     prompt = "A fairly long shared prefix that a second request can reuse from the cache. " * 4
     api.complete(prompt=prompt, max_tokens=2, temperature=0)
