@@ -343,7 +343,7 @@ STORY = [
 ]
 
 
-# A question the model answers in ~70 tokens and then ends its turn by itself, greedily: past
+# A question the model answers in ~60 tokens and then ends its turn by itself, greedily: past
 # completions' 16, and cheap. It was an ~870-token story run on to the context's end (2 x 1,024 tokens
 # through the engine, whose prefill costs about what generating does: 25 s of the suite); the
 # context's end is shown by `max_tokens: -1` (test_protocol) and the reservation test below.
@@ -353,7 +353,7 @@ ENDS_BY_ITSELF = [{"role": "user", "content": "Say hello in French and in Spanis
 FRESH = {"cache_prompt": False}
 
 
-def test_a_chat_without_max_tokens_runs_to_the_models_stop_or_the_context_end(stack):
+def test_a_chat_without_max_tokens_runs_past_16_to_the_models_own_stop(stack):
     """No max_tokens: up to the model's stop or the context's end (OpenAI, vLLM), not completions' 16."""
     client = stack.openai()
 
