@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from sqlalchemy import text
 
-from api import errors
+from api import costs, errors
 from api.deps import AdminDep
 from api.guard import RequestGuard
 from api.observe import RequestIdentity
@@ -151,17 +151,20 @@ def create_app() -> FastAPI:
     app.include_router(ui.router)
 
     @app.get("/metrics", include_in_schema=False)
+    @costs.cheap
     async def metrics(_: AdminDep) -> Response:
         """Admin keys only: metrics name tenants' models, queue depths and error rates. A scraper on
         the private network uses SPOOL_API_METRICS_PORT instead."""
         return Response(generate_latest(_metrics_registry()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", include_in_schema=False)
+    @costs.public
     async def health() -> dict:
         """The process is alive (what a liveness probe asks); /ready says whether it can serve."""
         return {"status": "ok"}
 
     @app.get("/ready", include_in_schema=False)
+    @costs.public
     async def ready(request: Request) -> JSONResponse:
         """Postgres, Redis and at least one live worker per served model; 503 naming what is missing."""
         problems: list[str] = []
@@ -188,4 +191,14 @@ def create_app() -> FastAPI:
         body = {"status": "ready" if not problems else "not ready", "problems": problems, "live_workers": models}
         return JSONResponse(body, status_code=503 if problems else 200)
 
+    # FastAPI's own pages (the OpenAPI document and its viewers) charge nobody.
+    for route in app.routes:
+        if getattr(route, "path", None) in (
+            app.openapi_url,
+            app.docs_url,
+            app.redoc_url,
+            app.swagger_ui_oauth2_redirect_url,
+        ):
+            costs.public(route.endpoint)  # type: ignore[attr-defined]
+    costs.check(app)  # a route without a cost class, or declared against its code, stops the start here
     return app

@@ -2,9 +2,11 @@
 
 FastAPI reads and parses a body before it resolves dependencies, so an anonymous client could make
 the API buffer (or spool to disk) as much as it sends, chunked bodies having no Content-Length.
-This ASGI middleware authenticates every request that carries a body first (401 without reading
-it), refuses a declared length over the limit (413), and counts the bytes of the stream as the
-application reads them, answering 413 the moment the limit is passed.
+This ASGI middleware authenticates every request to a route that charges a tenant first (401 without
+reading a body), refuses a declared length over the route's limit (413), and counts the bytes of the
+stream as the application reads them, answering 413 the moment the limit is passed. The route's limit
+and whether it has a tenant come from its cost class (api/costs.py), found once here and kept in the
+request's scope for the gates inside.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import costs
 from api.cache import SingleFlight
 from api.errors import APIError, error_response, is_unavailable, unavailable_response
 from core.config import Settings
@@ -25,7 +28,6 @@ from core.tenancy.keys import Principal, hash_key, principal_of
 
 log = logging.getLogger(__name__)
 
-UI_FORMS = frozenset({"/ui/login", "/ui/logout"})
 MISSING_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header using "
     "Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
@@ -61,18 +63,20 @@ class RequestGuard:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app, self.settings = app, settings
 
-    def limit(self, path: str) -> int:
-        s = self.settings
-        return s.max_file_bytes + (1 << 20) if path.rstrip("/").endswith("/files") else s.max_body_bytes
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = costs.of(scope)
+        scope.setdefault("state", {})["cost"] = declared
+        # No such route (a 404 or 405 to come) or one that charges nobody: no key is asked for here.
+        charged = declared is not None and declared.cost is not costs.Cost.PUBLIC
+        with_body = scope["method"] in ("POST", "PUT", "PATCH", "DELETE")
+        if not charged and not with_body:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        limit = self.limit(scope["path"])
-        if scope["path"] in UI_FORMS:  # the status page's own forms: a tiny body, checked by the route
-            limit = 4096
+        limit = declared.body_limit(self.settings) if declared is not None else costs.PUBLIC_BODY
         length = headers.get("content-length")
         try:
             if length is not None and (not length.isdigit() or int(length) > limit):
@@ -80,9 +84,9 @@ class RequestGuard:
                     413, f"Request body too large: {length} bytes (limit {limit}).", code="request_too_large"
                 )
             state = scope["app"].state  # the services api/app.py built at startup
-            if scope["path"] not in UI_FORMS:
+            if charged:
                 principal = await authenticate(headers.get("authorization"), state.redis, state.async_sessions)
-                scope.setdefault("state", {})["principal"] = principal
+                scope["state"]["principal"] = principal
         except DomainError as refused:
             await error_response(refused)(scope, receive, send)
             return

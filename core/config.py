@@ -339,6 +339,28 @@ class Settings(BaseSettings):
         description="Downloads of file content (`/v1/files/{id}/content`) one tenant may have in progress at "
         "once, on all API replicas together (429 with `retry-after` past it; 0 = no cap).",
     )
+    prepare_per_tenant: int = Field(
+        0,
+        ge=0,
+        description="Prepare threads one tenant's requests may hold at once on one API process (its further "
+        "bodies wait their turn); 0 = half of SPOOL_PREPARE_THREADS, at least 1.",
+    )
+    reads_per_minute: int = Field(
+        12000,
+        ge=0,
+        description="Reads (every route that is not `work`: retrievals, lists, streams rejoined, cancels) one "
+        "tenant may make a minute, all its keys together, taken before any work (429 past it; 0 = no limit).",
+    )
+    dns_threads: int = Field(
+        4, ge=1, description="API threads for webhook URLs' DNS lookups (an unresolvable host waits on these alone)."
+    )
+    events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
+    ended_events_ttl_s: int = Field(
+        300,
+        ge=1,
+        description="Lifetime of a job's Redis event stream once the job has ended (Postgres answers afterwards; "
+        "where each entry left off is kept for `events_ttl_s`, so a resume from any event id stays exact).",
+    )
     dns_threads: int = Field(
         4, ge=1, description="API threads for webhook URLs' DNS lookups (an unresolvable host waits on these alone)."
     )
@@ -455,6 +477,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "upload_max_field_bytes",
         "upload_threads",
         "prepare_threads",
+        "prepare_per_tenant",
+        "reads_per_minute",
         "download_concurrency",
         "interactive_group",
         "replays_per_tenant",
@@ -502,6 +526,7 @@ TUNING = frozenset(
         *ENGINE_TUNING,
         "upload_threads",
         "prepare_threads",
+        "prepare_per_tenant",
         "worker_concurrency",
         "max_batch",
         "interactive_slots",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.bodies import json_response
+from api.costs import Body, OffLoop, cheap, sized, work
 from api.deps import (
     IdempotencyDep,
     PrincipalDep,
@@ -33,6 +33,7 @@ class BatchCreate(BaseModel):
 
 
 @router.post("", response_model=BatchObject)
+@work(body=Body.SMALL)
 async def create_batch(
     body: BatchCreate,
     request: Request,
@@ -54,17 +55,20 @@ async def create_batch(
 # Lists and retrievals are read, rendered and encoded on the prepare threads (api/bodies.json_response):
 # metadata the client sent is decoded and encoded there, never on the event loop.
 @router.get("", response_model=BatchList)
+@sized
 async def list_batches(
     tenant: TenantDep, sessions: SyncSessionsDep, limit: int = 20, after: str | None = None
-) -> Response:
-    return await json_response(service.list_page, sessions, tenant.id, max(1, min(limit, 100)), after)
+) -> OffLoop:
+    return OffLoop(tenant.id, service.list_page, (sessions, tenant.id, max(1, min(limit, 100)), after))
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-async def get_batch(batch_id: str, tenant: TenantDep, sessions: SyncSessionsDep) -> Response:
-    return await json_response(service.retrieve, sessions, batch_id, tenant.id)
+@sized
+async def get_batch(batch_id: str, tenant: TenantDep, sessions: SyncSessionsDep) -> OffLoop:
+    return OffLoop(tenant.id, service.retrieve, (sessions, batch_id, tenant.id))
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
+@cheap
 async def cancel_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dict:
     return await service.view(session, await service.cancel(session, batch_id, tenant.id))

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from api import deps
 from api.bodies import INLINE_BYTES, json_body, openapi_answers, openapi_body
+from api.costs import work
 from api.deps import current_principal
 from api.errors import APIError
 from api.streaming import readers, sse, sse_chunks
@@ -88,12 +89,14 @@ _CallDep = Annotated[_Call, Depends(_call)]
 
 @router.post("/v1/completions", response_model=Completion, responses=_COMPLETION_ANSWERS, openapi_extra=_COMPLETION_DOC)
 @router.post("/v1/openai/v1/completions", response_model=None, include_in_schema=False)  # Llama Stack's path
+@work
 async def create_completion(body: _Completion, call: _CallDep):
     return await _serve(body, "/v1/completions", call)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_CHAT_ANSWERS, openapi_extra=_CHAT_DOC)
 @router.post("/v1/openai/v1/chat/completions", response_model=None, include_in_schema=False)
+@work
 async def create_chat_completion(body: _Chat, call: _CallDep):
     return await _serve(body, "/v1/chat/completions", call)
 

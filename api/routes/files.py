@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api import uploads
-from api.bodies import json_response
+from api.costs import Body, OffLoop, cheap, sized, work
 from api.deps import AsyncSessionsDep, IdempotencyDep, RedisDep, SettingsDep, SyncSessionsDep, TenantDep
 from api.errors import APIError
 from core.files import service
@@ -54,6 +54,7 @@ def _check_purpose(fields: dict[str, str]) -> None:
 
 
 @router.post("", response_model=FileObject, openapi_extra=_UPLOAD_FORM)
+@work(body=Body.FILE)
 async def upload(
     request: Request,
     tenant: TenantDep,
@@ -79,6 +80,7 @@ async def upload(
 
 # Lists and lookups are read, rendered and encoded on the prepare threads (api/bodies.json_response).
 @router.get("", response_model=FileList)
+@sized
 async def list_files(
     tenant: TenantDep,
     sessions: SyncSessionsDep,
@@ -86,14 +88,15 @@ async def list_files(
     limit: int = 100,
     after: str | None = None,
     order: str = "desc",
-) -> Response:
+) -> OffLoop:
     limit = max(1, min(limit, 10_000))
-    return await json_response(service.list_page, sessions, tenant.id, purpose, limit, after, order)
+    return OffLoop(tenant.id, service.list_page, (sessions, tenant.id, purpose, limit, after, order))
 
 
 @router.get("/{file_id}", response_model=FileObject)
-async def get_file(file_id: str, tenant: TenantDep, sessions: SyncSessionsDep) -> Response:
-    return await json_response(service.retrieve, sessions, file_id, tenant.id)
+@sized
+async def get_file(file_id: str, tenant: TenantDep, sessions: SyncSessionsDep) -> OffLoop:
+    return OffLoop(tenant.id, service.retrieve, (sessions, file_id, tenant.id))
 
 
 class _Download(StreamingResponse):
@@ -125,6 +128,7 @@ class _Download(StreamingResponse):
         }
     },
 )
+@sized
 async def file_content(
     file_id: str, tenant: TenantDep, redis: RedisDep, settings: SettingsDep, sessions: AsyncSessionsDep
 ) -> StreamingResponse:
@@ -134,6 +138,7 @@ async def file_content(
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
+@cheap
 async def delete_file(file_id: str, tenant: TenantDep, sessions: AsyncSessionsDep) -> dict:
     await service.delete_file(sessions, file_id, tenant.id)
     return render.file_deleted(file_id)

@@ -11,6 +11,7 @@ from fastapi.sse import EventSourceResponse
 
 from api.bodies import encode
 from api.cache import SingleFlight
+from api.costs import cheap
 from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
 from api.streaming import HEAVY, sse_chunks
@@ -54,6 +55,7 @@ def _job_bytes(row: Job, fingerprint: str) -> bytes:
 
 
 @router.get("/{job_id}", response_model=JobObject)
+@cheap
 async def get_job(
     job_id: str, tenant: TenantDep, completions: CompletionsDep, fingerprints: FingerprintsDep, settings: SettingsDep
 ) -> Any:
@@ -68,6 +70,7 @@ async def get_job(
 
 
 @router.post("/{job_id}/cancel", response_model=JobObject)
+@cheap
 async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, fingerprints: FingerprintsDep) -> dict:
     if not _ID.fullmatch(job_id):
         raise _not_found(job_id)
@@ -85,6 +88,7 @@ async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, finger
     response_class=Response,
     responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}},
 )
+@cheap
 async def job_events(
     job_id: str,
     request: Request,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 from fastapi import APIRouter
 
+from api.costs import cheap
 from api.deps import RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
 from core.config import Settings
@@ -29,6 +30,7 @@ async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
 
 @router.get("/v1/models", response_model=ModelList)
 @router.get("/v1/openai/v1/models", response_model=ModelList, include_in_schema=False)  # Llama Stack's path
+@cheap
 async def list_models(_: TenantDep, settings: SettingsDep, redis: RedisDep) -> dict:
     names = [(m, m) for m in served_models(settings)] + list(aliases(settings).items())
     return render.listing([await _model(n, m, settings, redis) for n, m in names])
@@ -36,6 +38,7 @@ async def list_models(_: TenantDep, settings: SettingsDep, redis: RedisDep) -> d
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelObject)
 @router.get("/v1/openai/v1/models/{model_id:path}", response_model=ModelObject, include_in_schema=False)
+@cheap
 async def get_model(model_id: str, _: TenantDep, settings: SettingsDep, redis: RedisDep) -> dict:
     served = resolve(model_id, settings)
     if served is None:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from api.bodies import INLINE_BYTES, json_body, openapi_body
+from api.costs import cheap, work
 from api.deps import LifecycleDep, SettingsDep, TenantDep, current_principal
 from api.errors import APIError
 from api.routes.completions import _StreamOrCancel, _wait_unless_draining
@@ -58,6 +59,7 @@ def _gate(tenant_id: int, settings: Settings) -> Callable[[], contextlib.Abstrac
 
 
 @router.post("", response_model=None, responses=_ANSWERS, openapi_extra=openapi_body(ResponsesRequest))
+@work
 async def create_response(
     body: _Body, request: Request, responses: _ResponsesDep, lifecycle: LifecycleDep, settings: SettingsDep
 ):
@@ -81,6 +83,7 @@ async def create_response(
 
 
 @router.get("/{response_id}", response_model=None, responses=_ANSWERS)
+@cheap
 async def get_response(
     response_id: str,
     request: Request,
@@ -102,6 +105,7 @@ async def get_response(
 
 
 @router.post("/{response_id}/cancel", response_model=None, responses=_ANSWERS)
+@cheap
 async def cancel_response(response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep):
     """Cancels a response that is still running (billed what it generated); an ended one is
     answered as it is."""
@@ -113,6 +117,7 @@ async def cancel_response(response_id: str, tenant: TenantDep, responses: _Respo
 
 
 @router.delete("/{response_id}", response_model=None, responses=_ANSWERS)
+@cheap
 async def delete_response(response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep):
     """Forgets a stored response (a running one is cancelled first); then every read of it is a 404."""
     job = await responses.find(response_id, tenant.id)
@@ -126,6 +131,7 @@ async def delete_response(response_id: str, tenant: TenantDep, responses: _Respo
 
 
 @router.get("/{response_id}/input_items", response_model=None, responses=_ANSWERS)
+@cheap
 async def list_input_items(
     response_id: str,
     tenant: TenantDep,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.bodies import json_body, json_response, openapi_body
+from api.costs import work
 from api.deps import SettingsDep, TenantDep
 from api.errors import APIError
 from core.config import Settings
@@ -69,6 +70,7 @@ def tokenized(tok: Tokenizer, body: TokenizeRequest) -> dict:
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, openapi_extra=openapi_body(TokenizeRequest))
+@work
 async def tokenize(body: _Tokenize, _: TenantDep, settings: SettingsDep) -> Response:
     """Tokenized, built and encoded on the prepare threads (api/bodies.json_response). With
     `with_pieces`, at most MAX_PIECES (131,072) tokens."""
@@ -86,5 +88,6 @@ def detokenized(tok: Tokenizer, body: DetokenizeRequest) -> dict:
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
+@work
 async def detokenize(body: _Detokenize, _: TenantDep, settings: SettingsDep) -> Response:
     return await json_response(detokenized, await _tokenizer(body.model, settings), body)

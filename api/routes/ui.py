@@ -17,6 +17,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from api.costs import public
 from api.deps import AsyncSessionsDep, RedisDep, SettingsDep, SyncRedisDep, SyncSessionsDep
 from api.guard import authenticate
 from core.errors import DomainError
@@ -51,6 +52,7 @@ async def _admin_key(request: Request, redis, sessions) -> str | None:
 
 
 @router.get("", response_class=HTMLResponse)
+@public
 async def page(
     request: Request,
     redis: RedisDep,
@@ -69,11 +71,13 @@ async def page(
 
 
 @router.get("/style.css")
+@public
 async def style() -> Response:
     return Response((TEMPLATES / "style.css").read_text(), media_type="text/css")
 
 
 @router.post("/login")
+@public
 async def login(redis: RedisDep, sessions: AsyncSessionsDep, key: str = Form(..., max_length=256)) -> Response:
     try:
         principal = await authenticate(f"Bearer {key}", redis, sessions)
@@ -89,6 +93,7 @@ async def login(redis: RedisDep, sessions: AsyncSessionsDep, key: str = Form(...
 
 
 @router.post("/logout")
+@public
 async def logout(request: Request, redis: RedisDep) -> Response:
     token = request.cookies.get(COOKIE)
     if token:

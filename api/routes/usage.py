@@ -6,6 +6,7 @@ from datetime import date
 
 from fastapi import APIRouter, Query
 
+from api.costs import cheap
 from api.deps import SessionDep, TenantDep
 from core.protocol import render
 from core.protocol.schemas import UsageList
@@ -15,6 +16,7 @@ router = APIRouter()
 
 
 @router.get("/v1/usage", response_model=UsageList)
+@cheap
 async def usage(
     tenant: TenantDep,
     session: SessionDep,

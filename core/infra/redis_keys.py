@@ -15,7 +15,7 @@ def readers(job_id: str) -> str:
 
 
 def tenant_limit(tenant_id: int, name: str) -> str:
-    """A tenant's rate-limit state (`rpm`, `tpm`, `tpd:<day>`, `active`), kept by the Lua scripts of
+    """A tenant's rate-limit state (`rpm`, `tpm`, `tpd:<day>`, `active`, `reads`), kept by the Lua scripts of
     core/tenancy/ratelimit.py; `downloads`: its download slots (core/files/service.py)."""
     return f"rl:t{tenant_id}:{name}"
 

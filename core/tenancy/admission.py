@@ -17,6 +17,7 @@ _MESSAGES = {
     "tokens": "Rate limit reached for tokens per minute (TPM).",
     "tokens_per_day": "Daily token quota reached (tokens per day).",
     "queued_jobs": "Too many unfinished jobs for this tenant.",
+    "reads": "Rate limit reached for reads per minute (SPOOL_READS_PER_MINUTE).",
 }
 
 # The x-ratelimit-*-requests headers of a request whose requests-per-minute the API's gate already
@@ -76,6 +77,15 @@ async def take_request(rds, principal: Principal) -> dict[str, str]:
     if d.allowed:
         return d.headers
     raise refusal(t.id, d)
+
+
+async def take_read(rds, principal: Principal, per_minute: int) -> None:
+    """One read from the tenant's reads per minute (every key of it together), or OpenAI's 429."""
+    if per_minute <= 0:
+        return
+    d = await ratelimit.take_read(rds, principal.tenant.id, per_minute)
+    if not d.allowed:
+        raise refusal(principal.tenant.id, d)
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ class Limits:
 @dataclass(frozen=True)
 class Decision:
     allowed: bool
-    refused: str  # which limit: requests | tokens | tokens_per_day | queued_jobs
+    refused: str  # which limit: requests | tokens | tokens_per_day | queued_jobs | reads
     retry_after_s: float | None  # None: waiting cannot help (the request exceeds the limit itself)
     headers: dict[str, str]
 
@@ -282,6 +282,15 @@ async def take_request(rds: Any, tenant_id: int, key_id: int, rpm: int, key_rpm:
 
     headers = _headers(int(raw[1]), int(raw[2]), float(s(raw[3])), -1, -1, 0)
     return Decision(int(raw[0]) == 1, "" if int(raw[0]) == 1 else "requests", float(s(raw[4])) / 1000, headers)
+
+
+async def take_read(rds: Any, tenant_id: int, per_minute: int) -> Decision:
+    """One read from the tenant's reads per minute (GCRA, burst = the limit; the REQUESTS script on
+    a key of its own), or refuse."""
+    key = redis_keys.tenant_limit(tenant_id, "reads")
+    raw = await _REQUESTS.run_async(rds, (key, key), int(time.time() * 1000), per_minute, 0)
+    wait = raw[4].decode() if isinstance(raw[4], bytes) else str(raw[4])
+    return Decision(int(raw[0]) == 1, "" if int(raw[0]) == 1 else "reads", float(wait) / 1000, {})
 
 
 async def settle_async(rds: Any, job_id: str, actual_tokens: int) -> None:

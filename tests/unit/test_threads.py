@@ -27,3 +27,42 @@ def test_full_upload_and_default_pools_leave_preparation_its_threads():
             release.set()
 
     anyio.run(go)
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_prepare_threads():
+    """A tenant named in SHARE (api/ratelimit.py names it for every request) runs at most its share of
+    prepare work at once; another tenant's work still finds threads while the first one's waits."""
+    share = threads.share_size()
+    release = threading.Event()
+    running: dict[int, int] = {1: 0, 2: 0}
+    most: dict[int, int] = {1: 0, 2: 0}
+    lock = threading.Lock()
+
+    def hold(tenant: int) -> None:
+        with lock:
+            running[tenant] += 1
+            most[tenant] = max(most[tenant], running[tenant])
+        release.wait()
+        with lock:
+            running[tenant] -= 1
+
+    async def as_tenant(tenant: int) -> None:
+        threads.SHARE.set(tenant)  # a task's own context: as the rate gate sets it per request
+        await threads.run("prepare", hold, tenant)
+
+    async def go() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(share + 3):
+                tg.start_soon(as_tenant, 1)
+            while running[1] < share:  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # polling a count: there is no event to wait on
+            tg.start_soon(as_tenant, 2)
+            with anyio.fail_after(30):
+                while running[2] < 1:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            assert running[1] == share  # the rest of tenant 1's wait for its share, not for threads
+            release.set()
+
+    anyio.run(go)
+    assert most == {1: share, 2: 1}
+    assert share < get_settings().prepare_threads
