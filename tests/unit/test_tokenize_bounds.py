@@ -45,6 +45,40 @@ def test_pieces_above_the_bound_are_a_400_naming_the_param(tok):
     assert str(MAX_PIECES) in e.value.message and str(MAX_PIECES + 1) in e.value.message
 
 
+class _Counting:
+    """The real tokenizer, counting the characters it is given to encode: the work a request costs."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.chars = tok, 0
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        self.chars += len(text)
+        return self.tok.encode(text, add_special=add_special)
+
+    def token_text(self, t: int) -> str:
+        return self.tok.token_text(t)
+
+
+def test_an_8_mib_text_with_pieces_is_refused_before_it_is_tokenized_whole(tok):
+    """The bound is checked before the work it bounds (issue 49): the refusal tokenizes about the
+    bound's worth of text, not the 8 MiB (which took 4-5 s while another tenant's stream stalled)."""
+    text = "hello world " * (8 * 1024 * 1024 // 12)
+    counting = _Counting(tok)
+    with pytest.raises(APIError) as e:
+        tokenized(counting, TokenizeRequest(content=text, with_pieces=True))  # type: ignore[arg-type]
+    assert e.value.code == "too_many_tokens" and "at least" in e.value.message
+    bound_chars = len(_text_of(tok, MAX_PIECES))
+    assert counting.chars < bound_chars + 64 * 1024 < len(text) // 8
+
+
+def test_a_text_near_the_bound_is_counted_exactly_not_refused_by_the_slices(tok):
+    """The slices' count is never held against a text the bound allows (their edges may add tokens)."""
+    text = " ".join(["internationalization"] * 40_000)
+    exact = len(tok.encode(text, add_special=False))
+    assert MAX_PIECES * 0.5 < exact <= MAX_PIECES
+    assert len(tokenized(tok, TokenizeRequest(content=text, with_pieces=True))["tokens"]) == exact
+
+
 def test_ids_without_pieces_have_no_such_bound(tok):
     got = tokenized(tok, TokenizeRequest(content=_text_of(tok, MAX_PIECES + 1)))
     assert len(got["tokens"]) == MAX_PIECES + 1 and all(isinstance(t, int) for t in got["tokens"])
