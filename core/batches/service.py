@@ -8,6 +8,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+import anyio
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -73,9 +74,14 @@ async def create(
         raise invalid("metadata", meta_problem)
     if webhook_url:
         try:
-            await threads.run("dns", webhooks.check_url, webhook_url, settings)  # a DNS lookup, on its own threads
+            # A DNS lookup, on its own threads, within the tenant's share of them and the webhook deadline.
+            with anyio.fail_after(settings.webhook_timeout_s):
+                await threads.run("dns", webhooks.check_url, webhook_url, settings)
         except webhooks.RefusedAddress as exc:
             raise invalid("webhook_url", str(exc), "invalid_webhook_url") from None
+        except TimeoutError:
+            why = f"webhook_url's host does not resolve within {settings.webhook_timeout_s:g} s."
+            raise invalid("webhook_url", why, "invalid_webhook_url") from None
     f = (await session.execute(files.get_for_tenant(input_file_id, principal.tenant.id))).scalar()
     if f is None:
         raise not_found(f"No such File object: {input_file_id}", param="input_file_id", code="file_not_found")

@@ -27,7 +27,7 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit, urlunsplit
 
@@ -266,17 +266,39 @@ def claim_due(
 
 
 # DNS lookups of deliveries: the system resolver has no deadline of its own, so a lookup runs here and
-# the delivery waits for it only until its deadline (a hung lookup then holds a thread of this pool,
-# never a delivery thread past its deadline).
-_DNS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="webhook-dns")
+# the delivery waits for it only until its deadline. A hung lookup still holds its thread until the
+# resolver gives up, so one tenant has at most DNS_PER_TENANT lookups in flight (hung ones included):
+# its receivers' names cannot take the threads every other tenant's deliveries resolve on.
+_DNS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="webhook-dns")
+DNS_PER_TENANT = 2
+_dns_busy: dict[int, int] = {}
+_dns_lock = threading.Lock()
 
 
-def _post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
+def _lookup(url: str, settings: Settings, tenant_id: int) -> Future[tuple[str, str]]:
+    with _dns_lock:
+        if _dns_busy.get(tenant_id, 0) >= DNS_PER_TENANT:
+            raise TimeoutError  # this tenant's earlier lookups have not ended: a failed attempt, retried later
+        _dns_busy[tenant_id] = _dns_busy.get(tenant_id, 0) + 1
+
+    def done(_: Future[tuple[str, str]]) -> None:
+        with _dns_lock:
+            _dns_busy[tenant_id] -= 1
+            if not _dns_busy[tenant_id]:
+                del _dns_busy[tenant_id]
+
+    lookup = _DNS.submit(resolve, url, settings.webhook_allow_list)
+    lookup.add_done_callback(done)
+    return lookup
+
+
+def _post(url: str, body: bytes, headers: dict[str, str], settings: Settings, tenant_id: int = 0) -> int:
     """One POST to the guarded address, no redirects, within one deadline for the whole exchange,
-    the DNS lookup included (TimeoutError past it)."""
+    the DNS lookup included (TimeoutError past it, or at once while the tenant has DNS_PER_TENANT
+    lookups unfinished)."""
     limit = settings.webhook_timeout_s
     deadline = time.monotonic() + limit
-    lookup = _DNS.submit(resolve, url, settings.webhook_allow_list)
+    lookup = _lookup(url, settings, tenant_id)
     try:
         host, addr = lookup.result(timeout=limit)
     except TimeoutError:  # concurrent.futures' TimeoutError is the builtin one (3.11+)
@@ -335,7 +357,7 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
         b = s.get(Batch, batch_id)
         if b is None or b.webhook_url is None or (b.webhook_state or {}).get("next_at") is None:
             return "nothing"  # delivered, abandoned, or deleted meanwhile
-        secret = secret_for(s, b.tenant_id)
+        secret, tenant_id = secret_for(s, b.tenant_id), b.tenant_id
         state = {k: v for k, v in (b.webhook_state or {}).items() if k not in ("next_at", "lease", "last_error")}
         msg_id, url, rid = f"msg_{batch_id}_{b.status}", b.webhook_url, b.request_id
     state["attempts"] = max(1, state.get("attempts", 0))  # counted by claim_due
@@ -344,7 +366,7 @@ def deliver(sessions: sessionmaker[Session], batch_id: str, body: str, settings:
     if rid:
         headers["x-request-id"] = rid  # the request that created the batch
     try:
-        code = _post(url, body.encode(), headers, settings)
+        code = _post(url, body.encode(), headers, settings, tenant_id)
         state["last_status"] = code
         ok = 200 <= code < 300
     except RefusedAddress as exc:

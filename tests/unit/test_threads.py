@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import anyio
@@ -66,3 +67,29 @@ def test_one_tenant_holds_at_most_its_share_of_the_prepare_threads():
     anyio.run(go)
     assert most == {1: share, 2: 1}
     assert share < get_settings().prepare_threads
+
+
+def test_a_tenants_abandoned_lookups_keep_its_dns_share_until_they_end():
+    """A lookup cancelled by its deadline returns at once, but its thread still runs: the tenant's
+    share stays taken until it ends, so hung lookups never take more than the share, and another
+    tenant's lookup finds a thread."""
+    share = threads.share_size("dns")
+    release = threading.Event()
+
+    async def lookup(tenant: int, fn, timeout: float):
+        threads.SHARE.set(tenant)
+        with anyio.fail_after(timeout):
+            return await threads.run("dns", fn)
+
+    async def go() -> None:
+        for _ in range(share):
+            with contextlib.suppress(TimeoutError):
+                await lookup(1, release.wait, 0.1)  # hung: abandoned at its deadline
+        with contextlib.suppress(TimeoutError):
+            await lookup(1, lambda: "never", 0.3)  # the tenant's share is still held by the hung ones
+            raise AssertionError("tenant 1 ran a lookup past its share")
+        assert await lookup(2, lambda: "resolved", 5) == "resolved"
+        release.set()
+        assert await lookup(1, lambda: "again", 5) == "again"  # the hung ones ended: the share is back
+
+    anyio.run(go)

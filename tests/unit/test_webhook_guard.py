@@ -181,3 +181,44 @@ def test_the_dns_lookup_is_inside_the_deliverys_deadline(monkeypatch):
         assert time.monotonic() - started < 3
     finally:
         release.set()
+
+
+def test_one_tenants_hung_lookups_leave_the_dns_threads_to_the_others(monkeypatch):
+    """A tenant whose receivers' names never resolve holds at most DNS_PER_TENANT lookup threads (hung
+    lookups cannot be interrupted); its next attempt fails at once, and another tenant's delivery
+    still resolves and is sent inside its deadline."""
+    import socket
+    import threading
+    import time
+
+    from core.batches import webhooks
+    from core.config import Settings
+
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def hanging(host, *a, **k):
+        if host == "slow-dns.example":
+            release.wait(30)  # a resolver that does not answer
+            raise socket.gaierror("no answer")
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    short = Settings(webhook_timeout_s=0.3)
+    try:
+        for _ in range(webhooks.DNS_PER_TENANT):
+            with pytest.raises(TimeoutError):
+                webhooks._post("http://slow-dns.example/hook", b"{}", {}, short, tenant_id=7)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):  # its share is held by the hung lookups: refused without a thread
+            webhooks._post("http://slow-dns.example/hook", b"{}", {}, Settings(webhook_timeout_s=5), tenant_id=7)
+        assert time.monotonic() - started < 1
+        assert webhooks._dns_busy[7] == webhooks.DNS_PER_TENANT
+        # Another tenant's lookup runs on a free thread (the answer: a refused loopback address).
+        with pytest.raises(webhooks.RefusedAddress):
+            webhooks._post("http://localhost:9/hook", b"{}", {}, short, tenant_id=8)
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while webhooks._dns_busy.get(7) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the hung lookups end once the resolver answers; then the share is free again
+    assert 7 not in webhooks._dns_busy
