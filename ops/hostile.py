@@ -432,6 +432,73 @@ def n128_from_a_max_concurrent_1_tenant(st: Stack, statuses: list[int], out: dic
             statuses.append(http.post("/v1/completions", json=body, timeout=600).status_code)
 
 
+def _route_table() -> list[tuple[str, str, str, str]]:
+    """(method, path template, cost class, body limit kind) of every charged route of the API, read
+    from the application's own table (api/costs.py): a route added tomorrow is swept too."""
+    from api import costs
+    from api.app import create_app
+
+    out = []
+    for r in costs.routes(create_app()):
+        d = costs.declared(r.endpoint)
+        if d is None or d.cost is costs.Cost.PUBLIC or r.path is None:
+            continue
+        out.extend((m, r.path, d.cost.value, d.body.value) for m in sorted(r.methods or ()) if m != "HEAD")
+    return out
+
+
+def route_sweep(st: Stack, statuses: list[int], out: dict) -> None:
+    """Every charged route from tenant beta: the work routes with their largest legal body, every other
+    route read by 50 clients at once, the largest objects the tenant owns named in their paths (a job
+    with logprobs of 4 choices, a response, a file). DELETE routes run last, once each."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    from core.config import get_settings
+
+    limit = get_settings().max_body_bytes
+    with st.http(st.keys["beta"]) as http:
+        body = {"model": "default", "prompt": "Go", "max_tokens": 200, "ignore_eos": True, "logprobs": 5, "n": 4}
+        job = http.post("/v1/completions", json=body, timeout=600).json()["id"]
+        resp = http.post(
+            "/v1/responses", json={"model": "default", "input": "Hi", "max_output_tokens": 16}, timeout=600
+        )
+        file = http.post(
+            "/v1/files", files={"file": ("s.jsonl", b'{"custom_id": "a"}\n' * 1000)}, data={"purpose": "batch"}
+        )
+        ids = {
+            "job_id": job,
+            "response_id": resp.json().get("id", "resp_x"),
+            "file_id": file.json().get("id", "file_x"),
+            "batch_id": "batch_x",
+            "model_id": "default",
+            "name": "beta",
+            "key_id": "0",
+        }
+    filler = "x " * ((limit - 256) // 2)  # the largest body the limit lets through
+    big = json.dumps({"model": "default", "prompt": filler, "content": filler, "input": filler, "max_tokens": 1})
+    swept: list[str] = []
+
+    def one(method: str, path: str, content: bytes | None) -> int:
+        with st.http(st.keys["beta"]) as h:
+            headers = {"content-type": "application/json"} if content is not None else {}
+            return h.request(method, path, content=content, headers=headers, timeout=120).status_code
+
+    table = _route_table()
+    table.sort(key=lambda row: row[0] == "DELETE")
+    for method, template, cost, body_kind in table:
+        path = re.sub(r"\{(\w+)(:\w+)?\}", lambda m: ids.get(m.group(1), "x1"), template)
+        swept.append(f"{method} {template}")
+        if cost == "work" and body_kind == "request":
+            statuses.append(one(method, path, big.encode()))
+        elif method in ("DELETE", "POST", "PATCH"):
+            statuses.append(one(method, path, b"{}"))
+        else:
+            with ThreadPoolExecutor(50) as pool:
+                statuses.extend(pool.map(one, [method] * 50, [path] * 50, [None] * 50))
+    out["routes_swept"] = len(swept)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     "poisoned_resume_ids": poisoned_resume_ids,
     "max_penalty_windows": max_penalty_windows,
@@ -442,6 +509,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
 }
 # Issue 35: each takes (stack, statuses, out) and records what it measured in `out`.
 SCENARIOS_WITH_FIGURES: dict[str, Callable[[Stack, list[int], dict], None]] = {
+    "route_sweep": route_sweep,
     "many_long_batches": many_long_batches,
     "slow_webhooks_300": slow_webhooks_300,
     "tokenize_8mib_pieces": tokenize_8mib_pieces,
