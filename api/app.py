@@ -134,7 +134,8 @@ def create_app() -> FastAPI:
     logs.setup(settings.log_format)
     errors.install(app)
 
-    app.add_middleware(RequestRateGate)  # inside the guard: after authentication, before the body is read
+    # inside the guard: after authentication, before the body is read
+    app.add_middleware(RequestRateGate, settings=settings)
     app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(RequestIdentity)  # outermost: every response, errors included, carries the id
 
@@ -200,5 +201,5 @@ def create_app() -> FastAPI:
             app.swagger_ui_oauth2_redirect_url,
         ):
             costs.public(route.endpoint)  # type: ignore[attr-defined]
-    costs.check(app)  # a route without a cost class, or declared against its code, stops the start here
+    costs.check(app, settings)  # a route without a cost class, or declared against its code, stops the start here
     return app

@@ -28,6 +28,7 @@ import re
 import typing
 import weakref
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,7 +40,7 @@ from starlette.types import Scope
 
 from api.bodies import encode
 from api.streaming import HEAVY
-from core.config import Settings, get_settings
+from core.config import Settings
 from core.infra import threads
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -153,7 +154,10 @@ def _sized_return_ok(annotation: Any) -> bool:
 def sized(fn: F) -> F:
     """The route answers an object whose size the client's data sets. Its handler returns `OffLoop`
     (or a streamed answer); this wrapper builds and encodes it off the loop in the tenant's gate."""
-    hint = _return_hint(fn)
+    try:
+        hint = _return_hint(fn)
+    except NameError:  # a type its module defines further down: check(app) reads it once all is loaded
+        hint = OffLoop
     if not _sized_return_ok(hint):
         raise TypeError(
             f"{fn.__qualname__}: a sized route returns OffLoop (or a streamed answer), not "
@@ -172,11 +176,16 @@ def sized(fn: F) -> F:
     return _mark(typing.cast(F, wrapper), Cost.SIZED, None)
 
 
+# How many heavy builds one tenant may run at once (SPOOL_REPLAYS_PER_TENANT), set per request by the
+# rate gate (api/ratelimit.py) from the settings api/app.py hands it.
+HEAVY_CAP: ContextVar[int] = ContextVar("spool_heavy_cap", default=2)
+
+
 async def build(out: OffLoop) -> Response:
     if out.inline:
         body = encode(out.build(*out.args))
     else:
-        async with HEAVY.hold(out.tenant_id, get_settings().replays_per_tenant):
+        async with HEAVY.hold(out.tenant_id, HEAVY_CAP.get()):
             body = await threads.run("prepare", lambda: encode(out.build(*out.args)))
     return Response(body, status_code=out.status, media_type="application/json", headers=out.headers or None)
 
@@ -228,7 +237,7 @@ def of(scope: Scope) -> Declared | None:
     return None
 
 
-def check(app: FastAPI) -> None:
+def check(app: FastAPI, settings: Settings) -> None:
     """Refuse an application whose routes are not all declared, or declared against their code."""
     problems: list[str] = []
     for route in routes(app):
@@ -239,13 +248,9 @@ def check(app: FastAPI) -> None:
             problems.append(f"{name}: no cost class (api/costs.py: @work, @sized, @cheap or @public)")
             continue
         original = route.original_route
-        if (
-            isinstance(original, APIRoute)
-            and original.body_field is not None
-            and d.body_limit(get_settings()) > SMALL_BODY
-        ):
+        if isinstance(original, APIRoute) and original.body_field is not None and d.body_limit(settings) > SMALL_BODY:
             problems.append(f"{name}: a body FastAPI parses on the event loop, with a limit over {SMALL_BODY} bytes")
-        if d.cost is Cost.SIZED:
+        if d.cost is Cost.SIZED and endpoint is not None:
             hint = _return_hint(endpoint)
             if not _sized_return_ok(hint):
                 problems.append(f"{name}: sized, but its handler returns {hint!r}, a body built on the loop")

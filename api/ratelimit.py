@@ -20,9 +20,9 @@ import logging
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.costs import Declared
+from api.costs import HEAVY_CAP, Declared
 from api.errors import error_response
-from core.config import get_settings
+from core.config import Settings
 from core.errors import DomainError
 from core.infra import threads, transient
 from core.tenancy import admission
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class RequestRateGate:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app, self.settings = app, settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.get("state", {}) if scope["type"] == "http" else {}
@@ -46,7 +46,7 @@ class RequestRateGate:
             if declared.rate == "requests":
                 headers = await admission.take_request(redis, principal)
             else:
-                await admission.take_read(redis, principal, get_settings().reads_per_minute)
+                await admission.take_read(redis, principal, self.settings.reads_per_minute)
                 headers = None
         except DomainError as refused:
             await error_response(refused)(scope, receive, send)
@@ -56,6 +56,7 @@ class RequestRateGate:
             log.warning("request rate check skipped: Redis unavailable")
             headers = None
         share = threads.SHARE.set(principal.tenant.id)
+        cap = HEAVY_CAP.set(self.settings.replays_per_tenant)
         token = admission.REQUEST_TAKEN.set(headers) if headers is not None else None
         try:
             await self.app(scope, receive, send)
@@ -63,3 +64,4 @@ class RequestRateGate:
             if token is not None:
                 admission.REQUEST_TAKEN.reset(token)
             threads.SHARE.reset(share)
+            HEAVY_CAP.reset(cap)

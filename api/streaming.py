@@ -149,9 +149,10 @@ async def sse_chunks(
     chunks = chunks_for(job, include_usage, fingerprint)
     check = terminal_row_check(job.id, tenant_id, lookup)
     gate = functools.partial(HEAVY.hold, tenant_id, heavy_cap)
+    ended = transitions.is_terminal(job.state)  # an ended job with no stream left is answered by its row at once
     async with (
-        ReaderLease(rds, job.id, live=not transitions.is_terminal(job.state)) as lease,
-        contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id, heavy=gate)) as batches,
+        ReaderLease(rds, job.id, live=not ended) as lease,
+        contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id, heavy=gate, ended=ended)) as batches,
     ):
         async for batch in batches:
             await lease.renew()

@@ -358,18 +358,21 @@ class Settings(BaseSettings):
     ended_events_ttl_s: int = Field(
         300,
         ge=1,
-        description="Lifetime of a job's Redis event stream once the job has ended (Postgres answers afterwards; "
-        "where each entry left off is kept for `events_ttl_s`, so a resume from any event id stays exact).",
+        description="Lifetime of a job's Redis event stream once the job has ended, and of its marks and fence "
+        "(Postgres answers afterwards; a resume from an event id later than this is refused as expired). A job "
+        "that never wrote a stream leaves nothing.",
     )
-    dns_threads: int = Field(
-        4, ge=1, description="API threads for webhook URLs' DNS lookups (an unresolvable host waits on these alone)."
+    responses_chain_max_links: int = Field(
+        256,
+        ge=0,
+        description="Earlier responses one `previous_response_id` chain may hold (400 naming `previous_response_id` "
+        "past it): each is templated and tokenized again with every continuation.",
     )
-    events_ttl_s: int = Field(86400, description="Lifetime of a job's Redis event stream.")
-    ended_events_ttl_s: int = Field(
-        300,
-        ge=1,
-        description="Lifetime of a job's Redis event stream once the job has ended (Postgres answers afterwards; "
-        "where each entry left off is kept for `events_ttl_s`, so a resume from any event id stays exact).",
+    responses_chain_max_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=0,
+        description="Stored input bytes one `previous_response_id` chain may hold, every link counted whatever it "
+        "cost (400 naming `previous_response_id` past it), checked from the previous response's row alone.",
     )
     replays_per_tenant: int = Field(
         2,
@@ -482,6 +485,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "download_concurrency",
         "interactive_group",
         "replays_per_tenant",
+        "responses_chain_max_links",
+        "responses_chain_max_bytes",
     ),
     "Worker": (
         "worker_concurrency",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -25,7 +26,7 @@ from core.generation.events import ErrorInfo
 from core.infra import heap, redis_keys, transient
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.db import Listener
-from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED
+from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED, STORED_REDIS
 from core.infra.orm import Job, Tenant
 from core.jobs import transitions as jobs
 from core.jobs import workers
@@ -33,6 +34,7 @@ from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
 from core.states import JobKind, JobState
 from core.tenancy import admission
+from core.tenancy import usage as stored
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ class Dispatcher:
         self.refill_at = max(1, min(settings.batch_group, settings.prefetch_for(settings.max_batch)))
         # A worker holding running jobs -> (its last heartbeat value seen, when it last moved by our clock).
         self.heard: dict[str, tuple[float | None, float]] = {}
+        # Since when (our clock) this dispatcher's own writes to Redis have succeeded; None while refused.
+        self.writable_since: float | None = None
+        self._probe_key = redis_keys.dispatcher_probe(uuid.uuid4().hex)
+        self._stored_tenants: set[int] = set()  # tenants the Redis-bytes gauge has a value for
 
     def tick(self, woken: bool = False) -> dict[str, int]:
         """One pass. Returns counts for logs and tests. `woken`: a pass that follows a send or a wake
@@ -116,10 +122,17 @@ class Dispatcher:
         renewal refused and stops; an append it still has in flight is refused by the stream's fence.
         A heartbeat counts as heard when its value changes, timed by this dispatcher's clock: a worker
         host whose clock runs behind is never judged for it. Redis away for this dispatcher too:
-        nobody is judged (it is an outage, not a cut), and every worker's silence starts afresh."""
+        nobody is judged (it is an outage, not a cut), and every worker's silence starts afresh.
+        Likewise while Redis refuses this dispatcher's writes (OOM, MISCONF, READONLY): reads still
+        work there, but every worker's heartbeat is refused too and stands still. Nobody is judged
+        until writes have succeeded again for a whole SPOOL_WORKER_UNHEARD_S (`_writable`)."""
         models = self.settings.model_ids
         holders = {w for w in session.scalars(jobs.running_holders(models)) if w}
         if not holders:
+            self.heard.clear()
+            return 0
+        writable = self._writable()
+        if writable is None:
             self.heard.clear()
             return 0
         try:
@@ -140,7 +153,7 @@ class Dispatcher:
         self.heard = heard
         unheard_s = self.settings.worker_unheard_s
         due = sorted(w for w, (_, since) in heard.items() if now - since >= unheard_s)
-        if not due:
+        if not due or now - writable < unheard_s:
             return 0
         ended = session.execute(jobs.requeue_held_by(due, self.settings.max_attempts)).all()
         session.commit()
@@ -154,6 +167,22 @@ class Dispatcher:
             len(ended),
         )
         return len(ended)
+
+    def _writable(self) -> float | None:
+        """Write a probe key of this dispatcher's own: since when (our clock) writes have succeeded
+        without a break, None while Redis refuses them. Judging waits a whole `worker_unheard_s` past
+        that moment: a worker's heartbeat needs that long to be seen moving again after a refusal
+        ends (and this probe may succeed a moment before the workers' next beats do)."""
+        try:
+            self.rds.set(self._probe_key, 1, ex=max(5, int(self.settings.dispatcher_interval_s * 4)))
+        except transient.REDIS:
+            if self.writable_since is not None:
+                log.warning("Redis refuses this dispatcher's writes: no worker is judged unheard meanwhile")
+            self.writable_since = None
+            return None
+        if self.writable_since is None:
+            self.writable_since = time.monotonic()
+        return self.writable_since
 
     def keep_batches(self) -> dict[str, int]:
         """Batch bookkeeping (counts, expiry, cancellation, finalization), webhooks, gauges and the
@@ -268,6 +297,12 @@ class Dispatcher:
             OLDEST.labels(model, kind).set(now - oldest.timestamp() if oldest is not None else 0)
         for model in self.settings.model_ids:
             LIVE_WORKERS.labels(model).set(len(workers.live(self.rds, model)))
+        held = stored.redis_bytes(self.rds, self.settings.ended_events_ttl_s)
+        for tenant in self._stored_tenants - held.keys():
+            STORED_REDIS.labels(str(tenant)).set(0)  # its ended jobs' keys have all expired
+        for tenant, n in held.items():
+            STORED_REDIS.labels(str(tenant)).set(n)
+        self._stored_tenants = set(held)
 
     def _depth(self, model: str) -> int:
         return sum(self.broker.llen(q) for q in queues_for(model))

@@ -438,7 +438,7 @@ def _route_table() -> list[tuple[str, str, str, str]]:
     from api import costs
     from api.app import create_app
 
-    out = []
+    out: list[tuple[str, str, str, str]] = []
     for r in costs.routes(create_app()):
         d = costs.declared(r.endpoint)
         if d is None or d.cost is costs.Cost.PUBLIC or r.path is None:

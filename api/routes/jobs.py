@@ -9,12 +9,11 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse
 
-from api.bodies import encode
 from api.cache import SingleFlight
-from api.costs import cheap
+from api.costs import OffLoop, sized
 from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
-from api.streaming import HEAVY, sse_chunks
+from api.streaming import sse_chunks
 from core.infra import streams
 from core.infra.orm import Job
 from core.jobs.service import Completions
@@ -35,7 +34,10 @@ def _not_found(job_id: str) -> APIError:
 
 
 async def _get(completions: Completions, job_id: str, tenant_id: int, *, without_result: bool = False) -> Job | None:
-    return await completions.get(job_id, tenant_id, without_result=without_result) if _ID.fullmatch(job_id) else None
+    """The tenant's job, as a client may read it: a deleted or unstored response is unknown here too."""
+    if not _ID.fullmatch(job_id):
+        return None
+    return await completions.readable(job_id, tenant_id, without_result=without_result)
 
 
 # A job object with more scores than this (logprobs) or this much text is built and encoded on a
@@ -50,34 +52,38 @@ def _large(row: Job) -> bool:
     return scores > _OFF_LOOP_SCORES or sum(len(c.get("text") or "") for c in choices) > _OFF_LOOP_CHARS
 
 
-def _job_bytes(row: Job, fingerprint: str) -> bytes:
-    return encode(JobObject.model_validate(render.job(row, fingerprint)).model_dump(mode="json", by_alias=True))
+def _job_body(row: Job, fingerprint: str) -> dict[str, Any]:
+    """The job object as its response model publishes it (the same validation FastAPI would run)."""
+    return JobObject.model_validate(render.job(row, fingerprint)).model_dump(mode="json", by_alias=True)
+
+
+def _answer(tenant_id: int, row: Job, fingerprint: str) -> OffLoop:
+    # A job without many scores or much text is built on the loop: less than the thread hop.
+    return OffLoop(tenant_id, _job_body, (row, fingerprint), inline=not _large(row))
 
 
 @router.get("/{job_id}", response_model=JobObject)
-@cheap
+@sized
 async def get_job(
-    job_id: str, tenant: TenantDep, completions: CompletionsDep, fingerprints: FingerprintsDep, settings: SettingsDep
-) -> Any:
+    job_id: str, tenant: TenantDep, completions: CompletionsDep, fingerprints: FingerprintsDep
+) -> OffLoop:
     row = await _get(completions, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    if not _large(row):
-        return render.job(row, fingerprints(row.model))
-    async with HEAVY.hold(tenant.id, settings.replays_per_tenant):  # one tenant's big bodies take turns
-        body = await anyio.to_thread.run_sync(_job_bytes, row, fingerprints(row.model))
-    return Response(body, media_type="application/json")
+    return _answer(tenant.id, row, fingerprints(row.model))
 
 
 @router.post("/{job_id}/cancel", response_model=JobObject)
-@cheap
-async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, fingerprints: FingerprintsDep) -> dict:
-    if not _ID.fullmatch(job_id):
+@sized
+async def cancel(
+    job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, completions: CompletionsDep, fingerprints: FingerprintsDep
+) -> OffLoop:
+    if await _get(completions, job_id, tenant.id, without_result=True) is None:  # unknown, or a forgotten response
         raise _not_found(job_id)
     row = await anyio.to_thread.run_sync(lifecycle.cancel, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    return render.job(row, fingerprints(row.model))
+    return _answer(tenant.id, row, fingerprints(row.model))
 
 
 @router.get(
@@ -88,7 +94,7 @@ async def cancel(job_id: str, tenant: TenantDep, lifecycle: LifecycleDep, finger
     response_class=Response,
     responses={200: {"content": {"text/event-stream": {}}, "description": "Completion chunks (SSE)"}},
 )
-@cheap
+@sized
 async def job_events(
     job_id: str,
     request: Request,

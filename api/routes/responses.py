@@ -11,20 +11,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from api.bodies import INLINE_BYTES, json_body, openapi_body
-from api.costs import cheap, work
+from api.bodies import INLINE_BYTES, json_body, json_response, openapi_body
+from api.costs import OffLoop, cheap, sized, work
 from api.deps import LifecycleDep, SettingsDep, TenantDep, current_principal
 from api.errors import APIError
 from api.routes.completions import _StreamOrCancel, _wait_unless_draining
 from api.streaming import HEAVY, ReaderLease, sse_comment
 from core.config import Settings
+from core.infra import threads
 from core.jobs import transitions
-from core.jobs.responses import Responses
-from core.jobs.stream import HEARTBEAT
+from core.jobs.responses import Batch, Responses
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponsesRequest
@@ -58,6 +57,17 @@ def _gate(tenant_id: int, settings: Settings) -> Callable[[], contextlib.Abstrac
     return functools.partial(HEAVY.hold, tenant_id, settings.replays_per_tenant)
 
 
+async def _built(
+    tenant_id: int, settings: Settings, build: Callable[..., Any], *args: Any, headers: dict[str, str] | None = None
+) -> Response:
+    """An object whose size the client set (`instructions`, tools, logprobs, input items) built and
+    encoded on the prepare threads, inside its tenant's gate, as a large job object is."""
+    async with HEAVY.hold(tenant_id, settings.replays_per_tenant):
+        out = await json_response(build, *args)
+    out.headers.update(headers or {})
+    return out
+
+
 @router.post("", response_model=None, responses=_ANSWERS, openapi_extra=openapi_body(ResponsesRequest))
 @work
 async def create_response(
@@ -76,14 +86,14 @@ async def create_response(
             return _Rejoin(stream, headers=headers)
         return _Stream(stream, job.id, tenant_id, lifecycle, settings, request.app.state, headers=headers)
     if body.background:
-        return JSONResponse(render.response_of(job), headers=headers)
+        return await _built(tenant_id, settings, render.response_of, job, headers=headers)
     waiting = responses.wait(request.app.state.hub, job, tenant_id, settings.wait_timeout_s)
     row = await _wait_unless_draining(waiting, request, job.id)
-    return JSONResponse(render.response_of(row if row is not None else job), headers=headers)
+    return await _built(tenant_id, settings, render.response_of, row if row is not None else job, headers=headers)
 
 
 @router.get("/{response_id}", response_model=None, responses=_ANSWERS)
-@cheap
+@sized
 async def get_response(
     response_id: str,
     request: Request,
@@ -93,27 +103,29 @@ async def get_response(
     stream: bool = False,
     starting_after: Annotated[int | None, Query(ge=-1, le=2**53)] = None,
     include: Annotated[list[str] | None, Query(alias="include[]")] = None,
-) -> Any:
+) -> OffLoop | _Rejoin:
     """The response as it stands; with `stream=true`, its events (after `starting_after`)."""
     job = await responses.find(response_id, tenant.id)
     if job is None:
         raise _not_found(response_id)
     if not stream:
-        return render.response_of(job)
+        return OffLoop(tenant.id, render.response_of, (job,))
     events = responses.events(request.app.state.hub, job, tenant.id, starting_after, heavy=_gate(tenant.id, settings))
     return _Rejoin(_framed(events, request.app.state.redis, job.id, live=not transitions.is_terminal(job.state)))
 
 
 @router.post("/{response_id}/cancel", response_model=None, responses=_ANSWERS)
-@cheap
-async def cancel_response(response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep):
+@sized
+async def cancel_response(
+    response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep
+) -> OffLoop:
     """Cancels a response that is still running (billed what it generated); an ended one is
     answered as it is."""
     job = await responses.find(response_id, tenant.id)
     if job is None:
         raise _not_found(response_id)
     row = await anyio.to_thread.run_sync(lifecycle.cancel, job.id, tenant.id)
-    return render.response_of(row if row is not None else job)
+    return OffLoop(tenant.id, render.response_of, (row if row is not None else job,))
 
 
 @router.delete("/{response_id}", response_model=None, responses=_ANSWERS)
@@ -131,7 +143,7 @@ async def delete_response(response_id: str, tenant: TenantDep, responses: _Respo
 
 
 @router.get("/{response_id}/input_items", response_model=None, responses=_ANSWERS)
-@cheap
+@sized
 async def list_input_items(
     response_id: str,
     tenant: TenantDep,
@@ -141,11 +153,11 @@ async def list_input_items(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
     include: Annotated[list[str] | None, Query(alias="include[]")] = None,
-) -> Any:
+) -> OffLoop:
     job = await responses.find(response_id, tenant.id)
     if job is None:
         raise _not_found(response_id)
-    return wire.page(wire.input_item_list(job), after, before, limit, order)
+    return OffLoop(tenant.id, lambda: wire.page(wire.input_item_list(job), after, before, limit, order))
 
 
 # -- the stream ------------------------------------------------------------------------------------
@@ -153,20 +165,30 @@ async def list_input_items(
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
+def _frames(events: list[dict[str, Any]]) -> tuple[bytes, bool]:
+    """Events as SSE (`event:` its type, `id:` its sequence number), and whether the last is among them."""
+    out = bytearray()
+    for e in events:
+        raw = json.dumps(e, separators=(",", ":"))
+        out += format_sse_event(data_str=raw, event=e["type"], id=str(e["sequence_number"]))
+    return bytes(out), any(e["type"] in _TERMINAL for e in events)
+
+
 async def _framed(
-    events: AsyncIterator[Any], rds: Any, job_id: str, *, live: bool = True
+    events: AsyncIterator[Batch | object], rds: Any, job_id: str, *, live: bool = True
 ) -> AsyncIterator[tuple[bytes, bool]]:
-    """Events as SSE (`event:` its type, `id:` its sequence number), with keep-alive comments; each
-    with whether it was the last. The stream of a live job counts as one of its readers."""
+    """Batches of events as SSE, with keep-alive comments; each with whether it held the last. A
+    batch built off the loop (snapshots, a backlog, the end) is framed off it too. The stream of a
+    live job counts as one of its readers."""
     async with ReaderLease(rds, job_id, live=live) as lease:
-        async for e in events:
+        async for batch in events:
             await lease.renew()
-            if e is HEARTBEAT:
+            if not isinstance(batch, Batch):  # HEARTBEAT
                 yield sse_comment("keep-alive"), False
                 continue
-            raw = json.dumps(e, separators=(",", ":"))
-            frame = format_sse_event(data_str=raw, event=e["type"], id=str(e["sequence_number"]))
-            yield frame, e["type"] in _TERMINAL
+            frame, last = await threads.run("prepare", _frames, batch.events) if batch.heavy else _frames(batch.events)
+            if frame:
+                yield frame, last
 
 
 async def _bytes(stream: AsyncIterator[tuple[bytes, bool]]) -> AsyncIterator[bytes]:

@@ -48,3 +48,8 @@ WAITING = Gauge(
 QUEUED = Gauge("spool_queue_depth", "Jobs waiting in Postgres", ["model", "kind"])
 OLDEST = Gauge("spool_oldest_queued_job_age_seconds", "Age of the oldest job waiting in Postgres", ["model", "kind"])
 LIVE_WORKERS = Gauge("spool_live_workers", "Workers whose heartbeat is fresh", ["model"])
+STORED_REDIS = Gauge(
+    "spool_tenant_redis_bytes",
+    "Bytes a tenant's ended jobs hold in Redis (streams and marks), counted as they end (an upper bound)",
+    ["tenant"],
+)

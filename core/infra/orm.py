@@ -107,6 +107,11 @@ class Job(Base):
     stream: Mapped[bool] = mapped_column(Boolean, server_default="false")
     # A chat completion: how to render it (tool-call parsing, chat logprobs). NULL: a text completion.
     chat: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # A response's chain (itself and every `previous_response_id` behind it): how many responses and
+    # how many bytes of stored input items, written on insert by a trigger (migration 0013), so one
+    # row tells whether a continuation may expand it. 0 on other jobs.
+    chain_links: Mapped[int] = mapped_column(Integer, server_default="0")
+    chain_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
     request_id: Mapped[str | None] = mapped_column(String(128))  # the x-request-id that created it
     user: Mapped[str | None] = mapped_column(String(256))
     # JSON, not JSONB: a result holds whatever text the model generated or echoed, a NUL character

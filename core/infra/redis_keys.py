@@ -35,6 +35,17 @@ def revoked(digest: str) -> str:
     return f"spool:keys:revoked:{digest}"
 
 
+def stored_bytes(window: int) -> str:
+    """A hash, one field per tenant: the bytes its jobs' ended streams, marks and fences took in Redis, added
+    as each job ended within this window (core/infra/streams.py `_SEAL`); read by core/tenancy/usage.py."""
+    return f"spool:stored:redis:{window}"
+
+
+def dispatcher_probe(name: str) -> str:
+    """A dispatcher's write probe, rewritten every pass with a short TTL (core/dispatcher.py)."""
+    return f"spool:dispatcher:probe:{name}"
+
+
 def live_workers(model: str) -> str:
     """A hash of the worker heartbeats serving a model (core/jobs/workers.py)."""
     return f"spool:workers:{model}"

@@ -15,13 +15,14 @@ import logging
 import queue
 import re
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from redis.exceptions import ResponseError
 
-from core.infra import transient
+from core.infra import redis_keys, transient
 from core.infra.backoff import Backoff
 from core.infra.kv import Lua
 
@@ -57,8 +58,8 @@ def _payload_or_none(fields: dict[Any, Any]) -> str | None:
 
 
 def marks_key(job_id: str) -> str:
-    """Where each delta entry of an ended job's stream left its choice (`seal`): what a resume from
-    an entry id needs once the stream itself has expired and the job row answers."""
+    """Where each delta entry of an ended job's stream left its choice (`_SEAL`): a resume from an
+    entry id placed without reading the stream. Lives as long as the ended stream it describes."""
     return f"job:{job_id}:marks"
 
 
@@ -79,20 +80,30 @@ def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) ->
     pipe.expire(key, ttl_s)
 
 
-# The end of a job: its terminal event appended (a time-based id, above every position), and the
-# stream, which nobody appends to any more, given the short lifetime of an ended job's (Postgres
-# answers afterwards). Before that, once per job, each delta entry's mark is kept beside it for the
-# long lifetime: `seq,choice,chars,scores,prefix,finish` (its position, its choice, how many
-# characters and scores it carried, whether it carried the echoed prompt, a finish_reason),
-# `;`-separated. With them an entry
-# id still names a place in the row's text after the stream is gone, so a resume from it neither
-# repeats nor skips (core/jobs/stream.py). Characters are counted as Python counts them (code
-# points: the UTF-8 bytes that do not continue a character). An entry that is not a delta (or not
-# ours) has no mark. KEYS: stream, marks; ARGV: ended ttl, marks ttl, the payloads.
+# The end of a job that wrote a stream: its terminal event appended (a time-based id, above every
+# position), and the stream, which nobody appends to any more, given the short lifetime of an ended
+# job's (Postgres answers afterwards). A job that never wrote one (cancelled or expired while queued,
+# failed before its first token) gets none now: its readers hear its row at their next silence
+# (core/jobs/stream.py), and a 50k-line batch that expires puts nothing into Redis (a one-entry
+# stream was ~4.8 KB, Redis preallocating its first listpack). Once per job (no terminal event
+# there yet), each delta entry's mark is kept beside it, for as long as the stream:
+# `seq,choice,chars,scores,prefix,finish` (its position, its choice, how many characters and scores
+# it carried, whether it carried the echoed prompt, a finish_reason), `;`-separated: a resume from an
+# entry id is placed by one GET instead of reading and decoding the stream. Characters are counted
+# as Python counts them (code points: the UTF-8 bytes that do not continue a character). An entry
+# that is not a delta (or not ours) has no mark. The job's fence goes with them (a stale attempt
+# that finds the stream gone asks Postgres whether it still owns the job: workers/attempt.py). What
+# the stream, its marks and fence then hold is added to the tenant's count in this window's hash
+# (`redis_keys.stored_bytes`), measured by MEMORY USAGE.
+# KEYS: stream, marks, the window's hash, fence; ARGV: ended ttl, tenant, the hash's ttl, the payloads.
 _SEAL = r"""
-local stream, marks = KEYS[1], KEYS[2]
-if redis.call('EXISTS', marks) == 0 then
-  local out = {}
+local stream, marks, stored, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+redis.call('EXPIRE', fence, ARGV[1])
+local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+if #top == 0 then return {} end
+local first = string.sub(top[1][1], 1, 2) == '0-'
+local out = {}
+if first then
   for _, e in ipairs(redis.call('XRANGE', stream, '-', '0-18446744073709551615')) do
     local f, p = e[2], nil
     for i = 1, #f, 2 do if f[i] == 'e' then p = f[i + 1] end end
@@ -112,11 +123,18 @@ if redis.call('EXISTS', marks) == 0 then
       out[#out + 1] = table.concat({seq, tostring(d.choice or 0), #d.text - cont, s, pre, fin}, ',')
     end
   end
-  redis.call('SET', marks, table.concat(out, ';'), 'EX', ARGV[2])
+  if #out > 0 then redis.call('SET', marks, table.concat(out, ';'), 'EX', ARGV[1]) end
 end
 local ids = {}
-for i = 3, #ARGV do ids[#ids + 1] = redis.call('XADD', stream, '*', 'e', ARGV[i]) end
+for i = 4, #ARGV do ids[#ids + 1] = redis.call('XADD', stream, '*', 'e', ARGV[i]) end
 redis.call('EXPIRE', stream, ARGV[1])
+if first then
+  local n = redis.call('MEMORY', 'USAGE', stream) or 0
+  if #out > 0 then n = n + (redis.call('MEMORY', 'USAGE', marks) or 0) end
+  n = n + (redis.call('MEMORY', 'USAGE', fence) or 0)
+  redis.call('HINCRBY', stored, ARGV[2], n)
+  redis.call('EXPIRE', stored, ARGV[3])
+end
 return ids
 """
 
@@ -124,15 +142,24 @@ return ids
 _SEAL_SHA = hashlib.sha1(_SEAL.encode()).hexdigest()
 
 
-def queue_end(pipe: Any, job_id: str, payloads: Sequence[str], ended_ttl_s: int, marks_ttl_s: int) -> None:
-    """Queue a job's end (its terminal event) on a redis-py pipeline: appended, the stream's marks
-    kept for `marks_ttl_s`, the stream itself shortened to `ended_ttl_s` (see `_SEAL`). A NOSCRIPT
-    would only surface at `execute`: the script is loaded first in the same pipeline, once however
-    many jobs' ends it carries (a batch's expired lines), and then called by its digest."""
+def stored_window(ended_ttl_s: int, now: float | None = None) -> int:
+    """The window (of `ended_ttl_s` seconds) a job ending at `now` is counted in: what it leaves
+    lives at most `ended_ttl_s`, so this window's and the previous one's counts cover all of it."""
+    return int(time.time() if now is None else now) // max(1, ended_ttl_s)
+
+
+def queue_end(pipe: Any, job_id: str, tenant_id: int, payloads: Sequence[str], ended_ttl_s: int) -> None:
+    """Queue a job's end (its terminal event) on a redis-py pipeline: appended to its stream if it
+    wrote one (nothing at all otherwise), the stream and its marks kept `ended_ttl_s`, their bytes
+    counted to the tenant (see `_SEAL`). A NOSCRIPT would only surface at `execute`: the script is
+    loaded first in the same pipeline, once however many jobs' ends it carries (a batch's expired
+    lines), and then called by its digest."""
     if not getattr(pipe, "_spool_seal_loaded", False):
         pipe.script_load(_SEAL)
         pipe._spool_seal_loaded = True
-    pipe.evalsha(_SEAL_SHA, 2, stream_key(job_id), marks_key(job_id), ended_ttl_s, marks_ttl_s, *payloads)
+    stored = redis_keys.stored_bytes(stored_window(ended_ttl_s))
+    keys = (stream_key(job_id), marks_key(job_id), stored, fence_key(job_id))
+    pipe.evalsha(_SEAL_SHA, 4, *keys, ended_ttl_s, tenant_id, 2 * ended_ttl_s + 60, *payloads)
 
 
 Mark = tuple[int, int, int, int, bool, bool]  # position, choice, characters, scores, echoed prompt, finish

@@ -4,7 +4,8 @@ enqueue, is core/jobs/submit.py's).
 "A job ends" is always the same four things, in this order: the compare-and-set transition and
 the tenant's usage row in one transaction; then the rate-limit reservation settled (the real
 usage, or nothing for a job that produced nothing billable); then the terminal event that wakes
-every reader of the job's stream. Whoever wins the transition does them; whoever loses (a late
+every reader of the job's stream (a job that never wrote one leaves nothing in Redis: its readers
+hear the row at their next silence). Whoever wins the transition does them; whoever loses (a late
 worker, a second cancel, the reaper racing a finishing worker) does nothing.
 
 The worker, the dispatcher and the API all end jobs through `Lifecycle` (the API from a thread:
@@ -142,35 +143,39 @@ class Lifecycle:
         if params:
             session.execute(usage.UPSERT, params)
 
-    def _announce(self, job_id: str, billable: int, ev: Done | Failed | Cancelled) -> None:
-        """After the commit: settle the reservation and publish the end, retried while Redis is away
-        (the ledger already says how the job ended; readers fall back to it meanwhile)."""
+    def _announce(self, row: Any, billable: int, ev: Done | Failed | Cancelled) -> None:
+        """After the commit: settle the reservation and publish the end (on the job's stream, if it
+        wrote one: `streams.queue_end`), retried while Redis is away (the ledger already says how the
+        job ended; readers fall back to it meanwhile). `row`: the ended job (id, tenant_id)."""
+        job_id = row.id
+        # Only a job a worker had claimed can be running somewhere: one cancelled before that leaves
+        # no flag (a later claim loses its compare-and-set in Postgres).
+        flag = isinstance(ev, Cancelled) and getattr(row, "started_at", True) is not None
 
         def once() -> None:
             # One round trip: the settlement, then the event (a pipeline runs them in this order).
             pipe = self.redis.pipeline(transaction=False)
             pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), int(time.time() * 1000), billable)
-            if isinstance(ev, Cancelled):
+            if flag:
                 pipe.set(streams.cancel_key(job_id), 1, ex=3600)
-            s = self.settings
-            streams.queue_end(pipe, job_id, [encode(ev)], s.ended_events_ttl_s, s.events_ttl_s)
+            streams.queue_end(pipe, job_id, row.tenant_id, [encode(ev)], self.settings.ended_events_ttl_s)
             pipe.execute()
 
         self._while_redis_away(once, f"job {job_id}")
 
-    def _announce_many(self, ends: Sequence[tuple[str, Failed | Cancelled]]) -> None:
-        """`_announce` for many jobs that billed nothing: their reservations released and their
-        terminal events appended in pipelines, not a round trip per job."""
-        ttl = self.settings.events_ttl_s
+    def _announce_many(self, ends: Sequence[tuple[str, int, Failed | Cancelled]]) -> None:
+        """`_announce` for many jobs that billed nothing (job id, tenant, event): their reservations
+        released and their terminal events appended in pipelines, not a round trip per job."""
+        ttl = self.settings.ended_events_ttl_s
         for i in range(0, len(ends), ANNOUNCE_CHUNK):
             chunk = ends[i : i + ANNOUNCE_CHUNK]
 
-            def once(chunk: Sequence[tuple[str, Failed | Cancelled]] = chunk) -> None:
+            def once(chunk: Sequence[tuple[str, int, Failed | Cancelled]] = chunk) -> None:
                 now_ms = int(time.time() * 1000)
                 pipe = self.redis.pipeline(transaction=False)
-                for job_id, ev in chunk:
+                for job_id, tenant_id, ev in chunk:
                     pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), now_ms, 0)
-                    streams.queue_end(pipe, job_id, [encode(ev)], self.settings.ended_events_ttl_s, ttl)
+                    streams.queue_end(pipe, job_id, tenant_id, [encode(ev)], ttl)
                 pipe.execute()
 
             self._while_redis_away(once, f"{len(chunk)} jobs")
@@ -205,7 +210,7 @@ class Lifecycle:
         if row is not None:
             # Billing follows delivery: whatever the ending, the reservation settles to what was billed.
             billable = u.total_tokens if isinstance(u, Usage) else 0
-            self._announce(row.id, billable, ev)
+            self._announce(row, billable, ev)
         return row
 
     def produced(self, job: Job, deltas: Sequence[Delta] | None = None) -> Usage:
@@ -261,7 +266,7 @@ class Lifecycle:
             return None
         row = found[0]
         self._counted(row, outcome, u, engine_s)  # the row is in `usage_daily` already: the counters only
-        self._announce(row.id, u.total_tokens, ev)
+        self._announce(row, u.total_tokens, ev)
         return row
 
     def succeed(self, job: Job | Claimed, result: JobResult, u: Usage, engine_s: float) -> bool:
@@ -327,7 +332,7 @@ class Lifecycle:
             s.commit()
         for row, u in billed:
             REAPED.labels(row.model).inc()
-            self._announce(row.id, u.total_tokens, Failed(attempt=row.attempt, error=err))
+            self._announce(row, u.total_tokens, Failed(attempt=row.attempt, error=err))
         return {"requeued": len(requeued_rows), "failed": len(billed)}
 
     # -- a batch's lines that never ran --------------------------------------------------------
@@ -346,9 +351,10 @@ class Lifecycle:
 
     def announce_lines(self, rows: Sequence[Any], to: Ending) -> None:
         """After `end_queued_lines` committed: each line's reservation released and its terminal
-        event published, in pipelines."""
-        ends: list[tuple[str, Failed | Cancelled]] = [
-            (r.id, Failed(attempt=r.attempt, error=BATCH_EXPIRED) if to == Ending.expired else Cancelled())
+        event published, in pipelines (on a stream only where a requeued line's earlier attempt
+        wrote one: a line that never ran leaves nothing in Redis)."""
+        ends: list[tuple[str, int, Failed | Cancelled]] = [
+            (r.id, r.tenant_id, Failed(attempt=r.attempt, error=BATCH_EXPIRED) if to == Ending.expired else Cancelled())
             for r in rows
         ]
         self._announce_many(ends)

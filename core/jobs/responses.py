@@ -15,28 +15,121 @@ import contextlib
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, cast
+
+from sqlalchemy import text
 
 from core.errors import DomainError, ErrorKind, invalid, not_found
-from core.generation.events import Event, TerminalRow, result_of
-from core.infra import streams
+from core.generation.events import Event, TerminalRow, is_terminal, result_of
+from core.infra import streams, threads
 from core.infra.autocommit import one_statement_async
 from core.infra.orm import Job
 from core.infra.transient import DATABASE
 from core.jobs import transitions
-from core.jobs.service import Completions, Created, check_model
+from core.jobs.service import Completions, Created, check_model, forgotten
 from core.jobs.stream import HEARTBEAT, Ended, follow_batches
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponseChat, ResponsesRequest
 from core.states import JobState
+from core.tenancy.admission import REQUEST_TAKEN
 from core.tenancy.keys import Principal
 
 ENDPOINT = "/v1/responses"
 
+# The previous response's row as far as bounding its chain needs: no input, no output.
+_HEAD = text(
+    "SELECT state, chain_links, chain_bytes, "
+    "coalesce(chat->'response'->>'deleted', 'false') = 'true' OR chat->'response'->>'store' = 'false' AS hidden "
+    "FROM jobs WHERE id = :id AND tenant_id = :tenant AND chat->'response' IS NOT NULL"
+)
+# The whole chain in one statement, newest first, at most :most links; JSON comes back as text, parsed
+# on a prepare thread, not by the driver on the event loop.
+_CHAIN = text(
+    "WITH RECURSIVE chain(id, prev, depth) AS ("
+    " SELECT id, chat->'response'->>'previous_response_id', 1 FROM jobs WHERE id = :id AND tenant_id = :tenant"
+    " UNION ALL"
+    " SELECT j.id, j.chat->'response'->>'previous_response_id', c.depth + 1 FROM chain c"
+    " JOIN jobs j ON j.id = 'cmpl-' || substr(c.prev, 6) AND j.tenant_id = :tenant"
+    " WHERE left(c.prev, 5) = 'resp_' AND c.depth < :most)"
+    " SELECT j.id, j.state, j.model, j.created_at, j.chat::text AS chat, j.result::text AS result"
+    " FROM chain c JOIN jobs j ON j.id = c.id ORDER BY c.depth"
+)
+# A live stream's batch of this many events or fewer is rendered on the loop (a token or a few); a
+# backlog, or the end (the whole response object), on a prepare thread.
+_ON_LOOP_EVENTS = 16
+_NOT_ENDED = {JobState.queued: "queued", JobState.dispatched: "queued", JobState.running: "in_progress"}
+
+
+@dataclass
+class Batch:
+    """Stream events to send together; `heavy`: built off the loop, so framed off it too (the caller
+    holds the tenant's gate while it frames and sends them, when the batch was built inside it)."""
+
+    events: list[dict[str, Any]]
+    heavy: bool = False
+
 
 def _gone(resp_id: str, param: str | None = None) -> DomainError:
     return not_found(f"Response with id '{resp_id[:128]}' not found.", param=param, code="response_not_found")
+
+
+def _too_long(why: str) -> DomainError:
+    return invalid("previous_response_id", f"The chain of previous responses {why}; start a new conversation.")
+
+
+def _ended(resp_id: str, state: str) -> None:
+    if not transitions.is_terminal(state):
+        raise DomainError(
+            ErrorKind.invalid,
+            f"Previous response '{resp_id[:128]}' has not finished yet (status "
+            f"'{_NOT_ENDED.get(JobState(state), 'in_progress')}'); wait for it, then continue the conversation.",
+            param="previous_response_id",
+            code="previous_response_in_progress",
+        )
+
+
+def _link(row: Any) -> Any:
+    """A chain row (`_CHAIN`) as the record `chain_messages` renders."""
+    chat, result = json.loads(row.chat) if row.chat else None, json.loads(row.result) if row.result else None
+    return SimpleNamespace(
+        id=row.id, state=row.state, model=row.model, created_at=row.created_at, chat=chat, result=result, usage=None
+    )
+
+
+def _chain(rows: list[Any], most: int) -> list[dict[str, Any]]:
+    """The conversation of a `previous_response_id` (`rows`: its chain, newest first), oldest first, as
+    chat messages: each earlier response's input items and output. Instructions are not carried over
+    (OpenAI's rule). Blocking: on a prepare thread."""
+    links = [_link(r) for r in rows]
+    if len(links) > most:
+        raise _too_long(f"is longer than {most}")
+    for n, job in enumerate(links):
+        resp_id = render.response_id(job.id)
+        if n and (not render.is_response(job) or forgotten(job)):  # the head was checked: `chain_head`
+            raise _gone(resp_id, "previous_response_id")
+        _ended(resp_id, job.state)
+    last = render.response_meta(links[-1]).get("previous_response_id") if links else None
+    if last is not None:
+        raise _gone(last, "previous_response_id")  # a link the chain names is not there
+    out: list[dict[str, Any]] = []
+    for job in reversed(links):
+        out += wire.chain_messages(job)
+    return out
+
+
+def _translate(req: ResponsesRequest, rows: list[Any] | None, model: str, most: int) -> tuple[ResponseChat, str]:
+    """The request, with its chain's messages, as the chat request it runs as, and the hash of its
+    settings. An Idempotency-Key's request hash covers the chat request; what only the Responses API
+    reads (metadata, store, background, ...) is folded into the endpoint it is recorded under, so the
+    same key with other settings is refused (422), not answered with the first response."""
+    if rows is not None and not rows:
+        raise _gone(req.previous_response_id or "", "previous_response_id")  # deleted since `chain_head`
+    chat = wire.to_chat(req, [] if rows is None else _chain(rows, most), model)
+    settings_hash = hashlib.sha256(json.dumps(chat.response, sort_keys=True).encode()).hexdigest()[:16]
+    return chat, settings_hash
 
 
 class Responses(Completions):
@@ -66,13 +159,22 @@ class Responses(Completions):
                 raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
             headers["x-spool-ignored-params"] = ",".join(unknown)
         model = check_model(req.model, self.settings)
-        earlier = await self.chain(req.previous_response_id, principal.tenant.id)
-        chat = wire.to_chat(req, earlier, model)
-        # An Idempotency-Key's request hash covers the chat request; what only the Responses API
-        # reads (metadata, store, background, ...) is folded into the endpoint it is recorded under,
-        # so the same key with other settings is refused (422), not answered with the first response.
-        settings_hash = hashlib.sha256(json.dumps(chat.response, sort_keys=True).encode()).hexdigest()[:16]
+        tenant_id = principal.tenant.id
+        # A chain's size is known from one row before any of it is read, and the tenant's limits take
+        # the request before it is expanded: what a small body costs to expand is bounded and counted.
+        chained = req.previous_response_id is not None
+        if chained:
+            await self.chain_head(req.previous_response_id, tenant_id)  # type: ignore[arg-type]
+        token = REQUEST_TAKEN.set(await self.admit_request(principal))
+        most = self.settings.responses_chain_max_links
         try:
+            if chained:
+                rows = await self.chain_rows(req.previous_response_id, tenant_id)  # type: ignore[arg-type]
+                chat, settings_hash = await threads.run("prepare", _translate, req, rows, model, most)
+            elif small:
+                chat, settings_hash = _translate(req, None, model, most)
+            else:
+                chat, settings_hash = await threads.run("prepare", _translate, req, None, model, most)
             created = await self.create(
                 principal,
                 chat,
@@ -80,10 +182,12 @@ class Responses(Completions):
                 f"{ENDPOINT}#{settings_hash}",
                 queued=bool(req.background),
                 request_id=request_id,
-                small=small,
+                small=small and not chained,  # a chain is templated and tokenized on a thread
             )
         except DomainError as exc:
             raise wire.rename(exc) from exc
+        finally:
+            REQUEST_TAKEN.reset(token)
         created.headers |= headers
         return created
 
@@ -93,38 +197,36 @@ class Responses(Completions):
         if job_id is None:
             return None
         job = await self.get(job_id, tenant_id)
-        if job is None or not render.is_response(job):
+        if job is None or not render.is_response(job) or forgotten(job):
             return None
-        m = render.response_meta(job)
-        return None if m.get("deleted") or m.get("store") is False else job
+        return job
 
-    async def chain(self, resp_id: str | None, tenant_id: int) -> list[dict[str, Any]]:
-        """The conversation of a `previous_response_id`, oldest first, as chat messages: each earlier
-        response's input items and output. Instructions are not carried over (OpenAI's rule)."""
-        rows: list[Job] = []
-        at = resp_id
-        while at is not None:
-            if len(rows) >= wire.MAX_CHAIN:
-                raise invalid(
-                    "previous_response_id", f"The chain of previous responses is longer than {wire.MAX_CHAIN}."
-                )
-            job = await self.find(at, tenant_id)
-            if job is None:
-                raise _gone(at, "previous_response_id")
-            if not transitions.is_terminal(job.state):
-                raise DomainError(
-                    ErrorKind.invalid,
-                    f"Previous response '{at}' has not finished yet (status "
-                    f"'{render.response_of(job)['status']}'); wait for it, then continue the conversation.",
-                    param="previous_response_id",
-                    code="previous_response_in_progress",
-                )
-            rows.append(job)
-            at = render.response_meta(job).get("previous_response_id")
-        out: list[dict[str, Any]] = []
-        for job in reversed(rows):
-            out += wire.chain_messages(job)
-        return out
+    async def chain_head(self, resp_id: str, tenant_id: int) -> None:
+        """Whether a `previous_response_id` may be continued, from its row's chain size alone (no
+        input or output read): a 404 when it is gone, a 400 while it runs or when its chain holds
+        more responses or stored bytes than a continuation may expand."""
+        job_id = wire.job_id_of(resp_id)
+        found = (
+            None
+            if job_id is None
+            else await one_statement_async(self.sessions, _HEAD, {"id": job_id, "tenant": tenant_id})
+        )
+        if not found or found[0].hidden:
+            raise _gone(resp_id, "previous_response_id")
+        head = found[0]
+        _ended(resp_id, head.state)
+        s = self.settings
+        if head.chain_links > s.responses_chain_max_links:
+            raise _too_long(f"holds {head.chain_links} responses, more than {s.responses_chain_max_links}")
+        if head.chain_bytes > s.responses_chain_max_bytes:
+            raise _too_long(f"holds {head.chain_bytes} bytes of stored input, more than {s.responses_chain_max_bytes}")
+
+    async def chain_rows(self, resp_id: str, tenant_id: int) -> list[Any]:
+        """Every response of the chain, newest first, in one statement (its JSON as text)."""
+        most = self.settings.responses_chain_max_links
+        return await one_statement_async(
+            self.sessions, _CHAIN, {"id": wire.job_id_of(resp_id), "tenant": tenant_id, "most": most + 1}
+        )
 
     async def delete(self, resp_id: str, tenant_id: int) -> bool:
         job_id = wire.job_id_of(resp_id)
@@ -152,25 +254,34 @@ class Responses(Completions):
         tenant_id: int,
         after: int | None = None,
         heavy: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
-    ) -> AsyncIterator[dict[str, Any] | object]:
-        """The response's stream events from the start, or those numbered after `after`; HEARTBEAT
-        while the job is silent. The job's stream is rendered one entry at a time, so the numbering is
-        the same for every reader; once the stream is gone, the row's text is cut as the stream's
-        entries were (their marks), which numbers it alike."""
+    ) -> AsyncIterator[Batch | object]:
+        """The response's stream events from the start, or those numbered after `after`, in batches;
+        HEARTBEAT while the job is silent. The job's stream is rendered one entry at a time, so the
+        numbering is the same for every reader; once the stream is gone, the row's text is cut as the
+        stream's entries were (their marks), which numbers it alike. What scales with the response
+        (its snapshots hold `instructions` and tools; a backlog, an end rebuilt from the row, the
+        final object) is built on a prepare thread, the snapshots and rebuilt ends inside `heavy`
+        (the tenant's gate), held while the caller frames and sends them."""
         r = wire.Events(job)
+        gate = heavy or contextlib.nullcontext
 
         def fresh(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return [e for e in evs if after is None or e["sequence_number"] > after]
 
-        for e in fresh(r.start()):
-            yield e
+        def render_all(evs: list[Event]) -> list[dict[str, Any]]:
+            return [e for ev in evs for e in fresh(r.render(ev))]
+
+        async with gate():
+            yield Batch(await threads.run("prepare", lambda: fresh(r.start())), heavy=True)
         check = self._row_check(job.id, tenant_id)
         row = await check()
-        if row is not None and not await _has_stream(reader, job.id):
-            for ev in await _rebuilt(reader, job.id, row):
-                for e in fresh(r.render(ev)):
-                    yield e
-            return
+        if row is not None:
+            async with gate():
+                if not await _has_stream(reader, job.id):
+                    marks = await reader.marks(job.id)
+                    rebuilt = await threads.run("prepare", lambda: render_all(_rebuilt(row, marks)))
+                    yield Batch(rebuilt, heavy=True)
+                    return
         following = (
             follow_batches(reader, job.id, check, last_id="0-0", heavy=heavy)  # a backlog: inside the tenant's gate
             if heavy is not None
@@ -181,27 +292,30 @@ class Responses(Completions):
                 if batch is HEARTBEAT:
                     yield HEARTBEAT
                     continue
-                for _, item in batch:  # type: ignore[union-attr]
-                    if isinstance(item, Ended):
-                        return
-                    for e in fresh(r.render(item)):
-                        yield e
+                items = cast(list[tuple[str | None, Event | Ended]], batch)
+                ended = next((n for n, (_, item) in enumerate(items) if isinstance(item, Ended)), None)
+                evs = [item for _, item in items[:ended] if not isinstance(item, Ended)]
+                if len(evs) > _ON_LOOP_EVENTS or any(is_terminal(ev) for ev in evs):
+                    yield Batch(await threads.run("prepare", render_all, evs), heavy=True)
+                else:
+                    yield Batch(render_all(evs))
+                if ended is not None:
+                    return
 
 
 async def _has_stream(reader: streams.Reader, job_id: str) -> bool:
-    """Whether the job's stream still holds its entries (an ended job's is kept only minutes)."""
-    got = await reader.entries_upto(job_id, "+")
-    return bool(got)
+    """Whether the job's stream still holds its entries (an ended job's is kept only minutes): its
+    first entry, never the whole stream."""
+    return bool(await reader.page(job_id, "0-0", 1))
 
 
-async def _rebuilt(reader: streams.Reader, job_id: str, row: Any) -> list[Event]:
-    """An ended job's events from its row, its text cut as its stream's entries were (a cancelled
-    job's: the text it had generated, which its row keeps)."""
+def _rebuilt(row: Any, marks: list[streams.Mark] | None) -> list[Event]:
+    """An ended job's events from its row, its text cut as its stream's entries were (`marks`; a
+    cancelled job's: the text it had generated, which its row keeps). Blocking: on a prepare thread."""
     end = wire.terminal_of(row)
     if row.state not in (JobState.succeeded, JobState.cancelled):
         return [end]
     choices = [c for c in result_of(row).choices if c.index == 0]
     if not choices:
         return [end]
-    marks = await reader.marks(job_id)
     return [*wire.rebuilt_deltas(choices[0].text, choices[0].finish_reason, marks or []), end]

@@ -25,7 +25,7 @@ from core.generation.params import GenerationParams
 from core.generation.prompt import Prompt
 from core.generation.tokenizer import Tokenizer
 from core.idempotency import Claim, Idempotency
-from core.infra import streams, threads
+from core.infra import redis_keys, streams, threads
 from core.infra.autocommit import one_statement_async
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
@@ -39,7 +39,7 @@ from core.protocol.translate import chat_to_generation, compile_constraint, rese
 from core.registry import chat_template_for, resolve, settings_for
 from core.states import JobState
 from core.tenancy import ratelimit
-from core.tenancy.admission import admit
+from core.tenancy.admission import REQUEST_TAKEN, admit, refusal, take_request
 from core.tenancy.keys import Principal
 
 LIVE_CACHE_S = 1.0
@@ -62,6 +62,13 @@ def check_model(model: str, settings: Settings) -> str:
             code="model_not_found",
         )
     return served
+
+
+def forgotten(job: Any) -> bool:
+    """A response deleted, or never stored (`store: false`): every route that reads jobs answers it
+    as it answers an unknown id, not only the Responses API's."""
+    m = (job.chat or {}).get("response") or {}
+    return bool(m.get("deleted")) or m.get("store") is False
 
 
 class Completions:
@@ -192,6 +199,27 @@ class Completions:
         query = transitions.get_for_tenant(job_id, tenant_id, without_result=without_result)
         async with self.sessions() as session:
             return (await session.execute(query)).scalar()
+
+    async def readable(self, job_id: str, tenant_id: int, *, without_result: bool = False) -> Job | None:
+        """`get`, for a client's read: None for a response that was deleted or never stored."""
+        job = await self.get(job_id, tenant_id, without_result=without_result)
+        return None if job is None or forgotten(job) else job
+
+    async def admit_request(self, principal: Principal) -> dict[str, str]:
+        """The request's place among its tenant's limits taken before work its body does not show (a
+        chain of earlier responses to expand): its requests per minute (unless the edge took them,
+        api/ratelimit.py) and a look at its unfinished jobs. Returns the headers, or raises OpenAI's
+        429. Set them as `REQUEST_TAKEN` for `create`, whose admission then takes only the rest."""
+        taken = REQUEST_TAKEN.get()
+        headers = taken if taken is not None else await take_request(self.redis, principal)
+        cap = principal.tenant.max_queued or 0
+        if cap:
+            live = await self.redis.zcount(
+                redis_keys.tenant_limit(principal.tenant.id, "active"), time.time() * 1000, "+inf"
+            )
+            if live >= cap:
+                raise refusal(principal.tenant.id, ratelimit.Decision(False, "queued_jobs", 1.0, headers))
+        return headers
 
     async def wait(self, reader: streams.Reader, job: Job, tenant_id: int, timeout_s: float) -> Job | None:
         """`job` with its ending (state, result, usage, error and times) filled in once it has ended;

@@ -13,8 +13,11 @@ Every id a reader is given names a place it can resume from (`Last-Event-ID`), w
   come that answer's events from the (k+1)-th on. Rebuilt the same way every time: the row of an
   ended job does not change.
 
-A place the server can no longer find (its marks expired with the stream, a day after the job
-ended, or an id it never gave) is answered with an error event, never by repeating the answer.
+A place the server can no longer find (its marks expired with the stream, `ended_events_ttl_s`
+after the job ended, or an id it never gave) is answered with an error event, never by repeating the
+answer. A job that never ran (cancelled or expired while queued, failed before its first token)
+wrote no stream at all: its row answers, at once for a reader that knew it had ended, at the first
+silence for one that was already following it.
 """
 
 from __future__ import annotations
@@ -110,13 +113,18 @@ async def follow_batches(
     last_id: str = "0-0",
     block_ms: int = 2000,
     heavy: Callable[[], contextlib.AbstractAsyncContextManager[None]] = _no_gate,
+    ended: bool = False,
 ) -> AsyncGenerator[list[tuple[str | None, Event | Ended]] | object, None]:
     """`follow`, as lists of what had arrived when asked (more than one event: the caller is behind).
 
     A heavy batch (a backlog, or an ended job's rest from its row) is decoded, and handed on, inside
     `heavy()`: held until the caller asks for the next batch, so the caller's framing and sending of
     it count too. The API passes its per-tenant gate, so one tenant's 200 replays of a long job decode
-    and hold a few backlogs at a time, not 200 (on the loop's GIL and in memory)."""
+    and hold a few backlogs at a time, not 200 (on the loop's GIL and in memory).
+
+    `ended`: the caller saw the job's row ended. A stream with nothing after `last_id` then means the
+    row answers at once (a job that never ran wrote no stream; an ended job's expires), not after
+    `block_ms` of silence."""
     live: Seen = {}  # what this reader was given from the stream
     at = last_id  # the last place it was given
     ms, seq = _split(last_id)
@@ -164,6 +172,14 @@ async def follow_batches(
             page = []
         if not full:
             break
+    if ended and at == last_id:
+        row = await check_row()
+        if row is not None:
+            async with heavy():
+                rest = await _rest(reader, job_id, row, last_id, at, live)
+                if rest:
+                    yield rest
+            return
     if at != last_id:
         pos = at
     async with contextlib.aclosing(reader.read_batches(job_id, pos, block_ms)) as reading:

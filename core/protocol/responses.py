@@ -30,8 +30,6 @@ from core.protocol.render import response_meta as meta_of
 from core.protocol.schemas import ChatCompletionRequest, Float, Int, metadata_problem
 from core.states import JobState
 
-# The most earlier responses one `previous_response_id` chain may hold (each is a read of its row).
-MAX_CHAIN = 256
 # The most items one request's `input` may hold.
 MAX_INPUT_ITEMS = 2048
 

@@ -14,6 +14,7 @@ from typing import Any, cast
 from sqlalchemy import BigInteger, Select, Table, Update, bindparam, func, literal, select
 from sqlalchemy.dialects.postgresql import Insert, insert
 
+from core.infra import redis_keys, streams
 from core.infra.metrics import REQUESTS, SECONDS, TOKENS
 from core.infra.orm import UsageDaily
 from core.states import Ending
@@ -106,3 +107,36 @@ def record(
         "completion_tokens": completion_tokens,
         "gpu_seconds": gpu_seconds,
     }
+
+
+# -- Redis bytes: what each tenant's ended jobs hold there --------------------------------------------
+# Counted as each job ends (core/infra/streams.py `_SEAL`: MEMORY USAGE of its stream, marks and fence, added
+# to the tenant's field of that window's hash). What a job leaves lives `ended_events_ttl_s`, so the
+# current window's count plus the previous one's covers everything still there: an upper bound, never
+# under what is held, at most one window's worth of expired bytes over. A running job's stream is
+# counted when it ends (admission bounds its size meanwhile); a job that never ran counts 0.
+
+
+def _windows(ended_ttl_s: int) -> tuple[str, str]:
+    w = streams.stored_window(ended_ttl_s)
+    return redis_keys.stored_bytes(w), redis_keys.stored_bytes(w - 1)
+
+
+def redis_bytes(rds: Any, ended_ttl_s: int) -> dict[int, int]:
+    """Every tenant's Redis bytes (sync client): tenant id -> bytes, tenants with none left out."""
+    pipe = rds.pipeline(transaction=False)
+    for key in _windows(ended_ttl_s):
+        pipe.hgetall(key)
+    out: dict[int, int] = {}
+    for counts in pipe.execute():
+        for tenant, n in counts.items():
+            out[int(tenant)] = out.get(int(tenant), 0) + int(n)
+    return out
+
+
+async def tenant_redis_bytes(rds: Any, ended_ttl_s: int, tenant_id: int) -> int:
+    """One tenant's Redis bytes (asyncio client)."""
+    pipe = rds.pipeline(transaction=False)
+    for key in _windows(ended_ttl_s):
+        pipe.hget(key, str(tenant_id))
+    return sum(int(n) for n in await pipe.execute() if n is not None)

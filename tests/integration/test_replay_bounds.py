@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 
 from api import streaming
+from api.bodies import encode as encode_body
 from api.routes import jobs as job_routes
 from core.generation.events import Delta, TokenScore, TopToken, encode
 from core.generation.params import GenerationParams
@@ -178,7 +179,7 @@ def test_a_large_job_object_built_off_the_loop_is_the_declared_models_json(sessi
     row.usage, row.finished_at = {"prompt_tokens": 1, "completion_tokens": 5000}, datetime.now(UTC)
     session.commit()
     assert job_routes._large(row)
-    built = json.loads(job_routes._job_bytes(row, "fp"))
+    built = json.loads(encode_body(job_routes._job_body(row, "fp")))  # as api/costs.build encodes it
     expected = JobObject.model_validate(render.job(row, "fp")).model_dump(mode="json", by_alias=True)
     assert built == expected
     assert built["result"]["choices"][0]["text"] == text

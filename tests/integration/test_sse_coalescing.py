@@ -64,7 +64,7 @@ def test_interleaved_choices_merge_only_consecutive_runs_and_every_id_resumes_ex
 # -- issue 35: a resume after any id the server sent, including the last, neither repeats nor skips,
 # whether the stream still answers or, once it has expired, the job row does ------------------------
 
-ENDED_TTL_S, MARKS_TTL_S = 300, 86400
+ENDED_TTL_S = 300
 WORDS = [" héllo", " wörld", " 日本", " 🎉!", " plain", " tail"]
 
 
@@ -92,7 +92,7 @@ def _job(rds, job_id: str, choices: int = 1, scored: bool = False) -> tuple[Simp
     ids = streams.append_fenced(rds, job_id, 1, [encode(e) for e in evs], 3600, start=1)
     usage = Usage(prompt_tokens=2, completion_tokens=len(evs))
     pipe = rds.pipeline(transaction=False)
-    streams.queue_end(pipe, job_id, [encode(Done(attempt=1, usage=usage))], ENDED_TTL_S, MARKS_TTL_S)
+    streams.queue_end(pipe, job_id, 1, [encode(Done(attempt=1, usage=usage))], ENDED_TTL_S)
     ids.append(pipe.execute()[-1][0].decode())
     result = {
         "choices": [
@@ -167,10 +167,11 @@ def test_a_resume_after_the_last_id_gives_only_the_end_while_the_stream_is_there
     _check_every_resume("resume-live", row, 1)
 
 
-def test_the_end_shortens_the_stream_and_keeps_its_marks(rds):
+def test_the_end_shortens_the_stream_and_keeps_its_marks_as_long(rds):
     _job(rds, "resume-ttl")
     assert 0 < rds.ttl(streams.stream_key("resume-ttl")) <= ENDED_TTL_S
-    assert rds.ttl(streams.marks_key("resume-ttl")) > ENDED_TTL_S
+    # Issue 49: the marks live as long as the stream they describe (they were kept a day).
+    assert 0 < rds.ttl(streams.marks_key("resume-ttl")) <= ENDED_TTL_S
     marks = streams.parse_marks(rds.get(streams.marks_key("resume-ttl")))
     # Characters as Python counts them (" 日本" is 3, " 🎉!" is 3), the last with its finish.
     assert [(m[0], m[2], m[5]) for m in marks] == [(i + 1, len(w), i == len(WORDS) - 1) for i, w in enumerate(WORDS)]

@@ -28,7 +28,7 @@ def test_the_application_declares_every_route():
     app = create_app()  # check() runs inside: it would raise
     seen = {r.path for r in costs.routes(app) if costs.declared(r.endpoint)}
     assert {"/v1/completions", "/v1/responses", "/v1/jobs/{job_id}", "/v1/files", "/health", "/openapi.json"} <= seen
-    costs.check(app)
+    costs.check(app, get_settings())
 
 
 def test_a_planted_undeclared_route_is_refused():
@@ -39,7 +39,7 @@ def test_a_planted_undeclared_route_is_refused():
         return {}
 
     with pytest.raises(RuntimeError, match=r"GET /v1/planted: no cost class"):
-        costs.check(_app_with(router))
+        costs.check(_app_with(router), get_settings())
 
 
 def test_a_sized_wrapper_above_the_router_decorator_is_no_declaration():
@@ -53,7 +53,7 @@ def test_a_sized_wrapper_above_the_router_decorator_is_no_declaration():
         return OffLoop(1, dict)
 
     with pytest.raises(RuntimeError, match="no cost class"):
-        costs.check(_app_with(router))
+        costs.check(_app_with(router), get_settings())
 
 
 def test_a_sized_handler_that_builds_its_body_on_the_loop_is_refused():
@@ -88,7 +88,7 @@ def test_a_large_body_parsed_on_the_loop_is_refused():
         return {}
 
     with pytest.raises(RuntimeError, match="parses on the event loop"):
-        costs.check(_app_with(router))
+        costs.check(_app_with(router), get_settings())
 
     small = APIRouter()
 
@@ -97,7 +97,7 @@ def test_a_large_body_parsed_on_the_loop_is_refused():
     async def planted_small(body: Big) -> dict:
         return {}
 
-    costs.check(_app_with(small))  # a 64 KiB body is cheap to parse on the loop
+    costs.check(_app_with(small), get_settings())  # a 64 KiB body is cheap to parse on the loop
 
 
 def test_what_each_class_brings():

@@ -76,9 +76,9 @@ def test_a_tenants_abandoned_lookups_keep_its_dns_share_until_they_end():
     share = threads.share_size("dns")
     release = threading.Event()
 
-    async def lookup(tenant: int, fn, timeout: float):
+    async def lookup(tenant: int, fn, deadline_s: float):
         threads.SHARE.set(tenant)
-        with anyio.fail_after(timeout):
+        with anyio.fail_after(deadline_s):
             return await threads.run("dns", fn)
 
     async def go() -> None:
