@@ -25,9 +25,28 @@ if [ "${1:-}" = "unit" ]; then
 fi
 
 EXTRAS=cpu,test,bench,eval
-# A host with a CUDA device also installs the GPU engines, and tests/gpu then runs instead of skipping.
-if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="$EXTRAS,gpu"; fi
+# A host with a CUDA device also installs the GPU engines and a CUDA build of torch, and tests/gpu then
+# runs instead of skipping: a "no CUDA GPU" skip fails the run there (tests/strict_skips.py), never green.
+GPU_HOST=0
+if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q GPU; then GPU_HOST=1; EXTRAS="$EXTRAS,gpu"; fi
 SPOOL_EXTRAS=$EXTRAS bash ops/bootstrap.sh
+torch_sees_cuda() { .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+if [ "$GPU_HOST" = 1 ] && ! torch_sees_cuda; then
+  # bootstrap installs the eval extra's torch from PyTorch's CPU index. The same release again, from
+  # SPOOL_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cu128 for a driver below CUDA 13), or
+  # from PyPI, whose Linux torch is a CUDA build.
+  TORCH_PIN=$(.venv/bin/python -c 'import tomllib; print(*[r for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["eval"] if r.startswith("torch")])')
+  .venv/bin/python -m pip uninstall --quiet -y torch
+  .venv/bin/python -m pip install --quiet --progress-bar off ${SPOOL_TORCH_INDEX:+--index-url "$SPOOL_TORCH_INDEX"} "$TORCH_PIN" || true
+  if ! torch_sees_cuda; then
+    echo "ops/test.sh: nvidia-smi lists a GPU, but torch cannot use it, so tests/gpu cannot run here:" >&2
+    .venv/bin/python -c 'import torch; print(f"  torch {torch.__version__}, built for CUDA {torch.version.cuda}")' >&2 \
+      || echo "  torch ($TORCH_PIN) did not install" >&2
+    echo "  driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)" \
+      "(the CUDA it supports: nvidia-smi's header); set SPOOL_TORCH_INDEX to a torch build for that CUDA" >&2
+    exit 1
+  fi
+fi
 bash ops/test-tools.sh
 # --durations: where the suite's time goes, printed at the end of every run.
 # SPOOL_STRICT_SKIPS: a skip fails the run unless its reason is an allowed one (no GPU; tests/strict_skips.py).

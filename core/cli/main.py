@@ -13,10 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from core.config import get_settings
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 app = typer.Typer(
     help="Spool: a queue-backed, OpenAI-compatible completion service.",
@@ -39,12 +43,30 @@ def _logging() -> None:
     logs.setup(get_settings().log_format)
 
 
-def alembic_config():
+def alembic_config() -> Config:
+    """Alembic's configuration, built here rather than read from alembic.ini: an installed Spool
+    (`pip install .`, not `-e`) has no checkout around it. `migrations/` ships as a package beside
+    `core/` (pyproject's packages), so ROOT / "migrations" is the checkout's folder or the installed
+    one in site-packages alike; alembic.ini stays for the `alembic` command run in a checkout."""
     from alembic.config import Config
 
-    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg = Config()
     cfg.set_main_option("script_location", str(ROOT / "migrations"))
     return cfg
+
+
+def _alembic_log() -> None:
+    """What alembic.ini's logging gave `spool migrate`: alembic's INFO lines (each revision applied)
+    on stderr, and nothing else's."""
+    import logging
+
+    log = logging.getLogger("alembic")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)-5.5s [%(name)s] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 @app.command()
@@ -55,6 +77,7 @@ def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> 
     from core.infra.dbadmin import ensure_database
 
     ensure_database(get_settings().database_url)
+    _alembic_log()
     command.upgrade(alembic_config(), revision)
     typer.echo(f"database at {revision}")
 

@@ -1,21 +1,28 @@
-"""The bare-host GPU path of docs/gpu.md ("Without Docker") rehearsed without a GPU (issue 34), as
-tests/e2e/test_compose_rehearsal.py rehearses compose: the documented start command
-(`spool up --registry ops/models.host.example.toml`) runs as written, from a directory laid out as the
-docs' checkout (the registry's relative model paths under ./models), on the documented host registry.
-Replaced, and only these: the database and Redis (this test's own), the API port, the registry
-argument (a rehearsal copy of ops/models.host.example.toml), and in that copy the GPU entry's engine:
-llama.cpp with the bundled GGUF, linked at a relative path under ./models as the GPU folder would be.
-The entry keeps its id, its other settings and its relative path form; a completion for that id is
-streamed through the one command's API, dispatcher and worker with the openai SDK."""
+"""The bare-host GPU path of docs/gpu.md ("Without Docker") rehearsed without a GPU (issues 34, 50), as
+tests/e2e/test_compose_rehearsal.py rehearses compose: the documented steps run as written, in that
+order, from a copy of the checkout: a fresh virtualenv (`python3.11 -m venv .venv`), Spool installed
+into it *non-editable* by the documented install step's own pip commands (`cuda-install.sh exl2`, as it
+prints them), then the documented start command (`spool up --registry ops/models.host.example.toml`)
+run by that virtualenv's `spool` console script, which imports the installed package (site-packages,
+no checkout around it: an installed Spool must find its migrations there).
+Replaced, and only these (each named in STEPS): the CUDA torch line and the GPU artifacts of the
+install step (torch, exllamav2's and flash-attn's GitHub wheels, the checks of their CUDA extensions),
+the `exl2` extra by the `cpu` one with llama.cpp's cached wheel (ops/llama_wheel.sh: not compiled
+again), `ops/services.sh` (this test's own database and Redis), the API port, the registry argument
+(a rehearsal copy of ops/models.host.example.toml), and in that copy the GPU entry's engine: llama.cpp
+with the bundled GGUF, linked at a relative path under ./models as the GPU folder would be. The entry
+keeps its id, its other settings and its relative path form; a completion for that id is streamed
+through the one command's API, dispatcher and worker with the openai SDK. A documented line this
+file does not know fails the test: the rehearsal follows the page or says where it stopped."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -31,14 +38,71 @@ BARE_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/2"
 HOST_REGISTRY = "ops/models.host.example.toml"
 
 
-def _documented_command() -> list[str]:
-    """The start command of docs/gpu.md's "Without Docker" section: its one `spool up` line."""
+VENV = "python3.11 -m venv .venv && . .venv/bin/activate"
+TORCH = "pip install --index-url https://download.pytorch.org/whl/cu128 torch==2.8.0"
+INSTALL = "bash ops/docker/cuda-install.sh exl2"
+SERVICES = "bash ops/services.sh"
+START = f"spool up --registry {HOST_REGISTRY}"
+# Every line of the section's bash blocks, in the page's order, and what the rehearsal does with it.
+STEPS = {
+    VENV: "run as written",
+    TORCH: "GPU host only: torch built for CUDA 12.8",
+    INSTALL: "its pip commands as the script prints them, less the GPU artifacts, the cpu extra for exl2",
+    SERVICES: "replaced: this test's own Postgres and Redis",
+    START: "run by the virtualenv's console script, on the rehearsal registry and this test's port",
+}
+
+
+def _documented_steps() -> list[str]:
+    """The lines of docs/gpu.md's "Without Docker" section that a bare EXL2 host runs: its first bash
+    block (the EXL3 block after it replaces the install line)."""
     text = (ROOT / "docs/gpu.md").read_text()
     section = text.split("## Without Docker", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    lines = [ln.split("#", 1)[0].strip() for b in blocks for ln in b.splitlines()]
-    (line,) = [ln for ln in lines if ln.startswith("spool up")]
-    return shlex.split(line)
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
+    lines = [ln.split("#", 1)[0].strip() for ln in block.splitlines()]
+    return [ln for ln in lines if ln]
+
+
+def _llama_wheel() -> str:
+    """llama.cpp's wheel for this Python, from the wheel cache bootstrap filled (built only if absent)."""
+    out = subprocess.run(["bash", "ops/llama_wheel.sh", "python3.11"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def _install_commands() -> list[str]:
+    """`cuda-install.sh exl2`'s pip commands as it prints them (SPOOL_CUDA_DRY_RUN), less what only a
+    CUDA host can install: torch, the `name @ URL` GitHub wheels; `.[exl2]` becomes llama.cpp's cached
+    wheel and `.[cpu]`. The checks of torch's CUDA and of the compiled extensions (`python -c`) are
+    GPU host only. Spool itself is installed as the script installs it: `.`, never `-e .`."""
+    printed = subprocess.run(
+        ["bash", "ops/docker/cuda-install.sh", "exl2"],
+        cwd=ROOT,
+        env={**os.environ, "SPOOL_CUDA_DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    spool_installs = [ln for ln in printed if ".[exl2]" in ln.split()]
+    assert len(spool_installs) == 1 and " -e " not in spool_installs[0], printed
+    out = []
+    for line in printed:
+        words = line.split()
+        if words[:4] != ["python", "-m", "pip", "install"]:
+            assert words[:2] == ["python", "-c"], line  # a check of torch's CUDA or the extensions
+            continue
+        kept: list[str] = []
+        i = 4
+        while i < len(words):
+            if i + 2 < len(words) and words[i + 1] == "@":  # `name @ URL`: a CUDA wheel from GitHub
+                i += 3
+                continue
+            if not words[i].startswith("torch=="):
+                kept += [_llama_wheel(), ".[cpu]"] if words[i] == ".[exl2]" else [words[i]]
+            i += 1
+        if any(not w.startswith("-") for w in kept):  # a line that installed only torch is gone
+            out.append(shlex.join(["python", "-m", "pip", "install", *kept]))
+    return out
 
 
 def _rehearsal_registry(tmp: Path) -> tuple[Path, str]:
@@ -74,21 +138,43 @@ def _rehearsal_registry(tmp: Path) -> tuple[Path, str]:
     return path, entry["id"]
 
 
-def test_the_documented_bare_host_command_serves_a_stream(tmp_path):
+def _checkout(dest: Path) -> Path:
+    """A copy of the checkout as a bare host has it (no virtualenv, no build outputs)."""
+    skip = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "build", "dist", ".*_cache", "tests")
+    shutil.copytree(ROOT, dest, ignore=skip, symlinks=True)
+    return dest
+
+
+def test_the_documented_bare_host_steps_install_and_serve_a_stream(tmp_path):
     from core.infra.dbadmin import drop_database
 
-    argv = _documented_command()
-    assert argv == ["spool", "up", "--registry", HOST_REGISTRY], argv
-    checkout = tmp_path / "checkout"  # where the docs run it: relative model paths are read from here
-    checkout.mkdir()
+    steps = _documented_steps()
+    assert steps == list(STEPS), f"docs/gpu.md's bare-host steps changed; rehearse them here: {steps}"
+    checkout = _checkout(tmp_path / "checkout")  # where the docs run them: relative paths are read from here
     registry, model = _rehearsal_registry(checkout)
-    argv[argv.index("--registry") + 1] = str(registry)
+    script = "\n".join(["set -euo pipefail", VENV, *_install_commands()])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOOL_", "VIRTUAL_ENV", "PYTHON"))}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.startswith(str(ROOT)))
+    installed = subprocess.run(["bash", "-c", script], cwd=checkout, env=env, capture_output=True, text=True)
+    assert installed.returncode == 0, (installed.stdout + installed.stderr)[-4000:]
+    venv = checkout / ".venv"
+    site = subprocess.run(
+        [str(venv / "bin/python"), "-c", "import core, api; print(core.__file__, api.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert all(str(venv) in p for p in site), site  # installed into site-packages, not linked to a checkout
 
+    argv = shlex.split(START)
+    argv[argv.index("--registry") + 1] = str(registry)
     drop_database(BARE_DB)
     redis_lib.Redis.from_url(BARE_REDIS).flushdb()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOL_")}
     env |= {
+        "PATH": f"{venv / 'bin'}{os.pathsep}{env['PATH']}",  # what `. .venv/bin/activate` set for the steps
+        "VIRTUAL_ENV": str(venv),
         "PYTHONUNBUFFERED": "1",
         "SPOOL_DATABASE_URL": BARE_DB,
         "SPOOL_REDIS_URL": BARE_REDIS,
@@ -96,9 +182,8 @@ def test_the_documented_bare_host_command_serves_a_stream(tmp_path):
     }
     log_path = tmp_path / "up.log"
     log = open(log_path, "wb")  # the process writes it; closed at the end
-    # `spool` is the console script of `python -m core.cli`.
     up = subprocess.Popen(
-        [sys.executable, "-m", "core.cli", *argv[1:]],
+        [str(venv / "bin" / argv[0]), *argv[1:]],  # the installed console script, as `spool` on PATH
         cwd=checkout,
         env=env,
         stdout=log,
@@ -137,9 +222,11 @@ def test_the_documented_bare_host_command_serves_a_stream(tmp_path):
         assert chunks[0].model == model
         assert any(c.choices and c.choices[0].finish_reason in ("stop", "length") for c in chunks), chunks
     finally:
-        os.killpg(up.pid, signal.SIGTERM)
         try:
+            os.killpg(up.pid, signal.SIGTERM)
             up.wait(40)
+        except ProcessLookupError:  # it had exited (the assertion above says how)
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait(10)

@@ -51,7 +51,7 @@ def test_job_arguments():
                    seed=2**40 + 5, prior=2)  # fmt: skip
     args = job_args(spec, eos_ids=[2, 0, 2])
     assert args["max_new_tokens"] == 10 and args["min_new_tokens"] == 3  # two were made by an earlier attempt
-    assert args["stop_conditions"] == [0, 2] and args["return_top_tokens"] == 2 and args["return_logits"] is True
+    assert args["stop_conditions"] == [0, 2] and args["return_top_tokens"] == 0 and args["return_logits"] is True
     assert args["seed"] == (2**40 + 5) % 2**31 and args["identifier"] == ("j", 1, 0)
     assert job_args(SeqSpec("k", [1], 4, params(best_of=3), 1), eos_ids=[2])["return_logits"] is True  # ranks by them
 

@@ -7,7 +7,7 @@ bias, then repetition penalty, then presence/frequency penalties over the last `
 tokens, prompt included, which the engine narrows to the output (`output_window`), then min-p, top-k,
 top-p, and the temperature last (`temp_last`: truncation before temperature, as llama.cpp and the
 ExLlamaV2 engine do), sample; `temperature == 0` or `top_k == 1` is argmax) and `generator/job.py:
-Job` (`max_new_tokens`, `min_new_tokens`, `seed`, `stop_conditions`, `return_top_tokens`,
+Job` (`max_new_tokens`, `min_new_tokens`, `seed`, `stop_conditions`, `return_logits`,
 `identifier`). DRY is its `SS_DRY` step (1.6.5; breakers as token ids, range 0 =
 the whole context). Its sampler has no typical-p or Mirostat: those are refused
 at the edge (core/generation/capabilities.py), and asked again here so an adapter cannot ignore them.
@@ -78,7 +78,9 @@ def job_args(spec: SeqSpec, eos_ids: Iterable[int], filters: list[Any] | None = 
         "min_new_tokens": min_new,
         "seed": spec.seed % 2**31,  # torch generator seeds are 64-bit, exllamav3 stores them in 32
         "stop_conditions": sorted(set(eos_ids)),
-        "return_top_tokens": p.logprobs or 0,
+        # Top logprobs are read from the returned logits (exl2_mapping.events_from_result), never from
+        # the job's top tokens: asking for them only sorted the whole vocabulary every token.
+        "return_top_tokens": 0,
         # Our logprobs are of the raw distribution; best_of > n ranks its candidates by them too.
         "return_logits": p.needs_token_logprobs,
         "identifier": spec.key,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import shutil
+import subprocess
 import time
 from collections.abc import Hashable
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any, ClassVar
 
 from workers.engine.base import ExLlamaTokens, PromptEvent, SeqSpec, TokenEvent, check_spec
 from workers.engine.exl2_mapping import SeqState, collect, dry_breaker_ids
-from workers.engine.gpu_plan import CachePlan, kv_bytes_per_token, plan_cache, weights_bytes
+from workers.engine.gpu_plan import CachePlan, cuda_problem, kv_bytes_per_token, plan_cache, weights_bytes
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,21 @@ def load_ll_tokenizer(folder: Path, n_vocab: int, eos_ids: list[int]) -> Any:
     return from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos_ids)
 
 
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi's), or None where there is no driver or device."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.split()
+    return lines[0] if out.returncode == 0 and lines else None
+
+
 class ExLlamaEngine(ExLlamaTokens):
     library: ClassVar[str]  # "exllamav2" | "exllamav3": in messages and logs
     model_id: str
@@ -64,10 +81,13 @@ class ExLlamaEngine(ExLlamaTokens):
         return path
 
     def _require_cuda(self) -> Any:
+        """torch, if this host can run the engine; else why not (gpu_plan.cuda_problem: an old driver
+        says so, and names the driver it needs)."""
         import torch
 
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"the {self.library} engine needs a CUDA GPU")
+        problem = cuda_problem(self.library, torch.version.cuda, nvidia_driver(), torch.cuda.is_available())
+        if problem:
+            raise RuntimeError(problem)
         return torch
 
     def _fit_cache(
@@ -119,10 +139,15 @@ class ExLlamaEngine(ExLlamaTokens):
         return bool(self._waiting or self._live)
 
     def waiting_keys(self) -> set[Hashable]:
-        """Sequences waiting for a slot (here, or in the generator's queue for cache pages): the
-        engine loop's watchdog does not count their wait as a stall."""
+        """Sequences waiting for a slot (here, or in the generator's queue for cache pages) or still in
+        the library's prefill: the engine loop's watchdog does not count their wait as a stall. A
+        prefilling job reports no token (its "prefill" results carry none), and exllamav3 defers the
+        prefill passes of its jobs while others generate (`prefill_cooldown`, one prompt a pass in
+        turn), so under load a job could sit out many steps without an event and read as stalled."""
         pending = {id(job) for job in self._gen.pending_jobs}
-        return {s.key for s in self._waiting} | {k for k, (job, _) in self._live.items() if id(job) in pending}
+        return {s.key for s in self._waiting} | {
+            k for k, (job, _) in self._live.items() if id(job) in pending or not job.is_prefill_done()
+        }
 
     def step(self) -> list[TokenEvent | PromptEvent]:
         out = self._admit()

@@ -32,6 +32,7 @@ from workers.engine.exllama_base import ExLlamaEngine, load_ll_tokenizer
 from workers.engine.gpu_plan import (
     ClaimsPages,
     cache_salt,
+    cap_context,
     clamp_chunk,
     hashing_for,
     own_first_pages_only,
@@ -198,6 +199,15 @@ def make_job(
     return job
 
 
+def context_for(config: Any, n_ctx: int) -> int:
+    """The context per sequence: the asked one, capped by the model's own maximum as exllamav3's
+    `Config` reads it (max_position_embeddings, or text_config's); beyond it positions are untrained."""
+    capped = cap_context(n_ctx, int(getattr(config, "max_position_embeddings", 0) or 0))
+    if capped < n_ctx:
+        log.warning("n_ctx %d is above the model's maximum %d: capped to it", n_ctx, capped)
+    return capped
+
+
 class ExLlamaV3Engine(ExLlamaEngine):
     library = "exllamav3"
 
@@ -217,7 +227,7 @@ class ExLlamaV3Engine(ExLlamaEngine):
         self._require_cuda()
         self.model_id = model_id
         config = Config.from_directory(str(path))
-        self.n_ctx = n_ctx
+        self.n_ctx = context_for(config, n_ctx)
         plan = self._fit_cache(path, max_batch, cache_size)
         self.max_batch = plan.max_batch
         self._chunk = clamp_chunk(chunk, n_ctx, plan.cache_tokens)

@@ -246,3 +246,49 @@ def kv_bytes_per_token(config: dict[str, Any], bytes_per_value: int = 2) -> int:
 
 def weights_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def cap_context(n_ctx: int, model_max: int | None) -> int:
+    """A sequence's context, capped by the model's own maximum (config.json's max_position_embeddings,
+    as the library reads it); a model that states none keeps the asked context."""
+    return min(n_ctx, model_max) if model_max and model_max > 0 else n_ctx
+
+
+# The oldest Linux driver each CUDA major runs on (NVIDIA's CUDA release notes, "minor version
+# compatibility": a CUDA 12.x torch starts on any r525+ driver), and what exllamav3's own kernels need
+# beyond it: its compressed (EXL3) kernels need r570 (CUDA 12.8's driver).
+CUDA_MAJOR_DRIVER = {12: (525, 60, 13), 13: (580, 65, 6)}
+LIBRARY_DRIVER = {"exllamav3": (570, 0, 0)}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.strip().split(".") if p.isdigit())
+
+
+def min_driver(library: str, torch_cuda: str) -> tuple[int, ...]:
+    major = _version(torch_cuda)[0] if _version(torch_cuda) else 0
+    return max(CUDA_MAJOR_DRIVER.get(major, (0,)), LIBRARY_DRIVER.get(library, (0,)))
+
+
+def cuda_problem(library: str, torch_cuda: str | None, driver: str | None, available: bool) -> str | None:
+    """Why a GPU engine cannot start on this host, in words an operator can act on, or None.
+    `torch_cuda`: torch.version.cuda (None for a CPU build); `driver`: the NVIDIA driver's version as
+    nvidia-smi reports it (None without one); `available`: torch.cuda.is_available(). An old driver
+    makes torch see no device at all; it must read as an old driver, not as a missing GPU."""
+    if torch_cuda is None:
+        return (
+            f"the {library} engine needs a CUDA build of torch; this one is a CPU build "
+            "(docs/gpu.md: torch 2.8.0 from https://download.pytorch.org/whl/cu128)"
+        )
+    need = min_driver(library, torch_cuda)
+    if driver is not None and _version(driver) < need:
+        why = f"torch's CUDA {torch_cuda} and {library} need driver >= {'.'.join(map(str, need))}"
+        return f"the NVIDIA driver {driver} is too old for the {library} engine: {why}; update it (docs/gpu.md, step 1)"
+    if not available:
+        if driver is None:
+            return f"the {library} engine needs a CUDA GPU: nvidia-smi finds no NVIDIA driver or device on this host"
+        return (
+            f"the {library} engine needs a CUDA GPU: torch (CUDA {torch_cuda}) sees none although NVIDIA driver "
+            f"{driver} is loaded (CUDA_VISIBLE_DEVICES, or a container started without its GPUs)"
+        )
+    return None
