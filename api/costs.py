@@ -256,3 +256,16 @@ def check(app: FastAPI, settings: Settings) -> None:
                 problems.append(f"{name}: sized, but its handler returns {hint!r}, a body built on the loop")
     if problems:
         raise RuntimeError("routes declared wrongly:\n  " + "\n  ".join(problems))
+
+
+def markdown(app: Any, settings: Settings) -> str:
+    """The route table as docs/reliability.md shows it (tests/unit/test_route_costs.py keeps it current)."""
+    rows = ["| method | path | class | per-minute limit before work | body limit |", "| --- | --- | --- | --- | --- |"]
+    for r in routes(app):
+        d = declared(r.endpoint)
+        if d is None or r.path is None or (not getattr(r, "include_in_schema", True) and d.cost is Cost.PUBLIC):
+            continue
+        rate = {"requests": "the tenant's and key's rpm", "reads": "the tenant's reads", None: "none"}[d.rate]
+        for m in sorted((r.methods or set()) - {"HEAD"}):
+            rows.append(f"| {m} | `{r.path}` | {d.cost.value} | {rate} | {d.body_limit(settings):,} B |")
+    return "\n".join(rows)

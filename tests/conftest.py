@@ -66,7 +66,7 @@ COSTS = {
     "tests/e2e/test_durability.py": 20,
     "tests/e2e/test_peer_fidelity.py": 20,
     "tests/e2e/test_tenancy.py": 20,
-    "tests/e2e/test_bare_host_rehearsal.py": 18,
+    "tests/e2e/test_bare_host_rehearsal.py": 48,
     "tests/e2e/test_fairness.py": 18,
     "tests/e2e/test_outages.py": 17,
     "tests/e2e/test_fresh_machine.py": 16,

@@ -138,3 +138,13 @@ def test_a_request_finds_its_routes_class(method: str, path: str, cost: Cost):
     scope: dict[str, Any] = {"type": "http", "method": method, "path": path, "app": app, "root_path": ""}
     d = costs.of(scope)
     assert d is not None and d.cost is cost
+
+
+def test_the_route_table_in_the_docs_is_the_codes():
+    from pathlib import Path
+
+    from core.config import Settings
+
+    doc = (Path(__file__).parents[2] / "docs" / "reliability.md").read_text()
+    shown = doc.split("<!-- routes:begin -->\n", 1)[1].split("\n<!-- routes:end -->", 1)[0]
+    assert shown == costs.markdown(create_app(), Settings()), "regenerate with api.costs.markdown"
