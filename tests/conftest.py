@@ -67,6 +67,7 @@ COSTS = {
     "tests/e2e/test_peer_fidelity.py": 20,
     "tests/e2e/test_tenancy.py": 20,
     "tests/e2e/test_bare_host_rehearsal.py": 48,
+    "tests/unit/test_gpu_proof.py": 30,
     "tests/e2e/test_fairness.py": 18,
     "tests/e2e/test_outages.py": 17,
     "tests/e2e/test_fresh_machine.py": 16,

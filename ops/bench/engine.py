@@ -15,11 +15,10 @@ import time
 import uuid
 
 from core.generation.params import GenerationParams
-from ops.bench.client import BenchConfig, RequestResult, summarize, to_json
+from ops.bench.client import BenchConfig, RequestResult, Summary, summarize, to_json
 from workers.engine.base import SeqSpec, TokenEvent
 from workers.engine.loop import EngineLoop
 from workers.engine.paced import PacedEngine, analytic_tok_s
-from workers.runtime import build_engine
 
 
 def _client(loop: EngineLoop, cfg: BenchConfig, todo: queue.SimpleQueue, out: list[RequestResult]) -> None:
@@ -76,10 +75,8 @@ def _label(loop: EngineLoop, conc: int) -> str:
     return "engine"
 
 
-def main(raw: str) -> None:
-    logging.basicConfig(level=logging.WARNING)
-    cfg = BenchConfig.model_validate_json(raw)
-    loop = EngineLoop(make=lambda: build_engine(cfg.model))  # on its own thread, as the worker does
+def measure(loop: EngineLoop, cfg: BenchConfig) -> list[Summary]:
+    """Every concurrency level of `cfg` on a running engine loop (also the GPU proof kit's bench)."""
     summaries = []
     for conc in cfg.concurrency:
         todo: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -93,7 +90,18 @@ def main(raw: str) -> None:
         for t in threads:
             t.join()
         summaries.append(summarize(_label(loop, conc), "engine", cfg, conc, results, time.perf_counter() - start))
-    print(json.dumps(to_json(summaries)))
+    return summaries
+
+
+def main(raw: str) -> None:
+    # Imported here: the worker's wiring (settings, database, Redis clients) is not needed to measure
+    # an engine built otherwise (ops/gpu_proof/steps.py builds it on a machine without them).
+    from workers.runtime import build_engine
+
+    logging.basicConfig(level=logging.WARNING)
+    cfg = BenchConfig.model_validate_json(raw)
+    loop = EngineLoop(make=lambda: build_engine(cfg.model))  # on its own thread, as the worker does
+    print(json.dumps(to_json(measure(loop, cfg))))
 
 
 if __name__ == "__main__":

