@@ -39,7 +39,7 @@ from core.protocol.translate import chat_to_generation, compile_constraint, rese
 from core.registry import chat_template_for, resolve, settings_for
 from core.states import JobState
 from core.tenancy import ratelimit
-from core.tenancy.admission import REQUEST_TAKEN, admit, refusal, take_request
+from core.tenancy.admission import REQUEST_TAKEN, admit, precheck, refusal, take_request
 from core.tenancy.keys import Principal
 
 LIVE_CACHE_S = 1.0
@@ -62,6 +62,24 @@ def check_model(model: str, settings: Settings) -> str:
             code="model_not_found",
         )
     return served
+
+
+# Tokens a prompt has at least, from its characters (a token's text is rarely 64 characters long),
+# capped low so that a prompt truncated to a small context is never refused for more than it costs.
+_CHARS_PER_TOKEN_MAX = 64
+_FLOOR_CAP = 256
+
+
+def prompt_floor(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """A lower bound of the tokens a request will be charged, known before its prompt is tokenized."""
+    if isinstance(body, ChatCompletionRequest):
+        chars = sum(len(m.text() or "") for m in body.messages)
+        return min(_FLOOR_CAP, max(1, chars // _CHARS_PER_TOKEN_MAX))
+    pieces = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    flat = [q for p in pieces for q in (p if isinstance(p, list) else [p])]
+    ids = sum(1 for p in flat if isinstance(p, int))
+    chars = sum(len(p) for p in flat if isinstance(p, str))
+    return min(_FLOOR_CAP, max(1, ids + chars // _CHARS_PER_TOKEN_MAX))
 
 
 def forgotten(job: Any) -> bool:
@@ -154,6 +172,9 @@ class Completions:
                 code="model_not_loaded",
                 headers={"retry-after": "5"},
             )
+        # Refused before the prompt is counted when even its floor could not be admitted (a tenant out of
+        # tokens per minute or day, or of queued places): counting 8 MiB of prompt costs seconds of CPU.
+        await precheck(rds, principal, prompt_floor(body))
         constrained = body.constrained()
         if small and body.model in self._warm and not constrained:
             tok, ms, (params, prompts, chat) = self._prepare(body)

@@ -68,6 +68,17 @@ async def admit(rds, principal: Principal, job_id: str, cost: int) -> dict[str, 
     raise refusal(principal.tenant.id, d, cost)
 
 
+async def precheck(rds, principal: Principal, floor: int) -> None:
+    """OpenAI's 429 now if a job of at least `floor` tokens could not be admitted (tokens per minute,
+    per day, queued jobs), before the work of counting its prompt exactly; nothing is taken."""
+    limits = limits_of(principal)
+    if not (limits.tpm or limits.key_tpm or limits.tpd or limits.max_queued):
+        return
+    d = await ratelimit.peek(rds, principal.tenant.id, principal.key.id, limits, floor)
+    if not d.allowed:
+        raise refusal(principal.tenant.id, d, floor)
+
+
 async def take_request(rds, principal: Principal) -> dict[str, str]:
     """Requests per minute alone, before the body is read; the headers, or OpenAI's 429."""
     t, k = principal.tenant, principal.key

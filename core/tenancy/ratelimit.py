@@ -268,7 +268,34 @@ return out
 """
 
 
-_ADMIT, _REQUESTS, _SETTLE = Lua(ADMIT), Lua(REQUESTS), Lua(SETTLE)
+PEEK = r"""
+-- Read-only: would a job of at least `floor` tokens be refused by tokens/minute, tokens/day or
+-- queued jobs right now? Nothing is taken (admission takes it once the prompt is counted).
+-- KEYS: 1 tpm_tenant 2 tpd_tenant 3 active_tenant 4 tpm_key. ARGV: 1 now_ms 2 tpm_t 3 tpd 4 maxq 5 tpm_k 6 floor
+-- Returns {allowed, which, wait_ms} (wait_ms -1: waiting cannot help, -2: until the next UTC day).
+local now, floor = tonumber(ARGV[1]), tonumber(ARGV[6])
+local function short(key, cap)
+  if cap <= 0 then return nil end
+  local rate = cap / 60000
+  local tokens = tonumber(redis.call('HGET', key, 't') or cap)
+  local ts = tonumber(redis.call('HGET', key, 's') or now)
+  tokens = math.min(cap, tokens + (now - ts) * rate)
+  if floor <= tokens then return nil end
+  if floor > cap then return -1 end
+  return (floor - tokens) / rate
+end
+for _, pair in ipairs({{KEYS[1], tonumber(ARGV[2])}, {KEYS[4], tonumber(ARGV[5])}}) do
+  local wait = short(pair[1], pair[2])
+  if wait then return {0, 'tokens', tostring(wait)} end
+end
+local tpd = tonumber(ARGV[3])
+if tpd > 0 and tonumber(redis.call('GET', KEYS[2]) or 0) + floor > tpd then return {0, 'tokens_per_day', '-2'} end
+local maxq = tonumber(ARGV[4])
+if maxq > 0 and redis.call('ZCOUNT', KEYS[3], now, '+inf') >= maxq then return {0, 'queued_jobs', '1000'} end
+return {1, '', '0'}
+"""
+
+_ADMIT, _REQUESTS, _SETTLE, _PEEK = Lua(ADMIT), Lua(REQUESTS), Lua(SETTLE), Lua(PEEK)
 
 
 async def take_request(rds: Any, tenant_id: int, key_id: int, rpm: int, key_rpm: int) -> Decision:
@@ -291,6 +318,28 @@ async def take_read(rds: Any, tenant_id: int, per_minute: int) -> Decision:
     raw = await _REQUESTS.run_async(rds, (key, key), int(time.time() * 1000), per_minute, 0)
     wait = raw[4].decode() if isinstance(raw[4], bytes) else str(raw[4])
     return Decision(int(raw[0]) == 1, "" if int(raw[0]) == 1 else "reads", float(wait) / 1000, {})
+
+
+async def peek(rds: Any, tenant_id: int, key_id: int, limits: Limits, floor: int) -> Decision:
+    """Whether a job of at least `floor` tokens would be refused now by the token limits or the queued
+    jobs, taking nothing: the refusal before a prompt is tokenized (core/jobs/service.py)."""
+    now = time.time()
+    keys = _keys(tenant_id, key_id, "-", time.strftime("%Y%m%d", time.gmtime(now)))
+    raw = await _PEEK.run_async(
+        rds,
+        (keys[1], keys[2], keys[3], keys[5]),
+        int(now * 1000),
+        limits.tpm,
+        limits.tpd,
+        limits.max_queued,
+        limits.key_tpm,
+        floor,
+    )
+    which = raw[1].decode() if isinstance(raw[1], bytes) else str(raw[1])
+    wait = float(raw[2].decode() if isinstance(raw[2], bytes) else raw[2])
+    if wait == -2:  # tokens per day: until the next UTC midnight
+        wait = ((now // 86400 + 1) * 86400 - now) * 1000
+    return Decision(int(raw[0]) == 1, which, None if wait < 0 else wait / 1000, {})
 
 
 async def settle_async(rds: Any, job_id: str, actual_tokens: int) -> None:

@@ -318,3 +318,50 @@ def test_a_tenant_over_its_quota_is_refused_before_its_grammar_is_compiled(it_se
     _, k2 = factories.api_key(session, roomy)
     _run(it_settings, Broker(), lambda s: s.create(Principal(tenant=roomy, key=k2), body, None))
     assert len(compiled) == 1 and len(_jobs_of(session, roomy.id)) == 1
+
+
+class CountingTokenizer(CharTokenizer):
+    """CharTokenizer that counts the characters it is asked to encode: the work a request cost."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        self.chars += len(text)
+        return super().encode(text, add_special=add_special)
+
+
+def test_a_tenant_out_of_tokens_is_refused_before_its_prompt_is_counted(it_settings, session, rds):
+    """Issue 49: prompts were tokenized before admission, so a tenant past its tokens per minute still
+    made the API count every prompt it sent. Now a request whose floor (its characters / 64) cannot be
+    admitted is a 429 before any tokenizing; the tenant's next request within its limit is counted."""
+    t = factories.tenant(session, tpm=100)
+    _, k = factories.api_key(session, t)
+    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    who = Principal(tenant=t, key=k)
+    tok = CountingTokenizer()
+
+    async def use(service: Completions) -> tuple[DomainError, DomainError]:
+        service.tokenizers = lambda _model: tok
+        first = CompletionRequest(model=MODEL, prompt="x" * 90, max_tokens=5)
+        await service.create(who, first)  # 95 of its 100 tokens a minute reserved
+        counted = tok.chars
+        over = CompletionRequest(model=MODEL, prompt="y" * 6_400, max_tokens=1)  # a floor of 100 tokens
+        with pytest.raises(DomainError) as refused:
+            await service.create(who, over)
+        huge = CompletionRequest(model=MODEL, prompt="y" * 600_000, max_tokens=1)  # past the limit at all
+        with pytest.raises(DomainError) as never:
+            await service.create(who, huge)
+        assert "more than the limit allows at all" in never.value.message
+        assert tok.chars == counted  # both refused with nothing tokenized
+        small = CompletionRequest(model=MODEL, prompt="z" * 20, max_tokens=1)
+        with pytest.raises(DomainError) as counted_then_refused:
+            await service.create(who, small)  # its floor (1) fits: counted, then refused by admission
+        assert tok.chars == counted + 20
+        return refused.value, counted_then_refused.value
+
+    before, after = _run(it_settings, Broker(), use)
+    for e in (before, after):
+        assert e.kind is ErrorKind.rate_limited and e.code == "rate_limit_exceeded"
+        assert "tokens per minute" in e.message.lower() or "TPM" in e.message
+    assert int(before.headers["retry-after"]) >= 1
