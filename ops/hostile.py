@@ -3,13 +3,15 @@
 Each scenario attacks from tenant `beta` (or a 1-rpm tenant) while tenant `alpha` keeps streaming
 completions; it reports alpha's inter-token gap p99 and TTFT p99, the API's and the worker's RSS
 growth over idle, and every 5xx seen anywhere. Run: `python -m ops.hostile [scenario ...]` with
-SPOOL_TEST_DATABASE_URL / SPOOL_TEST_REDIS_URL naming a database and Redis db of your own.
+SPOOL_TEST_DATABASE_URL naming a database of your own; the stack gets a redis-server of its own (the
+write refusal sets its maxmemory).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops.harness import TEST_DB, TEST_REDIS, Stack, events, running_stack
+from ops.harness import TEST_DB, Stack, events, running_stack
 
 
 def rss_mib(pid: int) -> float:
@@ -499,6 +501,113 @@ def route_sweep(st: Stack, statuses: list[int], out: dict) -> None:
     out["routes_swept"] = len(swept)
 
 
+def _respond(http, **body) -> dict:
+    r = http.post("/v1/responses", json={"model": "default", "max_output_tokens": 8, **body}, timeout=600)
+    return {
+        "status": r.status_code,
+        **(r.json() if r.headers.get("content-type", "").startswith("application/json") else {}),
+    }
+
+
+def responses_chain_expansion(st: Stack, statuses: list[int], out: dict) -> None:
+    """A chain of responses, each with 256 KiB of `instructions`, continued past the chain's byte bound:
+    each continuation was read link by link, validated, templated and tokenized on the loop before any
+    limit. Now the bound is read off the previous response's row and the rest is refused at once."""
+    instructions = "Be brief. " * (256 * 1024 // 10)
+    with st.http(st.keys["beta"]) as http:
+        prev: str | None = None
+        for _ in range(40):
+            r = _respond(
+                http, input="Say hi", instructions=instructions, **({"previous_response_id": prev} if prev else {})
+            )
+            statuses.append(r["status"])
+            if r["status"] != 200:
+                break
+            prev = r["id"]
+        out["chain_links_accepted"] = sum(1 for s in statuses if s == 200)
+        for _ in range(20):  # small requests naming the deepest link: each refused before expansion
+            statuses.append(_respond(http, input="again", previous_response_id=prev)["status"])
+
+
+def responses_rejoin_flood(st: Stack, statuses: list[int], out: dict) -> None:
+    """200 rejoins of one ended response's stream at once (a process of its own, as the job replays')."""
+    with st.http(st.keys["beta"]) as http:
+        resp = _respond(http, input="Count to fifty", max_output_tokens=400, temperature=0)
+        statuses.append(resp["status"])
+    code = (
+        "import httpx, sys, threading\n"
+        f"base, key, rid = {st.base_url!r}, {st.keys['beta']!r}, {resp.get('id', 'resp_x')!r}\n"
+        "codes = []\n"
+        "def one():\n"
+        "    with httpx.Client(base_url=base, headers={'Authorization': f'Bearer {key}'}, timeout=300) as h:\n"
+        "        with h.stream('GET', f'/v1/responses/{rid}', params={'stream': 'true'}) as r:\n"
+        "            codes.append(r.status_code)\n"
+        "            for _ in r.iter_bytes():\n"
+        "                pass\n"
+        "ts = [threading.Thread(target=one) for _ in range(200)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(' '.join(map(str, codes)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    statuses.extend(int(c) for c in done.stdout.split())
+    out["rejoins"] = len(done.stdout.split())
+
+
+def responses_large_object_reads(st: Stack, statuses: list[int], out: dict) -> None:
+    """One response with 6 MiB of `instructions`, read, cancelled and listed by 50 clients at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with st.http(st.keys["beta"]) as http:
+        resp = _respond(http, input="Hi", instructions="Read this. " * (6 * 1024 * 1024 // 11), background=True)
+        statuses.append(resp["status"])
+    rid = resp.get("id", "resp_x")
+
+    def one(i: int) -> int:
+        with st.http(st.keys["beta"]) as h:
+            path = [f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items", f"/v1/responses/{rid}/cancel"][i % 3]
+            return (h.post(path, timeout=300) if path.endswith("cancel") else h.get(path, timeout=300)).status_code
+
+    with ThreadPoolExecutor(50) as pool:
+        statuses.extend(pool.map(one, range(150)))
+
+
+def write_refusal_20s(st: Stack, statuses: list[int], out: dict) -> None:
+    """Redis refuses every write for 20 s (maxmemory reached, noeviction) while beta's jobs run: longer
+    than SPOOL_WORKER_UNHEARD_S. Heartbeats stand still, and the dispatcher must not judge the workers
+    gone: no running job's attempt may rise. Needs the stack on a Redis of its own (`main` gives it one)."""
+    import redis as redis_lib
+    from sqlalchemy import create_engine, text
+
+    r = redis_lib.Redis.from_url(st.env["SPOOL_REDIS_URL"])
+    body = {"model": "default", "prompt": "Write a long story", "max_tokens": 300, "ignore_eos": True}
+    with st.http(st.keys["beta"]) as http:
+        jobs = []
+        for _ in range(3):
+            a = http.post("/v1/completions", json=body, headers={"Prefer": "respond-async"})
+            statuses.append(a.status_code)
+            jobs.append(a.json().get("id"))
+    engine = create_engine(st.env["SPOOL_DATABASE_URL"])
+    policy = str(r.config_get("maxmemory-policy").get("maxmemory-policy") or "noeviction")
+    try:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)  # every write that needs memory is refused (OOM), reads still work
+        time.sleep(20)  # the outage itself is the point
+    finally:
+        r.config_set("maxmemory", 0)
+        r.config_set("maxmemory-policy", policy)
+    deadline = time.monotonic() + 300
+    with engine.connect() as c:
+        while time.monotonic() < deadline:
+            rows = c.execute(text("SELECT state, attempt FROM jobs WHERE id = ANY(:ids)"), {"ids": jobs}).all()
+            if all(row.state in ("succeeded", "failed", "cancelled") for row in rows):
+                break
+            c.rollback()
+            time.sleep(1)
+    engine.dispose()
+    out["attempts_after_refusal"] = sorted(row.attempt for row in rows)
+    out["states_after_refusal"] = sorted({row.state for row in rows})
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     "poisoned_resume_ids": poisoned_resume_ids,
     "max_penalty_windows": max_penalty_windows,
@@ -510,6 +619,10 @@ SCENARIOS: dict[str, Callable[..., None]] = {
 # Issue 35: each takes (stack, statuses, out) and records what it measured in `out`.
 SCENARIOS_WITH_FIGURES: dict[str, Callable[[Stack, list[int], dict], None]] = {
     "route_sweep": route_sweep,
+    "responses_chain_expansion": responses_chain_expansion,
+    "responses_rejoin_flood": responses_rejoin_flood,
+    "responses_large_object_reads": responses_large_object_reads,
+    "write_refusal_20s": write_refusal_20s,
     "many_long_batches": many_long_batches,
     "slow_webhooks_300": slow_webhooks_300,
     "tokenize_8mib_pieces": tokenize_8mib_pieces,
@@ -564,8 +677,15 @@ def run(st: Stack, name: str) -> dict:
 
 
 def main(names: list[str]) -> list[dict]:
+    """Every scenario (or those named) on one stack, whose Redis is a server of its own: the write
+    refusal sets its maxmemory, which must touch nothing else on the machine."""
+    from ops.bench.paced import private_redis
+
     rows = []
-    with running_stack(Path(tempfile.mkdtemp(prefix="hostile-")), TEST_DB, TEST_REDIS) as st:
+    with (
+        private_redis() as (redis_url, _),
+        running_stack(Path(tempfile.mkdtemp(prefix="hostile-")), TEST_DB, redis_url) as st,
+    ):
         for name in names or ALL:
             rows.append(run(st, name))
             print(json.dumps(rows[-1]), flush=True)
