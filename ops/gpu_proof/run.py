@@ -52,7 +52,7 @@ class Step:
 @dataclass
 class Record:
     name: str
-    status: str = "pending"  # passed | failed | timeout | skipped | running
+    outcome: str = "pending"  # passed | failed | timeout | skipped | running
     needs: list[str] = field(default_factory=list)
     box_s: float = 0.0
     started_s: float | None = None  # since the run's start
@@ -172,19 +172,19 @@ class Runner:
             except ValueError as exc:
                 rec.result = {"ok": False, "why": f"unreadable result: {exc}"}
         if rc is None:
-            rec.status, rec.reason = "timeout", f"killed at its time box ({rec.box_s:.0f}s)"
+            rec.outcome, rec.reason = "timeout", f"killed at its time box ({rec.box_s:.0f}s)"
         elif rc != 0:
-            rec.status, rec.reason = "failed", rec.result.get("why") or f"exit status {rc}"
+            rec.outcome, rec.reason = "failed", rec.result.get("why") or f"exit status {rc}"
         elif rec.result.get("ok") is False:
-            rec.status, rec.reason = "failed", rec.result.get("why", "the step said it failed")
+            rec.outcome, rec.reason = "failed", rec.result.get("why", "the step said it failed")
         else:
-            rec.status = "passed"
+            rec.outcome = "passed"
         if st.name == "probe" and rec.result.get("arch"):
             # Every later process builds or loads the extensions with the same flags: torch rebuilds
             # on any change, and the libraries would otherwise pick their own (with +PTX).
             self.env["TORCH_CUDA_ARCH_LIST"] = str(rec.result["arch"])
         with self.log.open("a") as out:
-            out.write(f"\n===== {st.name}: {rec.status} after {rec.wall_s}s (rc {rc}) {rec.reason}\n")
+            out.write(f"\n===== {st.name}: {rec.outcome} after {rec.wall_s}s (rc {rc}) {rec.reason}\n")
             out.write(text[-LOG_CHARS:])
 
     def run_step(self, st: Step) -> None:
@@ -192,18 +192,18 @@ class Runner:
         for dep in st.needs:
             if dep in self.procs:
                 self.join(dep)
-        missing = [d for d in st.needs if self.records.get(d, Record(d)).status != "passed"]
+        missing = [d for d in st.needs if self.records.get(d, Record(d)).outcome != "passed"]
         if missing:
-            why = ", ".join(f"{d} {self.records[d].status if d in self.records else 'absent'}" for d in missing)
-            rec.status, rec.reason = "skipped", f"needs {why}"
+            why = ", ".join(f"{d} {self.records[d].outcome if d in self.records else 'absent'}" for d in missing)
+            rec.outcome, rec.reason = "skipped", f"needs {why}"
             return
         left = self.deadline - RESERVE_S - st.ends_before_s - time.monotonic()
         if left < MIN_START_S:
-            rec.status, rec.reason = "skipped", f"no time left ({left:.0f}s of the budget)"
+            rec.outcome, rec.reason = "skipped", f"no time left ({left:.0f}s of the budget)"
             return
         rec.box_s = round(min(st.box_s, left), 1)
         rec.started_s = round(self.now(), 2)
-        rec.status = "running"
+        rec.outcome = "running"
         end = time.monotonic() + rec.box_s
         proc, logf = self._start(st)
         if st.background:
@@ -233,7 +233,7 @@ class Runner:
     def summary(self) -> dict[str, Any]:
         counts = {k: 0 for k in ("passed", "failed", "timeout", "skipped", "pending", "running")}
         for r in self.records.values():
-            counts[r.status] += 1
+            counts[r.outcome] += 1
         return {**counts, "steps": len(self.records), "ok": counts["passed"] == len(self.records)}
 
     def report(self) -> dict[str, Any]:
@@ -285,11 +285,11 @@ def markdown(rep: dict[str, Any]) -> str:
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in rep["machine"].items() if k not in ("ok", "why")),
         "",
-        "| step | status | wall s | box s | why |",
+        "| step | outcome | wall s | box s | why |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in rep["steps"]:
-        lines.append(f"| {r['name']} | {r['status']} | {r['wall_s'] or ''} | {r['box_s']} | {r['reason']} |")
+        lines.append(f"| {r['name']} | {r['outcome']} | {r['wall_s'] or ''} | {r['box_s']} | {r['reason']} |")
     if rep["bench"]:
         lines += ["", "| engine | concurrency | requests | failed | tok/s | TTFT p50 ms | ms/step p50 |"]
         lines.append("| --- | --- | --- | --- | --- | --- | --- |")
@@ -303,8 +303,8 @@ def markdown(rep: dict[str, Any]) -> str:
     if rep["tests"]:
         lines += [""] + [f"- {k}: {v}" for k, v in rep["tests"].items()]
     for r in rep["steps"]:
-        if r["status"] in ("failed", "timeout"):
-            lines += ["", f"## {r['name']}: {r['status']}", "", "```", r["log_tail"][-1500:], "```"]
+        if r["outcome"] in ("failed", "timeout"):
+            lines += ["", f"## {r['name']}: {r['outcome']}", "", "```", r["log_tail"][-1500:], "```"]
     return "\n".join(lines) + "\n"
 
 

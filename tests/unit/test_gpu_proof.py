@@ -188,7 +188,7 @@ def test_the_gpu_half_runs_end_to_end_with_cuda_stubbed(kit: Path, tmp_path: Pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = [s.name for s in run.plan(sys.executable)]
     assert [s["name"] for s in rep["steps"]] == names
-    assert all(s["status"] == "passed" for s in rep["steps"]), [(s["name"], s["reason"]) for s in rep["steps"]]
+    assert all(s["outcome"] == "passed" for s in rep["steps"]), [(s["name"], s["reason"]) for s in rep["steps"]]
     assert rep["dry"] is True and rep["summary"]["ok"] is True and rep["wall_s"] < rep["budget_s"]
     assert rep["machine"]["arch"] == "9.0"
     assert {(b["step"][:4], b["concurrency"]) for b in rep["bench"]} == {
@@ -211,11 +211,11 @@ def test_a_failing_step_fails_the_run_loudly_and_the_rest_goes_on(kit: Path, tmp
     assert proc.returncode == 1 and "(1 failed, 1 timed out, " in proc.stdout
     steps = {s["name"]: s for s in rep["steps"]}
     assert len(steps) == len(run.plan(sys.executable))
-    assert steps["model"]["status"] == "failed" and "tokenizer.json" in steps["model"]["reason"]
+    assert steps["model"]["outcome"] == "failed" and "tokenizer.json" in steps["model"]["reason"]
     assert "FileNotFoundError" in steps["model"]["log_tail"]
-    assert steps["exl3_build"]["status"] == "timeout" and "injected hang" in steps["exl3_build"]["log_tail"]
-    assert steps["exl2_build"]["status"] == "passed"  # independent of both
-    assert steps["exl2_tests"]["status"] == "skipped" and steps["exl2_tests"]["reason"] == "needs model failed"
+    assert steps["exl3_build"]["outcome"] == "timeout" and "injected hang" in steps["exl3_build"]["log_tail"]
+    assert steps["exl2_build"]["outcome"] == "passed"  # independent of both
+    assert steps["exl2_tests"]["outcome"] == "skipped" and steps["exl2_tests"]["reason"] == "needs model failed"
     assert steps["exl3_bench_c1"]["reason"] == "needs exl3_build timeout, model failed"
     assert rep["summary"]["ok"] is False and rep["summary"]["failed"] == 1 and rep["summary"]["timeout"] == 1
     md = (tmp_path / "out" / "gpu_proof_report.md").read_text()
@@ -243,7 +243,7 @@ def test_time_boxes_kill_the_whole_step_and_the_budget_ends_the_run(
     started = time.monotonic()
     assert runner.run(steps) == 1
     assert time.monotonic() - started < 8
-    got = {r.name: (r.status, r.reason) for r in runner.records.values()}
+    got = {r.name: (r.outcome, r.reason) for r in runner.records.values()}
     assert got["quick"][0] == "passed" and got["boxed"][0] == "timeout" and got["long"][0] == "timeout"
     assert got["late"] == ("skipped", got["late"][1]) and got["late"][1].startswith("no time left")
     pid = int(pidfile.read_text())
