@@ -286,9 +286,34 @@ class Settings(BaseSettings):
         description="Bytes of uploaded files one tenant may keep at once, unless its own `max_storage_bytes` "
         "says otherwise (413 `storage_quota_exceeded` past it; expired and deleted files do not count).",
     )
+    tenant_stored_bytes: int = Field(
+        1024**3,
+        description="Bytes one tenant's jobs and batches may keep stored in Postgres (requests, Responses input "
+        "items, instructions and tools, results), unless its own `max_stored_bytes` says otherwise (0: no limit). "
+        "A request or batch that would pass it is refused before anything is stored (413 `storage_quota_exceeded`); "
+        "retention and deleted responses free it.",
+    )
+    tenant_redis_bytes_limit: int = Field(
+        256 * 1024**2,
+        description="Bytes one tenant's ended jobs may hold in Redis (their streams and marks, counted as they end), "
+        "unless its own `max_redis_bytes` says otherwise (0: no limit). Past it new requests get a 429 "
+        "`redis_quota_exceeded` until those keys expire (`SPOOL_ENDED_EVENTS_TTL_S`).",
+    )
     max_file_lines: int = Field(2_000_000, description="Most lines a batch input file may have.")
     batch_validation_lease_s: float = Field(
         300.0, description="A batch whose validating API process died is taken over by another after this."
+    )
+    batch_validation_slice_lines: int = Field(
+        1000,
+        ge=1,
+        description="Lines the batch validator checks of one batch before it turns to another tenant's "
+        "(or after about a second, whichever comes first); each batch stays one all-or-nothing transaction.",
+    )
+    batch_validation_tenants: int = Field(
+        4,
+        ge=1,
+        description="Batches, each of a different tenant, one validator works through at once, a slice "
+        "at a time (each holds two database connections while it is open).",
     )
     webhook_allow: str = Field(
         "",
@@ -358,8 +383,8 @@ class Settings(BaseSettings):
     ended_events_ttl_s: int = Field(
         300,
         ge=1,
-        description="Lifetime of a job's Redis event stream once the job has ended, and of its marks and fence "
-        "(Postgres answers afterwards; a resume from an event id later than this is refused as expired). A job "
+        description="Lifetime of a job's Redis event stream once the job has ended, and of its fence (Postgres "
+        "answers afterwards: a resume from an event id later than this is placed by the marks its row keeps). A job "
         "that never wrote a stream leaves nothing.",
     )
     responses_chain_max_links: int = Field(
@@ -476,6 +501,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "idempotency_lock_s",
         "max_file_bytes",
         "tenant_storage_bytes",
+        "tenant_stored_bytes",
+        "tenant_redis_bytes_limit",
         "upload_max_fields",
         "upload_max_field_bytes",
         "upload_threads",
@@ -518,6 +545,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "batch_max_errors",
         "batch_max_enqueued_tokens",
         "batch_validation_lease_s",
+        "batch_validation_slice_lines",
+        "batch_validation_tenants",
         "batch_publish_s",
     ),
     "Webhooks": ("webhook_allow", "webhook_timeout_s", "webhook_retry_s", "dns_threads"),
@@ -542,6 +571,8 @@ TUNING = frozenset(
         "batch_group",
         "interactive_group",
         "batch_publish_s",
+        "batch_validation_slice_lines",
+        "batch_validation_tenants",
         "dns_threads",
     }
 )

@@ -26,15 +26,14 @@ from core.generation.events import ErrorInfo
 from core.infra import heap, redis_keys, transient
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.db import Listener
-from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED, STORED_REDIS
+from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED, STORED, STORED_REDIS
 from core.infra.orm import Job, Tenant
 from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler
 from core.states import JobKind, JobState
-from core.tenancy import admission
-from core.tenancy import usage as stored
+from core.tenancy import admission, quota
 
 log = logging.getLogger(__name__)
 
@@ -297,11 +296,18 @@ class Dispatcher:
             OLDEST.labels(model, kind).set(now - oldest.timestamp() if oldest is not None else 0)
         for model in self.settings.model_ids:
             LIVE_WORKERS.labels(model).set(len(workers.live(self.rds, model)))
-        held = stored.redis_bytes(self.rds, self.settings.ended_events_ttl_s)
-        for tenant in self._stored_tenants - held.keys():
-            STORED_REDIS.labels(str(tenant)).set(0)  # its ended jobs' keys have all expired
-        for tenant, n in held.items():
-            STORED_REDIS.labels(str(tenant)).set(n)
+        # Each tenant's bytes per store: a few rows per tenant (core/tenancy/quota.py), never a scan of jobs.
+        held = quota.all_stored(session, self.rds, self.settings.ended_events_ttl_s)
+        for tenant in self._stored_tenants - held.keys():  # it stores nothing any more
+            STORED_REDIS.labels(str(tenant)).set(0)
+            for store in quota.STORES:
+                STORED.labels(str(tenant), store).set(0)
+        for tenant, counts in held.items():
+            for store, nbytes in counts.items():
+                if nbytes is not None:  # None: Redis did not answer, the last value stays
+                    STORED.labels(str(tenant), store).set(nbytes)
+            if counts["redis"] is not None:
+                STORED_REDIS.labels(str(tenant)).set(counts["redis"])
         self._stored_tenants = set(held)
 
     def _depth(self, model: str) -> int:

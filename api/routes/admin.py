@@ -11,7 +11,7 @@ from anyio.to_thread import run_sync
 from fastapi import APIRouter, Query
 
 from api.costs import cheap
-from api.deps import AdminDep, SyncRedisDep, SyncSessionsDep
+from api.deps import AdminDep, SettingsDep, SyncRedisDep, SyncSessionsDep
 from core.protocol import render
 from core.protocol.schemas import CreatedKey, KeyList, KeyObject, TenantList, TenantObject, UsageList
 from core.tenancy import service as tenancy
@@ -62,10 +62,13 @@ async def revoke_key(key_id: int, _: AdminDep, sessions: SyncSessionsDep, rds: S
 async def all_usage(
     _: AdminDep,
     sessions: SyncSessionsDep,
+    rds: SyncRedisDep,
+    settings: SettingsDep,
     start: date | None = None,
     end: date | None = None,
     tenant: str | None = None,
     by_key: bool = Query(False),
 ) -> dict:
     rows = await run_sync(tenancy.run, sessions, tenancy.usage, tenant, start, end, by_key)
-    return render.listing([render.usage_row(r) for r in rows])
+    held = await run_sync(tenancy.run, sessions, tenancy.stored, rds, tenant, settings.ended_events_ttl_s)
+    return {**render.listing([render.usage_row(r) for r in rows]), "stored": render.tenants_stored(held)}

@@ -11,8 +11,8 @@ from api.deps import RedisDep, SessionDep, SettingsDep, TenantDep
 from core.infra.transient import REDIS
 from core.protocol import render
 from core.protocol.schemas import UsageList
+from core.tenancy import quota
 from core.tenancy import service as tenancy
-from core.tenancy import usage as stored
 
 router = APIRouter()
 
@@ -30,8 +30,9 @@ async def usage(
 ) -> dict:
     rows = (await session.execute(tenancy.usage_rows(tenant.id, start, end, by_key))).mappings()
     out = render.listing([render.usage_row(r) for r in rows])
-    try:  # what the tenant's ended jobs hold in Redis now, an upper bound (see core/tenancy/usage.py)
-        out["redis_bytes"] = await stored.tenant_redis_bytes(rds, settings.ended_events_ttl_s, tenant.id)
-    except REDIS:
-        out["redis_bytes"] = None  # Redis away: the usage rows still answer
+    # What the tenant stores now, per store (Redis: an upper bound; None when Redis is away, the rest
+    # still answers), and its limits: core/tenancy/quota.py.
+    counts, limits = await quota.tenant_stored(session, rds, tenant, settings, REDIS)
+    out["redis_bytes"] = counts["redis"]
+    out["stored_bytes"] = render.stored_bytes(counts, limits)
     return out

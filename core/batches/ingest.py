@@ -4,30 +4,41 @@ through core/protocol/responses.to_chat), all or nothing.
 
 Runs in a thread of the dispatcher process (`run_validator`, given its sessions, Redis and
 settings by `spool dispatcher`), never in the API (an import contract). The whole file is
-read one chunk at a time, lines are
-validated one by one and COPYed into a staging table in ONE transaction (`validate`): if any line is bad, the
-batch fails listing every bad line (up to SPOOL_BATCH_MAX_ERRORS) and no job exists; if the
-process dies midway, nothing was committed and another replica picks the batch up when its
-validation lease lapses.
+read one chunk at a time, lines are validated one by one and COPYed into a staging table in ONE
+transaction (`Validation`): if any line is bad, the batch fails listing every bad line (up to
+SPOOL_BATCH_MAX_ERRORS) and no job exists; if the process dies midway, nothing was committed and
+another replica picks the batch up when its validation lease lapses.
+
+The validator's time is shared between tenants (`Validator`): several batches of different tenants
+are open at once, each still one transaction, worked a slice of lines at a time, the tenant whose
+turn is oldest first. A validation renews its lease while it works and writes only while the lease is
+its own (compare-and-set on `lease_until`), so two validators never both commit a batch. Each
+distinct constraint (grammar, schema, regex) of a file is compiled once (`constraints.Cache`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
-from datetime import UTC, datetime
+from collections.abc import Collection, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import select, update
+from sqlalchemy import Update, and_, func, or_, select, update
+from sqlalchemy.dialects.postgresql import distinct_on
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches.status import cancelled, rejected, validated
 from core.config import Settings
 from core.errors import DomainError
 from core.files import storage as files
+from core.generation import constraints
 from core.infra import redis_keys
 from core.infra.orm import Batch
 from core.infra.tokenizers import context_length, tokenizer_for
@@ -43,6 +54,7 @@ from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import reservation
 from core.registry import resolve, settings_for
 from core.states import BatchStatus, JobKind
+from core.tenancy import quota
 
 log = logging.getLogger(__name__)
 
@@ -270,76 +282,192 @@ COLUMNS = tuple(jobs.new_row(tenant_id=0, model="", params={}, prompts=[], strea
 COLS_SQL = ", ".join(f'"{c}"' for c in COLUMNS)  # "user" is a reserved word
 
 
-def validate(sessions: sessionmaker[Session], batch_id: str, settings: Settings) -> str:
-    """Validate and enqueue one batch; returns its new status.
+# Seconds one slice of one batch may take before the validator turns to the next tenant's (after the
+# line in hand: a line is bounded by SPOOL_MAX_BODY_BYTES and the constraint limits).
+SLICE_S = 1.0
 
-    Rows are COPYed into a temporary staging table as lines are validated (COPY: ~10x faster than
-    INSERTs), duplicate custom_ids are found by one GROUP BY there, and only a clean file moves into
-    `jobs` (one INSERT ... SELECT) in the same transaction that marks the batch in_progress."""
-    from psycopg.types.json import Jsonb
 
-    with sessions() as session, sessions() as reader:
-        b = session.get(Batch, batch_id)
+@dataclass(frozen=True)
+class Claim:
+    """A batch taken for validation. Its `lease_until` is the claim's token: every later write of the
+    validator (renewal, the final status) compares it, so one whose lease was taken commits nothing."""
+
+    batch_id: str
+    tenant_id: int
+    lease_until: datetime
+
+
+LOST = "batch %s: its validation lease was taken by another validator; this validation commits nothing"
+
+
+class LeaseLost(Exception):
+    """Another validator holds the batch now: this one's lease lapsed and was taken."""
+
+
+class _Cancelled(Exception):
+    """The batch was cancelled while it was being validated: none of its lines may run."""
+
+
+def renew(sessions: sessionmaker[Session], batch_id: str, lease: datetime, lease_s: float) -> datetime:
+    """The lease pushed `lease_s` on, if it is still `lease` (compare-and-set); the new token."""
+    with sessions() as session:
+        row = session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.lease_until == lease)
+            .values(lease_until=func.now() + timedelta(seconds=lease_s))
+            .returning(Batch.lease_until, Batch.status)
+        ).first()
+        session.commit()
+    if row is None:
+        raise LeaseLost(batch_id)
+    if row.status != BatchStatus.validating:
+        raise _Cancelled(batch_id)
+    return row.lease_until
+
+
+class Validation:
+    """One batch validated a slice of lines at a time, all or nothing: its lines are validated and
+    COPYed into a temporary staging table in ONE transaction, held open across slices (the COPY with
+    it: a connection in COPY is not idle in a transaction), and only a clean file moves into `jobs`,
+    in the transaction that marks the batch in_progress. The file is read on a second connection in
+    autocommit: a reader parked between slices holds no transaction. With a lease (`Claim`), the
+    lease is renewed while it works and every write compares it: a validator whose lease was taken
+    stops at its next renewal, and in any case its final UPDATE matches no row, so nothing commits."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        batch_id: str,
+        settings: Settings,
+        lease: datetime | None = None,
+        tenant_id: int = 0,
+    ) -> None:
+        self.sessions, self.batch_id, self.settings = sessions, batch_id, settings
+        self.lease, self.tenant_id = lease, tenant_id
+        self.renewed = time.monotonic()
+        self.errors: list[dict[str, Any]] = []
+        self.extra_errors = 0
+        self.total = 0
+        # Each distinct constraint of the file compiled once (a 50k-line file with one schema: once).
+        self.cache = constraints.Cache()
+        self._held = ExitStack()  # sessions and cursor
+        self._copying = ExitStack()  # the COPY, ended before the file's checks
+        self._in_copy = False
+        self._done = False
+
+    def open(self) -> str | None:
+        """Start; the batch's status when it is not awaiting validation (nothing to do then)."""
+        self.session = self._held.enter_context(self.sessions())
+        b = self.session.get(Batch, self.batch_id)
         if b is None or b.status != BatchStatus.validating:
+            self.close()
             return b.status if b else "missing"
-        errors: list[dict[str, Any]] = []
-        extra_errors = 0
-        total = 0
+        self.batch, self.tenant_id = b, b.tenant_id
+        reader = self._held.enter_context(self.sessions())
+        reader.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+        raw_conn: Any = self.session.connection().connection.driver_connection  # psycopg's, for COPY
+        self.cur = self._held.enter_context(raw_conn.cursor())
+        self.cur.execute("CREATE TEMP TABLE batch_staging (LIKE jobs INCLUDING DEFAULTS) ON COMMIT DROP")
+        self._in_copy = True
+        self.copy = self._copying.enter_context(self.cur.copy(f"COPY batch_staging ({COLS_SQL}) FROM STDIN"))
+        self.lines = enumerate(files.iter_lines(reader, b.input_file_id, self.settings.max_body_bytes), start=1)
+        return None
 
-        def note(line_no: int | None, entry: dict[str, Any]) -> None:
-            nonlocal extra_errors
-            if len(errors) < settings.batch_max_errors:
-                errors.append({**entry, "line": line_no})
+    def keep(self) -> None:
+        """Renew the lease once a third of it has passed (LeaseLost: taken; _Cancelled: cancelled)."""
+        lease_s = self.settings.batch_validation_lease_s
+        if self.lease is None or time.monotonic() - self.renewed < lease_s / 3:
+            return
+        asked = time.monotonic()
+        self.lease = renew(self.sessions, self.batch_id, self.lease, lease_s)
+        self.renewed = asked
+
+    def slice(self, most: int, seconds: float = math.inf) -> bool:
+        """Up to `most` more lines, or `seconds`; True once the whole file is read (or the cap met)."""
+        deadline = time.monotonic() + seconds
+        with constraints.caching(self.cache):
+            for n in range(most):
+                if n and time.monotonic() >= deadline:
+                    return False
+                self.keep()
+                item = next(self.lines, None)
+                if item is None or not self._line(*item):
+                    return True
+        return False
+
+    def _note(self, line_no: int | None, entry: dict[str, Any]) -> None:
+        if len(self.errors) < self.settings.batch_max_errors:
+            self.errors.append({**entry, "line": line_no})
+        else:
+            self.extra_errors += 1
+
+    def _line(self, line_no: int, raw: bytes | files.LineTooLong) -> bool:
+        """One line validated and staged (or noted as bad); False: the line cap is met, stop reading."""
+        from psycopg.types.json import Jsonb
+
+        settings = self.settings
+        if self.total >= settings.batch_max_lines and (isinstance(raw, files.LineTooLong) or raw.strip()):
+            # Stop at the cap: the rest of the file is not worth validating.
+            self.errors.insert(0, _too_many_lines(settings.batch_max_lines))
+            return False
+        if isinstance(raw, files.LineTooLong):
+            self.total += 1
+            self._note(line_no, _too_long(raw.size, settings.max_body_bytes))
+            return True
+        if not raw.strip():
+            return True
+        self.total += 1
+        try:
+            row = _job_row(line_no, raw, self.batch, settings)
+        except _LineError as exc:
+            self._note(line_no, exc.entry)
+            return True
+        row["params"], row["prompts"] = Jsonb(row["params"]), Jsonb(row["prompts"])
+        row["chat"] = Jsonb(row["chat"]) if row["chat"] is not None else None
+        self.copy.write_row([row[c] for c in COLUMNS])
+        return True
+
+    def _mine(self, stmt: Update) -> Update:
+        """`stmt` only while this validator's lease is the batch's (a bare `validate` has none)."""
+        return stmt if self.lease is None else stmt.where(Batch.lease_until == self.lease)
+
+    def finish(self) -> str:
+        """The file's checks, then the batch moved on; returns its new status (`validating`: the lease
+        was taken, nothing committed)."""
+        try:
+            return self._finish()
+        finally:
+            self.close()
+
+    def _finish(self) -> str:
+        settings, cur, session = self.settings, self.cur, self.session
+        self._in_copy = False
+        self._copying.close()  # the COPY ends
+        cur.execute(
+            "SELECT custom_id, (array_agg(line_no ORDER BY line_no))[2:] FROM batch_staging "
+            "GROUP BY custom_id HAVING count(*) > 1 LIMIT %s",
+            (settings.batch_max_errors,),
+        )
+        for custom_id, later in cur.fetchall():
+            for line_no in later:
+                self._note(
+                    line_no,
+                    {
+                        "code": "duplicate_custom_id",
+                        "param": "custom_id",
+                        "message": f"custom_id '{clip(custom_id)}' appears on an earlier line.",
+                    },
+                )
+        errors, total = self.errors, self.total
+        if total and not errors:
+            over = _over_enqueued_tokens(cur, self.tenant_id, settings.batch_max_enqueued_tokens)
+            if over is not None:
+                errors.append(over)
             else:
-                extra_errors += 1
-
-        raw_conn: Any = session.connection().connection.driver_connection  # psycopg's, for COPY
-        with raw_conn.cursor() as cur:
-            cur.execute("CREATE TEMP TABLE batch_staging (LIKE jobs INCLUDING DEFAULTS) ON COMMIT DROP")
-            with cur.copy(f"COPY batch_staging ({COLS_SQL}) FROM STDIN") as copy:
-                # The file is read on a second connection: this one is busy with the COPY.
-                lines = files.iter_lines(reader, b.input_file_id, settings.max_body_bytes)
-                for line_no, raw in enumerate(lines, start=1):
-                    if total >= settings.batch_max_lines and (isinstance(raw, files.LineTooLong) or raw.strip()):
-                        # Stop at the cap: the rest of the file is not worth validating.
-                        errors.insert(0, _too_many_lines(settings.batch_max_lines))
-                        break
-                    if isinstance(raw, files.LineTooLong):
-                        total += 1
-                        note(line_no, _too_long(raw.size, settings.max_body_bytes))
-                        continue
-                    if not raw.strip():
-                        continue
-                    total += 1
-                    try:
-                        row = _job_row(line_no, raw, b, settings)
-                    except _LineError as exc:
-                        note(line_no, exc.entry)
-                        continue
-                    row["params"], row["prompts"] = Jsonb(row["params"]), Jsonb(row["prompts"])
-                    row["chat"] = Jsonb(row["chat"]) if row["chat"] is not None else None
-                    copy.write_row([row[c] for c in COLUMNS])
-            cur.execute(
-                "SELECT custom_id, (array_agg(line_no ORDER BY line_no))[2:] FROM batch_staging "
-                "GROUP BY custom_id HAVING count(*) > 1 LIMIT %s",
-                (settings.batch_max_errors,),
-            )
-            for custom_id, later in cur.fetchall():
-                for line_no in later:
-                    note(
-                        line_no,
-                        {
-                            "code": "duplicate_custom_id",
-                            "param": "custom_id",
-                            "message": f"custom_id '{clip(custom_id)}' appears on an earlier line.",
-                        },
-                    )
-            if total and not errors:
-                over = _over_enqueued_tokens(cur, b.tenant_id, settings.batch_max_enqueued_tokens)
+                cur.execute(f"INSERT INTO jobs ({COLS_SQL}) SELECT {COLS_SQL} FROM batch_staging")
+                over = quota.over_stored_batch(cur, self.tenant_id, self.batch_id, settings)  # rolled back below
                 if over is not None:
                     errors.append(over)
-                else:
-                    cur.execute(f"INSERT INTO jobs ({COLS_SQL}) SELECT {COLS_SQL} FROM batch_staging")
         errors.sort(key=lambda e: e["line"] or 0)
         now = datetime.now(UTC)
         if total == 0:
@@ -348,55 +476,233 @@ def validate(sessions: sessionmaker[Session], batch_id: str, settings: Settings)
             )
         if errors:
             session.rollback()
-            if extra_errors:
+            if self.extra_errors:
                 errors.append(
                     {
                         "code": "too_many_errors",
                         "param": None,
                         "line": None,
-                        "message": f"{extra_errors} more lines are invalid.",
+                        "message": f"{self.extra_errors} more lines are invalid.",
                     }
                 )
-            listed = render.listing(errors)
-            moved: Any = session.execute(rejected(batch_id, now, total, listed))  # an UPDATE's result: rowcount
+            moved: Any = session.execute(self._mine(rejected(self.batch_id, now, total, render.listing(errors))))
+            if not moved.rowcount:  # an UPDATE's result: rowcount
+                return self._not_moved()
             session.commit()
-            return BatchStatus.failed if moved.rowcount else BatchStatus.cancelled
-        moved = session.execute(validated(batch_id, now, total))
-        if not moved.rowcount:  # cancelled while validating: none of its lines may run
-            session.rollback()
-            session.execute(cancelled(batch_id, now))
-            session.commit()
-            return BatchStatus.cancelled
+            return BatchStatus.failed
+        moved = session.execute(self._mine(validated(self.batch_id, now, total)))
+        if not moved.rowcount:  # cancelled, or the lease was taken: none of its lines may run from here
+            return self._not_moved()
         session.commit()
-        log.info("batch %s: %d lines queued", batch_id, total)
+        log.info("batch %s: %d lines queued", self.batch_id, total)
         return BatchStatus.in_progress
 
-
-def claim_next(sessions: sessionmaker[Session], lease_s: float) -> str | None:
-    """Take one batch awaiting validation (or whose validator died), for this process."""
-    from datetime import timedelta
-
-    from sqlalchemy import func, or_
-
-    with sessions() as session:
-        picked = (
-            select(Batch.id)
-            .where(
-                Batch.status == BatchStatus.validating, or_(Batch.lease_until.is_(None), Batch.lease_until < func.now())
+    def _not_moved(self) -> str:
+        """The final UPDATE matched nothing: everything is rolled back; why says what follows."""
+        session = self.session
+        session.rollback()
+        status = session.scalar(select(Batch.status).where(Batch.id == self.batch_id))
+        if status == BatchStatus.cancelling:
+            session.execute(cancelled(self.batch_id, datetime.now(UTC)))
+            session.commit()
+            return BatchStatus.cancelled
+        if status == BatchStatus.validating:
+            log.warning(
+                "batch %s: its validation lease was taken by another validator; nothing committed", self.batch_id
             )
-            .order_by(Batch.created_at)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-            .scalar_subquery()
-        )
-        got = session.scalar(
-            update(Batch)
-            .where(Batch.id == picked)
-            .values(lease_until=func.now() + timedelta(seconds=lease_s))
-            .returning(Batch.id)
-        )
-        session.commit()
-        return got
+        return status or "missing"
+
+    def cancel(self) -> str:
+        """Cancelled while validating: the work dropped and the batch ended, no line ever queued."""
+        self._fail_copy()
+        try:
+            self.session.rollback()
+            self.session.execute(cancelled(self.batch_id, datetime.now(UTC)))
+            self.session.commit()
+        finally:
+            self.close()
+        log.info("batch %s: cancelled while it was being validated", self.batch_id)
+        return BatchStatus.cancelled
+
+    def abandon(self, release: bool = True) -> None:
+        """Drop the work (the transaction rolls back: nothing of it stays) and, with `release`, let the
+        lease go if it is still ours, so that a later pass takes the batch again at once."""
+        self.close()
+        if release and self.lease is not None:
+            try:
+                with self.sessions() as session:
+                    session.execute(
+                        update(Batch)
+                        .where(Batch.id == self.batch_id, Batch.lease_until == self.lease)
+                        .values(lease_until=None)
+                    )
+                    session.commit()
+            except Exception:  # Postgres away: the lease lapses on its own
+                log.warning("batch %s: could not let its validation lease go", self.batch_id, exc_info=True)
+
+    def _fail_copy(self) -> None:
+        """End an open COPY with an error (psycopg sends CopyFail), so the connection can roll back."""
+        if not self._in_copy:
+            return
+        self._in_copy = False
+        stop = _Abandoned()
+        try:
+            self._copying.__exit__(_Abandoned, stop, None)
+        except Exception:  # the connection is gone: closing the session below discards it
+            log.debug("batch %s: the COPY ended badly", self.batch_id, exc_info=True)
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._fail_copy()
+        try:
+            self._held.close()  # an open transaction is rolled back
+        except Exception:
+            log.debug("batch %s: closing its validation's connections failed", self.batch_id, exc_info=True)
+
+
+class _Abandoned(Exception):
+    """What an abandoned validation's COPY is ended with."""
+
+
+def validate(sessions: sessionmaker[Session], batch_id: str, settings: Settings, lease: datetime | None = None) -> str:
+    """Validate and enqueue one batch whole, all or nothing; returns its new status (`validating`: the
+    lease, when one is given, was taken by another validator, and nothing was committed)."""
+    v = Validation(sessions, batch_id, settings, lease)
+    status = v.open()
+    if status is not None:
+        return status
+    try:
+        while not v.slice(settings.batch_validation_slice_lines):
+            pass
+        return v.finish()
+    except LeaseLost:
+        v.abandon(release=False)
+        log.warning(LOST, batch_id)
+        return BatchStatus.validating
+    except _Cancelled:
+        return v.cancel()
+    finally:
+        v.close()
+
+
+def claim_next(
+    sessions: sessionmaker[Session],
+    lease_s: float,
+    busy: Collection[int] = (),
+    turns: Mapping[int, float] | None = None,
+) -> Claim | None:
+    """Take one batch awaiting validation (or whose validator's lease lapsed), for this process: the
+    oldest of the tenant whose turn is oldest (`turns`: when each tenant's last slice ran; never: first),
+    none of the `busy` tenants'. A compare-and-set on the lease: two validators never both take it."""
+    turns = turns or {}
+    waiting = and_(
+        Batch.status == BatchStatus.validating,
+        or_(Batch.lease_until.is_(None), Batch.lease_until < func.now()),
+    )
+    with sessions() as session:
+        oldest = session.execute(
+            select(Batch.id, Batch.tenant_id, Batch.created_at)
+            .where(waiting, Batch.tenant_id.not_in(list(busy)))
+            .ext(distinct_on(Batch.tenant_id))
+            .order_by(Batch.tenant_id, Batch.created_at, Batch.id)
+        ).all()
+        for batch_id, tenant_id, _ in sorted(oldest, key=lambda r: (turns.get(r.tenant_id, 0.0), r.created_at)):
+            lease = session.scalar(
+                update(Batch)
+                .where(Batch.id == batch_id, waiting)
+                .values(lease_until=func.now() + timedelta(seconds=lease_s))
+                .returning(Batch.lease_until)
+            )
+            session.commit()
+            if lease is not None:
+                return Claim(batch_id, tenant_id, lease)
+        return None
+
+
+class Validator:
+    """The validator's schedule, shared between tenants the way the batch keeper shares its passes
+    (core/batches/progress.py): up to `batch_validation_tenants` batches open at once, each of a
+    different tenant; each step works one slice (`batch_validation_slice_lines` lines or SLICE_S) of
+    the batch whose tenant's turn is oldest, a waiting tenant that has had no turn first. One tenant's
+    50k-line file therefore costs another tenant's small batch a slice, not the whole file."""
+
+    def __init__(self, sessions: sessionmaker[Session], rds: Any, settings: Settings) -> None:
+        self.sessions, self.rds, self.settings = sessions, rds, settings
+        self.open: list[Validation] = []
+        self.turns: dict[int, float] = {}  # tenant -> when its last slice ran (monotonic)
+
+    def step(self) -> bool:
+        """One slice of work; False when there is none."""
+        s = self.settings
+        if len(self.open) < s.batch_validation_tenants:
+            self._take()
+        for v in list(self.open):  # a batch waiting for its turn keeps its lease too
+            try:
+                v.keep()
+            except TRANSIENT:
+                raise
+            except Exception as exc:
+                self._drop(v, exc)
+        if not self.open:
+            return False
+        v = min(self.open, key=lambda v: self.turns.get(v.tenant_id, 0.0))
+        self.turns[v.tenant_id] = time.monotonic()
+        try:
+            if not v.slice(s.batch_validation_slice_lines, SLICE_S):
+                return True
+            self.open.remove(v)
+            if v.finish() == BatchStatus.in_progress:
+                _wake_dispatcher(self.rds)
+        except TRANSIENT:
+            raise
+        except Exception as exc:
+            self._drop(v, exc)
+        return True
+
+    def _take(self) -> None:
+        busy = {v.tenant_id for v in self.open}
+        claim = claim_next(self.sessions, self.settings.batch_validation_lease_s, busy, self.turns)
+        if claim is None:
+            return
+        v = Validation(self.sessions, claim.batch_id, self.settings, claim.lease_until, claim.tenant_id)
+        try:
+            if v.open() is None:
+                self.open.append(v)
+        except TRANSIENT:
+            v.abandon()
+            raise
+        except Exception as exc:
+            self._drop(v, exc)
+        if len(self.turns) > 4096:  # tenants long gone: their turns are forgotten, oldest first
+            for tenant_id in sorted(self.turns, key=self.turns.__getitem__)[:2048]:
+                del self.turns[tenant_id]
+
+    def _drop(self, v: Validation, exc: Exception) -> None:
+        if v in self.open:
+            self.open.remove(v)
+        if isinstance(exc, LeaseLost):
+            log.warning(LOST, v.batch_id)
+            v.abandon(release=False)
+            return
+        if isinstance(exc, _Cancelled):
+            v.cancel()
+            return
+        # Not an outage: the file itself breaks validation. Retrying would loop forever (a poison
+        # batch); fail it, with a message that shows no internals.
+        log.error("batch %s: validation failed; failing the batch", v.batch_id, exc_info=exc)
+        v.abandon(release=False)
+        try:
+            give_up(self.sessions, v.batch_id, v.lease)
+        except Exception:  # Postgres away now: the batch's lease lapses and a later pass takes it again
+            log.warning("batch %s: could not fail it now; a later pass will", v.batch_id, exc_info=True)
+
+    def release_all(self) -> None:
+        """Every open validation dropped (an outage, or the thread stops): their leases let go."""
+        for v in self.open:
+            v.abandon()
+        self.open = []
 
 
 def run_validator(
@@ -406,37 +712,29 @@ def run_validator(
     poll_s: float = 2.0,
     stop: threading.Event | None = None,
 ) -> None:
-    """Validate batches one at a time, until `stop` (a dispatcher thread: forever). Safe with several
-    running: a batch is claimed under a lease, and taken over when the lease of a dead validator lapses."""
+    """Validate batches, shared between tenants (`Validator`), until `stop` (a dispatcher thread:
+    forever). Safe with several running: a batch is claimed under a lease, renewed while it is
+    validated, and taken over only when the lease of a dead validator lapses."""
     _warm(settings)
-    while stop is None or not stop.is_set():
-        batch_id = None
-        try:
-            batch_id = claim_next(sessions, settings.batch_validation_lease_s)
-            if batch_id:
-                if validate(sessions, batch_id, settings) == BatchStatus.in_progress:
-                    _wake_dispatcher(rds)
-                continue
-            rds.blpop([redis_keys.BATCH_VALIDATE_WAKE], timeout=poll_s)
-        except TRANSIENT:
-            log.warning("batch validation: Postgres/Redis unavailable; will retry", exc_info=True)
-            time.sleep(poll_s)
-        except Exception:
-            if not batch_id:
-                # No batch's fault: the claim or the wait failed in a way that is not an outage (a
-                # Redis refusing this client, say). Wait and ask again: this loop once spun here,
-                # logging thousands of tracebacks a second.
+    validator = Validator(sessions, rds, settings)
+    try:
+        while stop is None or not stop.is_set():
+            try:
+                if validator.step():
+                    continue
+                rds.blpop([redis_keys.BATCH_VALIDATE_WAKE], timeout=poll_s)
+            except TRANSIENT:
+                log.warning("batch validation: Postgres/Redis unavailable; will retry", exc_info=True)
+                validator.release_all()
+                time.sleep(poll_s)
+            except Exception:
+                # No batch's fault (a batch's own errors fail that batch in `step`): the claim or the
+                # wait failed in a way that is not an outage (a Redis refusing this client, say). Wait
+                # and ask again: this loop once spun here, logging thousands of tracebacks a second.
                 log.exception("batch validation: error outside any batch; will retry")
                 time.sleep(poll_s)
-                continue
-            # Not an outage: the file itself breaks validation. Retrying would loop forever (a
-            # poison batch); fail it, with a message that shows no internals.
-            log.exception("batch %s: validation failed; failing the batch", batch_id)
-            try:
-                give_up(sessions, batch_id)
-            except Exception:  # Postgres away now: the batch's lease lapses and a later pass takes it again
-                log.warning("batch %s: could not fail it now; a later pass will", batch_id, exc_info=True)
-                time.sleep(poll_s)
+    finally:
+        validator.release_all()
 
 
 def _warm(settings: Settings) -> None:
@@ -457,7 +755,8 @@ def _wake_dispatcher(rds: Any) -> None:
         log.warning("batch validated; could not wake the dispatcher: its lines start at its next tick")
 
 
-def give_up(sessions: sessionmaker[Session], batch_id: str) -> None:
+def give_up(sessions: sessionmaker[Session], batch_id: str, lease: datetime | None = None) -> None:
+    """The batch failed with a message that shows no internals (only while `lease`, if given, is ours)."""
     error = {
         "code": "validation_failed",
         "message": "The input file could not be validated; check that every line is a JSON request.",
@@ -465,5 +764,6 @@ def give_up(sessions: sessionmaker[Session], batch_id: str) -> None:
         "line": None,
     }
     with sessions() as session:
-        session.execute(rejected(batch_id, datetime.now(UTC), 0, render.listing([error])))
+        stmt = rejected(batch_id, datetime.now(UTC), 0, render.listing([error]))
+        session.execute(stmt if lease is None else stmt.where(Batch.lease_until == lease))
         session.commit()

@@ -249,7 +249,12 @@ def settings_markdown() -> str:
 LimitOpt = typer.Option(None, help="Limit: a positive number, or 'none' for unlimited (omit: leave as is).")
 
 
-LIMITS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes")
+# Stored-bytes quotas: unset (the deployment's default) is not the same as no limit (0).
+StoreOpt = typer.Option(
+    None, help="Bytes: a number, 0 or 'none' for no limit, 'default' for the deployment's (omit: leave as is)."
+)
+STORE_LIMITS = ("max_stored_bytes", "max_redis_bytes")
+LIMITS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes", *STORE_LIMITS)
 
 
 def _limits(args: dict[str, object]) -> dict[str, int | None]:
@@ -261,7 +266,9 @@ def _limits(args: dict[str, object]) -> dict[str, int | None]:
         if v is None:
             continue
         text = str(v).strip().lower()
-        if text in ("none", "null", "unlimited"):
+        if k in STORE_LIMITS and text in ("none", "unlimited"):
+            out[k] = 0
+        elif text in ("none", "null", "unlimited", "default"):
             out[k] = None
         elif text.lstrip("-").isdigit():
             out[k] = int(text)
@@ -299,7 +306,18 @@ def _print(rows: list[dict], as_json: bool, columns: list[str]) -> None:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
-TENANT_COLUMNS = ["id", "name", "weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes"]
+TENANT_COLUMNS = [
+    "id",
+    "name",
+    "weight",
+    "rpm",
+    "tpm",
+    "tpd",
+    "max_concurrent",
+    "max_queued",
+    "max_storage_bytes",
+    *STORE_LIMITS,
+]
 KEY_COLUMNS = ["id", "prefix", "name", "scope", "revoked", "rpm", "tpm", "expires_at"]
 
 
@@ -313,6 +331,8 @@ def tenant_create(
     max_concurrent: str | None = LimitOpt,
     max_queued: str | None = LimitOpt,
     max_storage_bytes: str | None = LimitOpt,
+    max_stored_bytes: str | None = StoreOpt,
+    max_redis_bytes: str | None = StoreOpt,
 ) -> None:
     """Create a tenant, optionally with limits (requests/tokens per minute, tokens per day, ...)."""
     values = _limits(locals())
@@ -333,6 +353,8 @@ def tenant_update(
     max_concurrent: str | None = LimitOpt,
     max_queued: str | None = LimitOpt,
     max_storage_bytes: str | None = LimitOpt,
+    max_stored_bytes: str | None = StoreOpt,
+    max_redis_bytes: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Change a tenant's weight or limits ('none' clears a limit)."""

@@ -15,6 +15,10 @@ is shared too: workers/attempt.py compiles one `LLMatcher` per job and gives eac
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,8 +281,71 @@ def build(*, limits: Limits = DEFAULT_LIMITS, **constraint: Any) -> str | None:
     return None if given is None else compiled(*given)
 
 
+class Cache:
+    """Compiled constraints (and refusals) by the constraint's canonical text, least recently used
+    dropped past `entries`: a batch's 50k lines that carry one schema compile it once, not 50k times
+    (core/batches/ingest.py holds one per validation). The grammar does not depend on the model: an
+    llguidance grammar is bound to a tokenizer only when a worker builds its matcher."""
+
+    def __init__(self, entries: int = 256) -> None:
+        self.entries = entries
+        self.held: OrderedDict[str, str | ConstraintError] = OrderedDict()
+
+    @staticmethod
+    def key(param: str, value: Any) -> str | None:
+        # Keys keep their order: a JSON schema's property order is the order its grammar emits them in.
+        try:
+            return param + "\0" + json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError):
+            return None
+
+    def get(self, key: str) -> str | ConstraintError | None:
+        hit = self.held.get(key)
+        if hit is not None:
+            self.held.move_to_end(key)
+        return hit
+
+    def put(self, key: str, out: str | ConstraintError) -> None:
+        self.held[key] = out
+        while len(self.held) > self.entries:
+            self.held.popitem(last=False)
+
+
+_cache: ContextVar[Cache | None] = ContextVar("spool_constraint_cache", default=None)
+
+
+@contextmanager
+def caching(cache: Cache) -> Iterator[Cache]:
+    """`compiled` answers from `cache` inside the block (this thread's context only)."""
+    token = _cache.set(cache)
+    try:
+        yield cache
+    finally:
+        _cache.reset(token)
+
+
 def compiled(param: str, value: Any) -> str:
-    """The llguidance grammar of one constraint that `check` passed, as it returned it (parameter, value)."""
+    """The llguidance grammar of one constraint that `check` passed, as it returned it (parameter, value);
+    from the `caching` block's cache when there is one."""
+    cache = _cache.get()
+    key = None if cache is None else Cache.key(param, value)
+    if cache is None or key is None:
+        return _compile(param, value)
+    hit = cache.get(key)
+    if isinstance(hit, ConstraintError):
+        raise ConstraintError(hit.param, str(hit))  # a fresh one each time: never the cached one's traceback
+    if hit is not None:
+        return hit
+    try:
+        out = _compile(param, value)
+    except ConstraintError as exc:
+        cache.put(key, ConstraintError(exc.param, str(exc)))  # without the frames the raised one holds
+        raise
+    cache.put(key, out)
+    return out
+
+
+def _compile(param: str, value: Any) -> str:
     try:
         # Every string of the value must be encodable: a lone surrogate ("\ud800") cannot cross into
         # llguidance's Rust strings, and json.dumps' ASCII escapes would otherwise smuggle one through.

@@ -53,3 +53,9 @@ STORED_REDIS = Gauge(
     "Bytes a tenant's ended jobs hold in Redis (streams and marks), counted as they end (an upper bound)",
     ["tenant"],
 )
+STORED = Gauge(
+    "spool_tenant_stored_bytes",
+    "Bytes a tenant stores, per store: jobs (its jobs' and batches' rows in Postgres), files (its uploads), "
+    "redis (what its ended jobs hold there)",
+    ["tenant", "store"],
+)

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Index,
     Integer,
     LargeBinary,
+    SmallInteger,
     String,
     func,
     text,
@@ -45,6 +46,10 @@ class Tenant(Base):
     max_concurrent: Mapped[int | None] = mapped_column(Integer)  # jobs dispatched or running at once
     max_queued: Mapped[int | None] = mapped_column(Integer)  # jobs not yet finished
     max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger)  # uploads kept; NULL: the deployment's
+    # Bytes its jobs' and batches' rows may store (`tenant_stored`), and its ended jobs may hold in Redis
+    # (core/tenancy/usage.py); NULL: the deployment's default, 0: no limit.
+    max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    max_redis_bytes: Mapped[int | None] = mapped_column(BigInteger)
     # Signs this tenant's webhooks (Standard Webhooks `whsec_...`); made on first use, rotatable.
     webhook_secret: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
@@ -112,6 +117,10 @@ class Job(Base):
     # row tells whether a continuation may expand it. 0 on other jobs.
     chain_links: Mapped[int] = mapped_column(Integer, server_default="0")
     chain_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # What this row stores (request and result, as JSON text bytes), written by triggers on every
+    # insert and on every write of its result, usage, error or chat (migration 0014), and added to its
+    # tenant's `tenant_stored` by the same statement.
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
     request_id: Mapped[str | None] = mapped_column(String(128))  # the x-request-id that created it
     user: Mapped[str | None] = mapped_column(String(256))
     # JSON, not JSONB: a result holds whatever text the model generated or echoed, a NUL character
@@ -120,6 +129,12 @@ class Job(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # Where each delta entry of the job's stream left its choice (core/infra/streams.py `marks_of`: a
+    # compact string, ~12-16 bytes a delta), written by the ending: a resume from any event id is
+    # placed in the row's text for as long as the row exists, not only while the ended stream lives.
+    # NULL: the job streamed nothing (or ended before this column). Deferred: only a reader resuming
+    # after the stream has expired needs it (`transitions.get_for_tenant` loads it).
+    marks: Mapped[str | None] = mapped_column(JSONB(none_as_null=True), deferred=True)
     worker: Mapped[str | None] = mapped_column(String(256))
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
@@ -213,6 +228,19 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")  # as jobs' (migration 0014)
+
+
+class TenantStored(Base):
+    """Each tenant's stored bytes in `jobs` and `batches`, kept by those tables' triggers (migration
+    0014) in a few slots per tenant (a backend adds to its own: no one hot row); the total is the sum.
+    No foreign key: a tenant's cascade delete runs its jobs' delete trigger, which writes here."""
+
+    __tablename__ = "tenant_stored"
+
+    tenant_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    slot: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class IdempotencyKey(Base):

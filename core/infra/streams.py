@@ -58,8 +58,8 @@ def _payload_or_none(fields: dict[Any, Any]) -> str | None:
 
 
 def marks_key(job_id: str) -> str:
-    """Where each delta entry of an ended job's stream left its choice (`_SEAL`): a resume from an
-    entry id placed without reading the stream. Lives as long as the ended stream it describes."""
+    """Where Spool once kept an ended job's marks in Redis (they are on its row now, `marks_of`):
+    read only as a fallback, for a job ended before that; nothing writes it any more."""
     return f"job:{job_id}:marks"
 
 
@@ -85,53 +85,23 @@ def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) ->
 # job's (Postgres answers afterwards). A job that never wrote one (cancelled or expired while queued,
 # failed before its first token) gets none now: its readers hear its row at their next silence
 # (core/jobs/stream.py), and a 50k-line batch that expires puts nothing into Redis (a one-entry
-# stream was ~4.8 KB, Redis preallocating its first listpack). Once per job (no terminal event
-# there yet), each delta entry's mark is kept beside it, for as long as the stream:
-# `seq,choice,chars,scores,prefix,finish` (its position, its choice, how many characters and scores
-# it carried, whether it carried the echoed prompt, a finish_reason), `;`-separated: a resume from an
-# entry id is placed by one GET instead of reading and decoding the stream. Characters are counted
-# as Python counts them (code points: the UTF-8 bytes that do not continue a character). An entry
-# that is not a delta (or not ours) has no mark. The job's fence goes with them (a stale attempt
-# that finds the stream gone asks Postgres whether it still owns the job: workers/attempt.py). What
-# the stream, its marks and fence then hold is added to the tenant's count in this window's hash
-# (`redis_keys.stored_bytes`), measured by MEMORY USAGE.
-# KEYS: stream, marks, the window's hash, fence; ARGV: ended ttl, tenant, the hash's ttl, the payloads.
+# stream was ~4.8 KB, Redis preallocating its first listpack). The job's fence goes with the stream
+# (a stale attempt that finds the stream gone asks Postgres whether it still owns the job:
+# workers/attempt.py). Its marks are not kept here: the ending wrote them on the job's row
+# (`marks_of`). What the stream and fence then hold is added to the tenant's count in this window's
+# hash (`redis_keys.stored_bytes`), measured by MEMORY USAGE, once per job (no terminal event there yet).
+# KEYS: stream, the window's hash, fence; ARGV: ended ttl, tenant, the hash's ttl, the payloads.
 _SEAL = r"""
-local stream, marks, stored, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local stream, stored, fence = KEYS[1], KEYS[2], KEYS[3]
 redis.call('EXPIRE', fence, ARGV[1])
 local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
 if #top == 0 then return {} end
 local first = string.sub(top[1][1], 1, 2) == '0-'
-local out = {}
-if first then
-  for _, e in ipairs(redis.call('XRANGE', stream, '-', '0-18446744073709551615')) do
-    local f, p = e[2], nil
-    for i = 1, #f, 2 do if f[i] == 'e' then p = f[i + 1] end end
-    p = p or ''
-    -- Only the head is decoded (its fields up to the text; the scores after it are most of the
-    -- bytes): a quote inside a JSON string is escaped, so these field names match only as fields.
-    local cut = string.find(p, ',"token_ids":', 1, true)
-    local ok, d = pcall(cjson.decode, cut and (string.sub(p, 1, cut - 1) .. '}') or p)
-    if ok and type(d) == 'table' and d.type == 'delta' and type(d.text) == 'string' then
-      local _, cont = string.gsub(d.text, '[\128-\191]', '')
-      local s = 0
-      local at = string.find(p, ',"scores":[', 1, true)
-      if at then _, s = string.gsub(string.sub(p, at), '"offset":', '') end
-      local pre = string.find(p, ',"prefix_len":', 1, true) and 1 or 0
-      local fin = string.find(p, ',"finish_reason":"', 1, true) and 1 or 0
-      local seq = string.match(e[1], '^0%-(%d+)$')
-      out[#out + 1] = table.concat({seq, tostring(d.choice or 0), #d.text - cont, s, pre, fin}, ',')
-    end
-  end
-  if #out > 0 then redis.call('SET', marks, table.concat(out, ';'), 'EX', ARGV[1]) end
-end
 local ids = {}
 for i = 4, #ARGV do ids[#ids + 1] = redis.call('XADD', stream, '*', 'e', ARGV[i]) end
 redis.call('EXPIRE', stream, ARGV[1])
 if first then
-  local n = redis.call('MEMORY', 'USAGE', stream) or 0
-  if #out > 0 then n = n + (redis.call('MEMORY', 'USAGE', marks) or 0) end
-  n = n + (redis.call('MEMORY', 'USAGE', fence) or 0)
+  local n = (redis.call('MEMORY', 'USAGE', stream) or 0) + (redis.call('MEMORY', 'USAGE', fence) or 0)
   redis.call('HINCRBY', stored, ARGV[2], n)
   redis.call('EXPIRE', stored, ARGV[3])
 end
@@ -150,7 +120,7 @@ def stored_window(ended_ttl_s: int, now: float | None = None) -> int:
 
 def queue_end(pipe: Any, job_id: str, tenant_id: int, payloads: Sequence[str], ended_ttl_s: int) -> None:
     """Queue a job's end (its terminal event) on a redis-py pipeline: appended to its stream if it
-    wrote one (nothing at all otherwise), the stream and its marks kept `ended_ttl_s`, their bytes
+    wrote one (nothing at all otherwise), the stream and its fence kept `ended_ttl_s`, their bytes
     counted to the tenant (see `_SEAL`). A NOSCRIPT would only surface at `execute`: the script is
     loaded first in the same pipeline, once however many jobs' ends it carries (a batch's expired
     lines), and then called by its digest."""
@@ -158,15 +128,59 @@ def queue_end(pipe: Any, job_id: str, tenant_id: int, payloads: Sequence[str], e
         pipe.script_load(_SEAL)
         pipe._spool_seal_loaded = True
     stored = redis_keys.stored_bytes(stored_window(ended_ttl_s))
-    keys = (stream_key(job_id), marks_key(job_id), stored, fence_key(job_id))
-    pipe.evalsha(_SEAL_SHA, 4, *keys, ended_ttl_s, tenant_id, 2 * ended_ttl_s + 60, *payloads)
+    keys = (stream_key(job_id), stored, fence_key(job_id))
+    pipe.evalsha(_SEAL_SHA, 3, *keys, ended_ttl_s, tenant_id, 2 * ended_ttl_s + 60, *payloads)
+
+
+# Where each delta entry of a job's stream left its choice, read by the job's ending just before its
+# statement and kept on the job's row (`jobs.marks`, core/jobs/lifecycle.py): with them an entry id
+# still names a place in the row's text once the ended stream has expired, so a resume from it
+# neither repeats nor skips (core/jobs/stream.py), for as long as the row exists. One mark per delta:
+# `seq,choice,chars,scores,prefix,finish` (its position, its choice, how many characters and scores
+# it carried, whether it carried the echoed prompt, a finish_reason), `;`-separated, ~12-16 bytes a
+# delta. Computed here, in Redis, so the ending reads a few bytes a delta rather than the stream (most
+# of whose bytes are scores). Characters are counted as Python counts them (code points: the UTF-8
+# bytes that do not continue a character). An entry that is not a delta (or not ours), or a terminal
+# event (a time-based id), has no mark. Read-only. KEYS: stream. Returns '' when there is none.
+_MARKS = r"""
+local out = {}
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '0-18446744073709551615')) do
+  local f, p = e[2], nil
+  for i = 1, #f, 2 do if f[i] == 'e' then p = f[i + 1] end end
+  p = p or ''
+  -- Only the head is decoded (its fields up to the text; the scores after it are most of the
+  -- bytes): a quote inside a JSON string is escaped, so these field names match only as fields.
+  local cut = string.find(p, ',"token_ids":', 1, true)
+  local ok, d = pcall(cjson.decode, cut and (string.sub(p, 1, cut - 1) .. '}') or p)
+  if ok and type(d) == 'table' and d.type == 'delta' and type(d.text) == 'string' then
+    local _, cont = string.gsub(d.text, '[\128-\191]', '')
+    local s = 0
+    local at = string.find(p, ',"scores":[', 1, true)
+    if at then _, s = string.gsub(string.sub(p, at), '"offset":', '') end
+    local pre = string.find(p, ',"prefix_len":', 1, true) and 1 or 0
+    local fin = string.find(p, ',"finish_reason":"', 1, true) and 1 or 0
+    local seq = string.match(e[1], '^0%-(%d+)$')
+    out[#out + 1] = table.concat({seq, tostring(d.choice or 0), #d.text - cont, s, pre, fin}, ',')
+  end
+end
+return table.concat(out, ';')
+"""
+
+_MARKS_OF = Lua(_MARKS)
+
+
+def marks_of(redis: Any, job_id: str) -> str | None:
+    """The marks of the job's stream as it stands (sync client; see `_MARKS`), None when it holds no
+    delta (or is gone): what its ending keeps on its row. `parse_marks` reads them."""
+    raw = _MARKS_OF(redis, [stream_key(job_id)])
+    return _text(raw) or None
 
 
 Mark = tuple[int, int, int, int, bool, bool]  # position, choice, characters, scores, echoed prompt, finish
 
 
 def parse_marks(raw: Any) -> list[Mark]:
-    """The marks `queue_end` kept, in stream order."""
+    """The marks `marks_of` read (the job row's, or an older Spool's in Redis), in stream order."""
     out: list[Mark] = []
     for part in _text(raw).split(";"):
         if part:
@@ -432,7 +446,8 @@ class Reader(Protocol):
         ...
 
     async def marks(self, job_id: str) -> list[Mark] | None:
-        """The marks of an ended job's entries (`queue_end`), None when none were kept."""
+        """The marks an older Spool kept in Redis for an ended job (`marks_key`), None when there are
+        none: the job's row holds them now (`marks_of`), and is asked first."""
         ...
 
     async def entries_upto(self, job_id: str, last_id: str) -> list[tuple[str, str]]:

@@ -5,8 +5,10 @@ enqueue, is core/jobs/submit.py's).
 the tenant's usage row in one transaction; then the rate-limit reservation settled (the real
 usage, or nothing for a job that produced nothing billable); then the terminal event that wakes
 every reader of the job's stream (a job that never wrote one leaves nothing in Redis: its readers
-hear the row at their next silence). Whoever wins the transition does them; whoever loses (a late
-worker, a second cancel, the reaper racing a finishing worker) does nothing.
+hear the row at their next silence). The marks of the job's stream (where each entry left off, so a
+resume from any event id is placed in the row's text once the stream has expired) are read just
+before the transition and written by it, on the row (`_marks`). Whoever wins the transition does
+them; whoever loses (a late worker, a second cancel, the reaper racing a finishing worker) does nothing.
 
 The worker, the dispatcher and the API all end jobs through `Lifecycle` (the API from a thread:
 one implementation beats a sync and an async copy that drift apart).
@@ -180,6 +182,23 @@ class Lifecycle:
 
             self._while_redis_away(once, f"{len(chunk)} jobs")
 
+    def _marks(self, job_id: str, strict: bool = False) -> str | None:
+        """The marks of the job's stream as it stands (`streams.marks_of`: a few bytes a delta), for
+        the ending about to be written: its row keeps them for as long as it exists, and nothing of
+        the ended job outlives its stream in Redis. Read before the statement, whose compare-and-set
+        may still lose (a wasted read, nothing written). Redis away: None, the ending goes on (a
+        resume from an id after the stream expired is then refused as expired), unless `strict`
+        (the caller retries the whole ending later)."""
+        try:
+            return streams.marks_of(self.redis, job_id)
+        except transient.REDIS:
+            if strict:
+                raise
+            log.warning("could not read %s's stream marks: its row keeps none", job_id, exc_info=True)
+        except redis.exceptions.ResponseError:  # its key is not a stream (written by hand)
+            log.warning("%s's stream could not be marked", job_id, exc_info=True)
+        return None
+
     def _while_redis_away(self, fn: Callable[[], None], what: str) -> None:
         def gave_up(_exc: Exception) -> None:
             log.warning("%s ended but Redis stayed away: the end is in Postgres only", what)
@@ -229,6 +248,9 @@ class Lifecycle:
         deltas = self._deltas(job.id)
         u = self.produced(job, deltas)
         transitions.keep_cancelled(job, u.model_dump(mode="json"), partial_result(deltas))
+        # Read after the deltas: marks a worker's late append adds cover text the row lacks, which a
+        # resume from them simply finds delivered. A job no worker claimed wrote no stream.
+        transitions.keep_marks(job, self._marks(job.id) if job.started_at is not None else None)
         return u
 
     def delivered(self, job: Any) -> Usage:
@@ -271,7 +293,8 @@ class Lifecycle:
 
     def succeed(self, job: Job | Claimed, result: JobResult, u: Usage, engine_s: float) -> bool:
         stored = result.model_dump(mode="json")
-        _, params = transitions.succeed(job.id, job.attempt, stored, u.model_dump(mode="json"))
+        marks = self._marks(job.id)
+        _, params = transitions.succeed(job.id, job.attempt, stored, u.model_dump(mode="json"), marks)
         done = Done(attempt=job.attempt, usage=u, result=inline_result(result, stored))
         row = self._end_billed(SUCCEED, params, Ending.succeeded, done, u, engine_s)
         if row is not None:
@@ -285,7 +308,9 @@ class Lifecycle:
         """A queued job that must never start (the dispatcher's batch line over its tenant's daily
         tokens): failed like every ending (usage row, settle, terminal event). False if it was no
         longer queued."""
-        stmt = transitions.fail_queued(job_id, attempt, error.model_dump(mode="json"))
+        # Only an earlier attempt (requeued) can have streamed: a first one never ran.
+        marks = self._marks(job_id) if attempt > 1 else None
+        stmt = transitions.fail_queued(job_id, attempt, error.model_dump(mode="json"), marks)
         return self._end(stmt, Ending.failed, Failed(attempt=attempt, error=error)) is not None
 
     def fail(self, job: Job | Claimed, error: ErrorInfo, u: Usage | None = None, engine_s: float = 0.0) -> bool:
@@ -293,7 +318,7 @@ class Lifecycle:
         if u is None:
             u = self.delivered(job)
         error = _storable_error(error)
-        _, params = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"))
+        _, params = transitions.fail(job.id, job.attempt, error.model_dump(mode="json"), self._marks(job.id))
         ev = Failed(attempt=job.attempt, error=error)
         return self._end_billed(FAIL, params, Ending.failed, ev, u, engine_s) is not None
 
@@ -323,6 +348,8 @@ class Lifecycle:
             failed = s.execute(transitions.fail_lapsed(n, err.model_dump(mode="json"))).scalars().all()
             try:
                 billed = [(row, self.delivered(row)) for row in failed]
+                for row in failed:
+                    transitions.keep_marks(row, self._marks(row.id, strict=True))
             except transient.REDIS:
                 log.warning("Redis away: %d lapsed jobs are failed on a later pass", len(failed))
                 s.rollback()

@@ -29,7 +29,7 @@ from core.infra.orm import Job
 from core.infra.transient import DATABASE
 from core.jobs import transitions
 from core.jobs.service import Completions, Created, check_model, forgotten
-from core.jobs.stream import HEARTBEAT, Ended, follow_batches
+from core.jobs.stream import HEARTBEAT, Ended, follow_batches, row_marks
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponseChat, ResponsesRequest
@@ -278,7 +278,7 @@ class Responses(Completions):
         if row is not None:
             async with gate():
                 if not await _has_stream(reader, job.id):
-                    marks = await reader.marks(job.id)
+                    marks = row_marks(row) or await reader.marks(job.id)  # the row's; an older Spool's in Redis
                     rebuilt = await threads.run("prepare", lambda: render_all(_rebuilt(row, marks)))
                     yield Batch(rebuilt, heavy=True)
                     return

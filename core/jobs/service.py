@@ -38,9 +38,10 @@ from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import chat_to_generation, compile_constraint, reservation, to_generation
 from core.registry import chat_template_for, resolve, settings_for
 from core.states import JobState
-from core.tenancy import ratelimit
+from core.tenancy import quota, ratelimit
 from core.tenancy.admission import REQUEST_TAKEN, admit, precheck, refusal, take_request
 from core.tenancy.keys import Principal
+from core.tenancy.quota import Quotas
 
 LIVE_CACHE_S = 1.0
 
@@ -104,6 +105,7 @@ class Completions:
     ) -> None:
         self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
         self.submit, self.tokenizers = Submitter(sessions, send), tokenizers
+        self.quotas = Quotas(sessions, rds, settings)
         self._warm: set[str] = set()  # models whose tokenizer this process has loaded
         self._live_until: dict[str, float] = {}  # model -> until when a live worker was last seen
 
@@ -177,17 +179,19 @@ class Completions:
         await precheck(rds, principal, prompt_floor(body))
         constrained = body.constrained()
         if small and body.model in self._warm and not constrained:
-            tok, ms, (params, prompts, chat) = self._prepare(body)
+            tok, ms, (params, prompts, chat, stored, need) = self._stored_form(body)
         else:
-            tok, ms, (params, prompts, chat) = await threads.run("prepare", self._prepare, body)
+            tok, ms, (params, prompts, chat, stored, need) = await threads.run("prepare", self._stored_form, body)
             self._warm.add(body.model)  # its tokenizer is loaded: the next small request may stay on the loop
         tenant = principal.tenant
+        # The tenant's stored bytes (and Redis bytes) before its rate limits: nothing is stored or taken.
+        await self.quotas.check(tenant, need)
         job = transitions.new_job(
             tenant_id=tenant.id,
             key_id=principal.key.id,
             model=body.model,
-            params=params.to_json(),
-            prompts=[p.to_json() for p in prompts],
+            params=stored[0],
+            prompts=stored[1],
             stream=bool(body.stream),
             user=body.user,
             priority=body.priority or 0,
@@ -215,6 +219,14 @@ class Completions:
         tok = self.tokenizers(body.model)
         ms = settings_for(body.model, self.settings)
         return tok, ms, translate(body, ms, tok, compile=False)
+
+    def _stored_form(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[Tokenizer, Settings, Any]:
+        """`_prepare`, then the job's params and prompts as they will be stored and the bytes the job
+        stores (for the tenant's stored-bytes quota): serialized in the same hop, never on the loop
+        for a large body."""
+        tok, ms, (params, prompts, chat) = self._prepare(body)
+        stored = (params.to_json(), [p.to_json() for p in prompts])
+        return tok, ms, (params, prompts, chat, stored, quota.json_bytes(*stored, chat))
 
     async def get(self, job_id: str, tenant_id: int, *, without_result: bool = False) -> Job | None:
         query = transitions.get_for_tenant(job_id, tenant_id, without_result=without_result)

@@ -4,8 +4,8 @@ Every id a reader is given names a place it can resume from (`Last-Event-ID`), w
 
 - `0-<n>`: the stream's n-th entry (a delta; core/infra/streams.py numbers them). After it comes
   what the stream holds after it; once the stream is gone (an ended job's lives only minutes), what
-  the job row holds after the text its first n entries carried, found from the marks kept when the
-  job ended (`streams.queue_end`), or from the stream itself while it is there.
+  the job row holds after the text its first n entries carried, found from the marks its row kept
+  when the job ended (`Job.marks`, `streams.marks_of`), or from the stream itself while it is there.
 - `<ms>-<s>` with 0 < ms < `streams.ROW_MS`: a terminal event's (time-based, above every position).
   Only the end (`[DONE]`) is left after it.
 - `<ROW_MS + n>-<k>`: an answer the row gave after the stream's first n entries, through its k-th
@@ -13,11 +13,11 @@ Every id a reader is given names a place it can resume from (`Last-Event-ID`), w
   come that answer's events from the (k+1)-th on. Rebuilt the same way every time: the row of an
   ended job does not change.
 
-A place the server can no longer find (its marks expired with the stream, `ended_events_ttl_s`
-after the job ended, or an id it never gave) is answered with an error event, never by repeating the
-answer. A job that never ran (cancelled or expired while queued, failed before its first token)
-wrote no stream at all: its row answers, at once for a reader that knew it had ended, at the first
-silence for one that was already following it.
+A place the server can no longer find (an id it never gave, or one of a job whose row kept no marks
+once its stream expired, `ended_events_ttl_s` after it ended) is answered with an error event, never
+by repeating the answer. A job that never ran (cancelled or expired while queued, failed before its
+first token) wrote no stream at all: its row answers, at once for a reader that knew it had ended, at
+the first silence for one that was already following it.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ async def _rest(
     if 0 < ms < streams.ROW_MS:
         return [(None, ENDED)]
     start, skip = (seq, 0) if ms == 0 else (ms - streams.ROW_MS, seq)
-    seen = await place(reader, job_id, start)
+    seen = await place(reader, job_id, start, row_marks(row) if start else None)
     if seen is None:
         return [(None, _unplaceable(last_id))]
     for choice, counts in live.items():
@@ -226,11 +226,19 @@ async def _rest(
     return [(f"{streams.ROW_MS + after}-{k}", ev) for k, ev in enumerate(rebuilt, 1) if ev is not None and k > skip]
 
 
-async def place(reader: streams.Reader, job_id: str, n: int) -> Seen | None:
-    """What the stream's first n entries carried, per choice; None when that is no longer known."""
+def row_marks(row: Any) -> list[streams.Mark] | None:
+    """The marks an ended job's row kept (`Job.marks`), None when it has none (it streamed nothing,
+    or ended before rows kept them: an older Spool kept them in Redis, `Reader.marks`)."""
+    raw = getattr(row, "marks", None)
+    return streams.parse_marks(raw) if raw else None
+
+
+async def place(reader: streams.Reader, job_id: str, n: int, kept: list[streams.Mark] | None = None) -> Seen | None:
+    """What the stream's first n entries carried, per choice; None when that is no longer known.
+    `kept`: the row's marks (`row_marks`), asked before Redis."""
     if n == 0:
         return {}
-    marks = await reader.marks(job_id)
+    marks = kept if kept is not None else await reader.marks(job_id)
     if marks is not None and (n <= max((m[0] for m in marks), default=0)):
         return _from_marks(m for m in marks if m[0] <= n)
     got = await reader.entries_upto(job_id, f"0-{n}")

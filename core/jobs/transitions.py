@@ -39,7 +39,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.orm import defer
+from sqlalchemy.orm import defer, undefer
 
 from core.infra.orm import Job
 from core.states import TERMINAL_STATES, JobKind, JobState
@@ -300,16 +300,20 @@ def _ending(to: JobState, *fields: str) -> Update:
     )
 
 
-SUCCEED = _ending(JobState.succeeded, "result", "usage")
-FAIL = _ending(JobState.failed, "error")
+# Each ending keeps the marks of the job's stream on its row (`Job.marks`, read by the ending just
+# before it: core/jobs/lifecycle.py), in the same statement.
+SUCCEED = _ending(JobState.succeeded, "result", "usage", "marks")
+FAIL = _ending(JobState.failed, "error", "marks")
 
 
-def succeed(job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, Any]) -> tuple[Update, dict[str, Any]]:
-    return SUCCEED, {"b_job_id": job_id, "b_attempt": attempt, "b_result": result, "b_usage": usage}
+def succeed(
+    job_id: str, attempt: int, result: dict[str, Any], usage: dict[str, Any], marks: str | None = None
+) -> tuple[Update, dict[str, Any]]:
+    return SUCCEED, {"b_job_id": job_id, "b_attempt": attempt, "b_result": result, "b_usage": usage, "b_marks": marks}
 
 
-def fail(job_id: str, attempt: int, error: dict[str, Any]) -> tuple[Update, dict[str, Any]]:
-    return FAIL, {"b_job_id": job_id, "b_attempt": attempt, "b_error": error}
+def fail(job_id: str, attempt: int, error: dict[str, Any], marks: str | None = None) -> tuple[Update, dict[str, Any]]:
+    return FAIL, {"b_job_id": job_id, "b_attempt": attempt, "b_error": error, "b_marks": marks}
 
 
 def cancel_queued_of_tenant(tenant_id: int) -> Update:
@@ -323,14 +327,14 @@ def cancel_queued_of_tenant(tenant_id: int) -> Update:
     )
 
 
-def fail_queued(job_id: str, attempt: int, error: dict[str, Any]) -> Update:
+def fail_queued(job_id: str, attempt: int, error: dict[str, Any], marks: str | None = None) -> Update:
     """queued -> failed, before it ever ran (a batch line refused by its tenant's daily quota as it
-    dispatches). Returns `ENDED`."""
+    dispatches; `marks`: what an earlier attempt streamed, if one did). Returns `ENDED`."""
     c = _JOBS.c
     return (
         update(_JOBS)
         .where(c.id == job_id, c.state == JobState.queued.value, c.attempt == attempt)
-        .values(state=JobState.failed.value, finished_at=func.now(), lease_until=None, error=error)
+        .values(state=JobState.failed.value, finished_at=func.now(), lease_until=None, error=error, marks=marks)
         .returning(*ENDED)
     )
 
@@ -372,6 +376,14 @@ def keep_cancelled(row: Job, usage: dict[str, Any], result: dict[str, Any] | Non
     row.usage = usage
     if result is not None:
         row.result = result
+
+
+def keep_marks(row: Job, marks: str | None) -> None:
+    """The marks of a job's stream (core/infra/streams.py `marks_of`) kept on the row an ending
+    returned (`cancel`, `fail_lapsed`), in its session: written with the ending's transaction. Not a
+    state change."""
+    if marks is not None:
+        row.marks = marks
 
 
 UNENDED = (JobState.queued.value, JobState.dispatched.value, JobState.running.value)
@@ -501,7 +513,8 @@ def get_for_tenant(job_id: str, tenant_id: int, *, without_result: bool = False)
     `without_result`: all but the result, which raises if read (a stream of the job's events holds
     its row for as long as it runs and needs none of the result)."""
     query = select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
-    return query.options(defer(Job.result, raiseload=True)) if without_result else query
+    # With its result, the row may answer a resume once the stream has expired: its marks too.
+    return query.options(defer(Job.result, raiseload=True)) if without_result else query.options(undefer(Job.marks))
 
 
 def is_terminal(state: str) -> bool:

@@ -263,7 +263,17 @@ def model(name: str, model_id: str, context_length: int | None, live_workers: in
     return out
 
 
-TENANT_LIMITS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes")
+TENANT_LIMITS = (
+    "weight",
+    "rpm",
+    "tpm",
+    "tpd",
+    "max_concurrent",
+    "max_queued",
+    "max_storage_bytes",
+    "max_stored_bytes",
+    "max_redis_bytes",
+)
 
 
 class TenantRecord(Protocol):
@@ -327,6 +337,19 @@ def usage_row(row: Mapping[Any, Any]) -> dict[str, Any]:
     for k in ("requests", "failed", "prompt_tokens", "completion_tokens"):
         d[k] = int(d[k])
     return d
+
+
+def stored_bytes(counts: Mapping[str, int | None], limits: Mapping[str, int | None]) -> dict[str, Any]:
+    """A tenant's bytes per store (jobs, files, redis) and its limit on each (None: no limit)."""
+    return {
+        **{k: counts.get(k) for k in ("jobs", "files", "redis")},
+        "limits": {k: limits.get(k) or None for k in limits},
+    }
+
+
+def tenants_stored(counts: Mapping[int, Mapping[str, int | None]]) -> list[dict[str, Any]]:
+    """Every tenant's bytes per store, by tenant id."""
+    return [{"tenant_id": t, **{k: c.get(k, 0) for k in ("jobs", "files", "redis")}} for t, c in sorted(counts.items())]
 
 
 def webhook_secret(secret: str) -> dict[str, Any]:

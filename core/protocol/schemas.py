@@ -459,9 +459,33 @@ class UsageRow(_Response):
     gpu_seconds: float
 
 
+class StoreBytes(_Response):
+    """Bytes per store: `jobs` (its jobs' and batches' rows in Postgres), `files` (its uploads),
+    `redis` (what its ended jobs hold in Redis; None when Redis did not answer)."""
+
+    jobs: int | None = None
+    files: int | None = None
+    redis: int | None = None
+
+
+class StoredBytes(StoreBytes):
+    """What a tenant stores, per store, and its limits on each (None: no limit)."""
+
+    limits: StoreBytes
+
+
+class TenantStoredBytes(StoreBytes):
+    tenant_id: int
+
+
 class UsageList(_Response):
     object: Literal["list"]
     data: list[UsageRow]
+    # GET /v1/usage: the calling tenant's stored bytes (`redis_bytes`: the same as `stored_bytes.redis`).
+    redis_bytes: int | None = None
+    stored_bytes: StoredBytes | None = None
+    # GET /admin/usage: every tenant's that stores anything (or the one named by `tenant`).
+    stored: list[TenantStoredBytes] | None = None
 
 
 class WebhookSecret(_Response):
@@ -473,6 +497,8 @@ class TenantObject(_Response):
     object: Literal["tenant"]
     id: int
     name: str
+    max_stored_bytes: int | None = None  # None: the deployment's default; 0: no limit
+    max_redis_bytes: int | None = None
     weight: int | None = None
     created_at: int | None = None
 

@@ -23,11 +23,13 @@ from core.infra import redis_keys, transient
 from core.infra.orm import ApiKey, Tenant, UsageDaily
 from core.protocol.errors import from_validation
 from core.states import KeyScope
+from core.tenancy import quota
 from core.tenancy.keys import SCOPES, hash_key, new_key
 
 log = logging.getLogger(__name__)
 PosInt = Annotated[int, Field(ge=1, le=2**31 - 1)] | None  # Postgres integer columns
 BigPosInt = Annotated[int, Field(ge=1, le=2**63 - 1)] | None
+BigNonNegInt = Annotated[int, Field(ge=0, le=2**63 - 1)] | None
 T = TypeVar("T")
 
 
@@ -42,6 +44,10 @@ class TenantLimits(BaseModel):
     max_concurrent: PosInt = None
     max_queued: PosInt = None
     max_storage_bytes: BigPosInt = None  # bytes of uploaded files kept at once
+    # Bytes its jobs and batches store in Postgres, and its ended jobs hold in Redis (core/tenancy/quota.py):
+    # None, the deployment's default; 0, no limit.
+    max_stored_bytes: BigNonNegInt = None
+    max_redis_bytes: BigNonNegInt = None
 
 
 class TenantCreate(TenantLimits):
@@ -200,3 +206,9 @@ def usage(
 ) -> list[RowMapping]:
     tid = tenant(session, tenant_name).id if tenant_name else None
     return list(session.execute(usage_rows(tid, start, end, by_key)).mappings())
+
+
+def stored(session: Session, rds: redis.Redis, tenant_name: str | None, ended_ttl_s: int) -> dict[int, dict[str, Any]]:
+    """Bytes per store of every tenant that stores anything, or of the one named (core/tenancy/quota.py)."""
+    tid = tenant(session, tenant_name).id if tenant_name else None
+    return quota.all_stored(session, rds, ended_ttl_s, tid)

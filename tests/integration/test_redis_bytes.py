@@ -1,8 +1,8 @@
 """Issue 49: every ended job, a batch line that never ran included, left its marks in Redis for a day
 and a one-entry terminal stream (~4.8 KB: Redis preallocates a stream's first listpack) for minutes,
 counted against no tenant. A job that never ran now leaves nothing there (its row answers its
-readers); what a job that streamed leaves lives as long as its ended stream, and its bytes count to
-its tenant (`core/tenancy/usage.py`). Real Postgres and Redis, in-process."""
+readers); what a job that streamed leaves lives as long as its ended stream (its marks are on its
+row), and its bytes count to its tenant (`core/tenancy/usage.py`). Real Postgres and Redis, in-process."""
 
 from __future__ import annotations
 
@@ -85,11 +85,14 @@ def test_a_streamed_jobs_keys_live_as_long_as_its_stream_and_count_to_its_tenant
     t, other = factories.tenant(session), factories.tenant(session)
     lc = Lifecycle(sessions, rds, it_settings)
     j = _streamed_and_succeeded(lc, session, t, [" one", " two", " three"])
-    keys = [streams.stream_key(j.id), streams.marks_key(j.id), streams.fence_key(j.id)]
+    keys = [streams.stream_key(j.id), streams.fence_key(j.id)]
+    # The marks were kept a day, then as long as the stream: now on the job's row, nothing in Redis.
     assert _left(rds, j.id) == sorted(k.encode() for k in keys)
-    for k in keys:  # the marks were kept a day, the fence a day too
+    for k in keys:  # the fence was kept a day too
         assert 0 < rds.ttl(k) <= ttl, k
-    assert len(streams.parse_marks(rds.get(streams.marks_key(j.id)))) == 3
+    session.expire_all()
+    marks = session.get(Job, j.id).marks
+    assert [(m[0], m[2], m[5]) for m in streams.parse_marks(marks)] == [(1, 4, False), (2, 4, False), (3, 6, True)]
 
     held = sum(int(rds.memory_usage(k)) for k in keys)
     counted = usage.redis_bytes(rds, ttl)
@@ -107,7 +110,7 @@ def test_a_streamed_jobs_keys_live_as_long_as_its_stream_and_count_to_its_tenant
     counted = usage.redis_bytes(rds, ttl)
     assert counted[t.id] == held and counted[other.id] > 0
     assert asyncio.run(_one(other.id, ttl)) == counted[other.id]
-    rds.delete(*keys, streams.stream_key(j2.id), streams.marks_key(j2.id), streams.fence_key(j2.id))
+    rds.delete(*keys, streams.stream_key(j2.id), streams.fence_key(j2.id))
 
 
 async def _one(tenant_id: int, ttl: int) -> int:

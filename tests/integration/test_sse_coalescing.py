@@ -74,8 +74,9 @@ def _score(i: int) -> TokenScore:
 
 def _job(rds, job_id: str, choices: int = 1, scored: bool = False) -> tuple[SimpleNamespace, list[str]]:
     """A job that streamed `WORDS` per choice (interleaved, the last delta of each with its
-    finish_reason) and ended as the worker and Lifecycle end it: deltas by the fenced append, the
-    terminal event by `queue_end`. Returns its row and the ids its stream gave."""
+    finish_reason) and ended as the worker and Lifecycle end it: deltas by the fenced append, its
+    marks read for its row (`marks_of`), the terminal event by `queue_end`. Returns its row and the
+    ids its stream gave."""
     for key in (streams.stream_key(job_id), streams.marks_key(job_id)):
         rds.delete(key)
     streams.raise_fence(rds, job_id, 1, 60)
@@ -91,6 +92,7 @@ def _job(rds, job_id: str, choices: int = 1, scored: bool = False) -> tuple[Simp
             scores[c] += sc or []
     ids = streams.append_fenced(rds, job_id, 1, [encode(e) for e in evs], 3600, start=1)
     usage = Usage(prompt_tokens=2, completion_tokens=len(evs))
+    marks = streams.marks_of(rds, job_id)
     pipe = rds.pipeline(transaction=False)
     streams.queue_end(pipe, job_id, 1, [encode(Done(attempt=1, usage=usage))], ENDED_TTL_S)
     ids.append(pipe.execute()[-1][0].decode())
@@ -105,7 +107,7 @@ def _job(rds, job_id: str, choices: int = 1, scored: bool = False) -> tuple[Simp
             for c in range(choices)
         ]
     }
-    row = SimpleNamespace(state="succeeded", result=result, usage=usage.model_dump(), error=None)
+    row = SimpleNamespace(state="succeeded", result=result, usage=usage.model_dump(), error=None, marks=marks)
     return row, ids
 
 
@@ -167,12 +169,13 @@ def test_a_resume_after_the_last_id_gives_only_the_end_while_the_stream_is_there
     _check_every_resume("resume-live", row, 1)
 
 
-def test_the_end_shortens_the_stream_and_keeps_its_marks_as_long(rds):
-    _job(rds, "resume-ttl")
+def test_the_end_shortens_the_stream_and_its_marks_are_for_the_row(rds):
+    row, _ = _job(rds, "resume-ttl")
     assert 0 < rds.ttl(streams.stream_key("resume-ttl")) <= ENDED_TTL_S
-    # Issue 49: the marks live as long as the stream they describe (they were kept a day).
-    assert 0 < rds.ttl(streams.marks_key("resume-ttl")) <= ENDED_TTL_S
-    marks = streams.parse_marks(rds.get(streams.marks_key("resume-ttl")))
+    # Issue 49: the marks were kept in Redis a day, then as long as the stream: now on the row only.
+    assert not rds.exists(streams.marks_key("resume-ttl"))
+    assert streams.marks_of(rds, "resume-ttl") == row.marks  # the terminal event has no mark
+    marks = streams.parse_marks(row.marks)
     # Characters as Python counts them (" 日本" is 3, " 🎉!" is 3), the last with its finish.
     assert [(m[0], m[2], m[5]) for m in marks] == [(i + 1, len(w), i == len(WORDS) - 1) for i, w in enumerate(WORDS)]
 
@@ -203,7 +206,8 @@ def test_every_stream_id_resumes_exactly_from_the_row_once_the_stream_has_expire
 
 def test_a_place_no_longer_known_is_an_error_not_a_repeat(rds):
     row, ids = _job(rds, "resume-lost")
-    rds.delete(streams.stream_key("resume-lost"), streams.marks_key("resume-lost"))
+    rds.delete(streams.stream_key("resume-lost"))
+    row.marks = None  # a row that kept none (its end could not read the stream)
     rest = _read_all("resume-lost", row, ids[2])
     assert len(rest) == 1 and isinstance(rest[0][1], Failed) and rest[0][1].error.code == "resume_expired"
     assert _texts(_read_all("resume-lost", row)) == {0: "".join(WORDS)}  # from the start: the whole row

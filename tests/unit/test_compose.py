@@ -61,6 +61,7 @@ COMPOSE_VARS = {"SPOOL_REGISTRY", "SPOOL_MODEL_DIR", "SPOOL_PORT", "SPOOL_CPU_MO
 COMPOSE_VARS |= {"SPOOL_GPU_WORKER_CONCURRENCY"}
 # Read by the `spool` client commands (typer envvar=) and the scripts, not by the service.
 CLI_VARS = {"SPOOL_URL", "SPOOL_API_KEY", "SPOOL_KEY", "SPOOL_EXTRAS", "SPOOL_SKIP_EVAL", "SPOOL_WHEEL_CACHE"}
+CLI_VARS |= {"SPOOL_CUDA_DRY_RUN", "SPOOL_TORCH_INDEX"}  # ops/docker/cuda-install.sh, ops/test.sh
 
 
 def test_every_spool_variable_compose_passes_is_a_setting():
@@ -80,8 +81,9 @@ def test_every_variable_compose_interpolates_is_documented_in_env_example_or_a_s
 
 
 def test_script_variables_are_read_by_the_scripts():
-    scripts = "".join((ROOT / "ops" / f).read_text() for f in ("bootstrap.sh", "test.sh", "llama_wheel.sh"))
-    for var in ("SPOOL_EXTRAS", "SPOOL_SKIP_EVAL", "SPOOL_WHEEL_CACHE"):
+    names = ("bootstrap.sh", "test.sh", "llama_wheel.sh", "docker/cuda-install.sh")
+    scripts = "".join((ROOT / "ops" / f).read_text() for f in names)
+    for var in ("SPOOL_EXTRAS", "SPOOL_SKIP_EVAL", "SPOOL_WHEEL_CACHE", "SPOOL_CUDA_DRY_RUN", "SPOOL_TORCH_INDEX"):
         assert var in scripts, var
 
 
