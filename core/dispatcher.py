@@ -36,6 +36,7 @@ from core.states import JobKind, JobState
 from core.tenancy import admission, quota
 
 log = logging.getLogger(__name__)
+STORED_GAUGES_S = 30.0  # how stale the per-tenant stored-bytes gauges may be
 
 WAKE_COALESCE_S = 0.05
 
@@ -46,6 +47,7 @@ class Dispatcher:
         self.scheduler = FairScheduler()
         self.lifecycle = Lifecycle(sessions, rds, settings)
         self._next_sweep = 0.0
+        self._next_stored = 0.0  # the stored-bytes gauges: read once every STORED_GAUGES_S
         self._next_upkeep = 0.0
         self.batches_pending = False  # the last batch pass stopped at a full slice
         self.batch_rotation = batches.Rotation()  # where each tenant's last keeper pass stopped
@@ -200,6 +202,9 @@ class Dispatcher:
         self.batches_pending = done.more
         with self.sessions() as session:
             self._gauges(session, scan=bool(unended))
+            if time.monotonic() >= self._next_stored:  # a few rows a tenant: not worth a probe's every pass
+                self._next_stored = time.monotonic() + STORED_GAUGES_S
+                self.stored_gauges(session)
         # Webhooks leave from a Celery task: a slow receiver never holds this loop up.
         due = []
         if hooks:
@@ -296,7 +301,9 @@ class Dispatcher:
             OLDEST.labels(model, kind).set(now - oldest.timestamp() if oldest is not None else 0)
         for model in self.settings.model_ids:
             LIVE_WORKERS.labels(model).set(len(workers.live(self.rds, model)))
-        # Each tenant's bytes per store: a few rows per tenant (core/tenancy/quota.py), never a scan of jobs.
+
+    def stored_gauges(self, session: Session) -> None:
+        """Each tenant's bytes per store: a few rows per tenant (core/tenancy/quota.py), never a scan of jobs."""
         held = quota.all_stored(session, self.rds, self.settings.ended_events_ttl_s)
         for tenant in self._stored_tenants - held.keys():  # it stores nothing any more
             STORED_REDIS.labels(str(tenant)).set(0)

@@ -40,6 +40,7 @@ def dispatcher(own, rds: redis_lib.Redis, it_settings: Settings) -> Dispatcher:
     d = Dispatcher(own[0], rds, rds, it_settings.model_copy(update={"models": "idle-model"}))
     d._send = lambda _s, rows: len(rows)  # type: ignore[method-assign]  # what would go to Celery
     d._next_sweep = math.inf  # the retention sweep (once a minute) is not part of a pass
+    d._next_stored = math.inf  # nor the stored-bytes gauges (every 30 s)
     return d
 
 

@@ -296,7 +296,7 @@ def test_usage_and_metrics_show_each_store(session, sessions, rds, it_settings, 
 
     # /metrics: the dispatcher's periodic pass sets a gauge per tenant and store.
     with sessions() as s:  # the keeper's gauge pass alone (`keep_batches` also advances batches, sweeps)
-        Dispatcher(sessions, rds, rds, it_settings)._gauges(s)
+        Dispatcher(sessions, rds, rds, it_settings).stored_gauges(s)
     metrics = generate_latest(REGISTRY).decode()
     for store, n in (("jobs", jobs), ("files", 1234), ("redis", redis)):
         line = f'spool_tenant_stored_bytes{{store="{store}",tenant="{t.id}"}} {float(n)}'
