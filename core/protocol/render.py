@@ -542,6 +542,12 @@ def _message(job: JobRecord, index: int, text: str, finish: str | None) -> tuple
     return message, finish
 
 
+def service_tier(job: JobRecord) -> str:
+    """The tier that served the job, which every chat completion, chunk and response echoes:
+    `default` for every job until tiers are scheduled (sdk_params: `service_tier`)."""
+    return "default"
+
+
 def chat_completion(job: JobRecord, fingerprint: str) -> dict[str, Any]:
     """A finished chat job as OpenAI's `chat.completion` object."""
     k = (job.chat or {}).get("top_logprobs")
@@ -550,7 +556,7 @@ def chat_completion(job: JobRecord, fingerprint: str) -> dict[str, Any]:
         message, finish = _message(job, c.index, c.text, c.finish_reason)
         lp = chat_logprobs(list(c.scores or []), k) if k is not None and c.scores is not None else None
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
-    return _finished(job, fingerprint, "chat.completion", choices)
+    return {**_finished(job, fingerprint, "chat.completion", choices), "service_tier": service_tier(job)}
 
 
 def response(job: JobRecord, fingerprint: str) -> dict[str, Any]:
@@ -598,6 +604,7 @@ class ChatChunks(CompletionChunks):
     def __init__(self, j: JobRecord, include_usage: bool, fingerprint: str) -> None:
         super().__init__(j, include_usage, fingerprint)
         self.base["object"] = "chat.completion.chunk"
+        self.base["service_tier"] = service_tier(j)
         self.job = j
         self.k = (j.chat or {}).get("top_logprobs")
         self.tools = bool((j.chat or {}).get("tools"))
@@ -818,7 +825,7 @@ def response_object(
         "prompt_cache_key": m.get("prompt_cache_key"),
         "reasoning": {"effort": None, "summary": None},
         "safety_identifier": m.get("safety_identifier"),
-        "service_tier": m.get("service_tier", "default"),
+        "service_tier": service_tier(job),
         "store": m.get("store", True),
         "temperature": m.get("temperature"),
         "text": m.get("text") or {"format": {"type": "text"}},

@@ -22,12 +22,20 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from core.errors import DomainError, invalid
 from core.generation.events import Cancelled, Delta, Done, Event, Failed, error_of, usage_of
-from core.protocol import render
+from core.protocol import render, sdk_params
 from core.protocol.errors import from_validation
 from core.protocol.render import JOB_PREFIX, RESPONSE_PREFIX
 from core.protocol.render import response_item_id as _item_id
 from core.protocol.render import response_meta as meta_of
-from core.protocol.schemas import ChatCompletionRequest, Float, Int, metadata_problem
+from core.protocol.schemas import (
+    ChatCompletionRequest,
+    Float,
+    Int,
+    Moderation,
+    ServiceTier,
+    metadata_problem,
+)
+from core.protocol.schemas import PromptCacheOptions as _ChatPromptCacheOptions
 from core.states import JobState
 
 # The most items one request's `input` may hold.
@@ -47,6 +55,29 @@ def job_id_of(resp_id: str) -> str | None:
 # -- the request -----------------------------------------------------------------------------------
 
 _ShortStr = Annotated[str, Field(max_length=256)]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class PromptCacheOptions(_ChatPromptCacheOptions):
+    ttl: Literal["30m", "12h"] | None = None  # type: ignore[assignment]
+    comparison_response_id: _ShortStr | None = None
+    prewarm: bool | None = None  # true is refused (`_check`)
+
+
+class BackgroundOptions(_Part):
+    completion_window: Literal["soonest", "2h", "8h"] | None = None
+    continuation_id: _ShortStr | None = None
+
+
+class AccessPrograms(_Part):
+    cyber: Literal["standard", "daybreak_blue", "daybreak_red"] | None = None
+
+
+class ImageOptions(_Part):
+    context_compression: Literal["auto", "enabled", "disabled"] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -75,11 +106,18 @@ class ResponsesRequest(BaseModel):
     user: _ShortStr | None = None
     safety_identifier: _ShortStr | None = None
     prompt_cache_key: _ShortStr | None = None
-    service_tier: _ShortStr | None = None
+    service_tier: ServiceTier | None = None
     reasoning: dict[str, Any] | None = None
     max_tool_calls: Annotated[Int, Field(ge=1)] | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
+    # Accepted with no effect here (sdk_params.RESPONSES says why), validated as OpenAI does
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    moderation: Moderation | None = None
+    background_options: BackgroundOptions | None = None
+    access_programs: AccessPrograms | None = None
+    image: ImageOptions | None = None
 
 
 # Fields of chat a Responses body may also carry (Spool's sampling extensions, as on chat); the rest
@@ -103,14 +141,30 @@ _NOT_FORWARDED = frozenset(
         "top_p",
         "add_generation_prompt",
         "continue_final_message",
+        # chat's spellings of what Responses names otherwise, or what chat alone declares
+        "functions",
+        "function_call",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "safety_identifier",
+        "reasoning_effort",
+        "verbosity",
+        "moderation",
+        "prediction",
+        "modalities",
+        "audio",
+        "web_search_options",
     }
 )
 FORWARDED = frozenset(set(ChatCompletionRequest.model_fields) - _NOT_FORWARDED)
 # Parts of the Responses API Spool does not have: refused by name (a 400), never ignored.
+# The SDK's refused ones, in sdk_params.RESPONSES' words; chat's audio fields, which Responses lacks.
 _UNSUPPORTED_FIELDS = {
-    "conversation": "Spool keeps conversations with 'previous_response_id'; 'conversation' is not supported.",
-    "prompt": "Stored prompt templates ('prompt') are not supported; send 'instructions' and 'input'.",
-    "context_management": "'context_management' is not supported.",
+    **{n: sdk_params.refusal(sdk_params.RESPONSES, n) for n in sdk_params.refused(sdk_params.RESPONSES)},
     "modalities": "Spool's models produce text only; 'modalities' is not supported.",
     "audio": "Spool's models produce text only; 'audio' is not supported.",
 }
@@ -290,6 +344,9 @@ def _check(req: ResponsesRequest, model: str) -> None:
     problem = metadata_problem(req.metadata)
     if problem:
         raise invalid("metadata", problem)
+    if req.prompt_cache_options is not None and req.prompt_cache_options.prewarm:
+        why = sdk_params.refusal(sdk_params.RESPONSES, "prompt_cache_options")
+        raise invalid("prompt_cache_options.prewarm", why, "unsupported_parameter")
     if req.background and req.store is False:
         raise invalid("background", "A background response must be stored: 'background' needs 'store' not false.")
     if req.stream_options is not None and not req.stream:
@@ -333,7 +390,7 @@ def meta(req: ResponsesRequest) -> dict[str, Any]:
         "user": req.user,
         "safety_identifier": req.safety_identifier,
         "prompt_cache_key": req.prompt_cache_key,
-        "service_tier": req.service_tier or "default",
+        "service_tier": req.service_tier,  # what was asked; the response echoes `render.service_tier`
         "input": input_items(req) if stored else [],
     }
     if "\\u0000" in json.dumps(out):

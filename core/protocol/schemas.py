@@ -236,17 +236,70 @@ class ChatMessage(_Part):
     tool_call_id: str | None = None
     refusal: str | None = None
 
-    def text(self) -> str | None:
+    def text(self, sep: str = "\n") -> str | None:
         """The content as one string. Text parts are joined by a newline, as llama.cpp's server
         (`common_chat_msg::to_json_oaicompat`: a "\\n" before each part once some text exists) and
         vLLM (`"\\n".join`) do: `["What is", "the best book"]` is "What is\\nthe best book", never
-        "What isthe best book"."""
+        "What isthe best book". `sep=""`: an assistant message being continued, whose parts llama.cpp
+        appends to the prompt as written (`["Wh", "ill"]` goes on from "Whill")."""
         if isinstance(self.content, list):
             text = ""
             for p in self.content:
-                text += ("\n" if text else "") + p.text
+                text += (sep if text else "") + p.text
             return text
         return self.content
+
+
+# The `openai` SDK's other chat parameters, typed as OpenAI types them (a wrong type is a 400 naming
+# it); what each does here is declared once in core/protocol/sdk_params.py.
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
+ShortStr = Annotated[str, Field(max_length=256)]
+
+
+def _metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    problem = metadata_problem(v)
+    if problem:
+        raise ValueError(problem)
+    return v
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_metadata)]
+
+
+class LegacyFunction(_Part):
+    """An entry of the deprecated `functions`: a function tool's definition."""
+
+    name: Annotated[str, Field(max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class FunctionCallOption(_Part):
+    name: str
+
+
+class PromptCacheOptions(_Part):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
+class _ModerationMode(_Part):
+    mode: Literal["score", "block"]
+
+
+class ModerationPolicy(_Part):
+    input: _ModerationMode | None = None
+    output: _ModerationMode | None = None
+
+
+class Moderation(_Part):
+    model: str
+    policy: ModerationPolicy | None = None
+
+
+class Prediction(_Part):
+    type: Literal["content"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -259,6 +312,29 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # The legacy spelling of tools and tool_choice (translate.py maps them)
+    functions: Annotated[list[LegacyFunction], Field(min_length=1, max_length=128)] | None = None
+    function_call: Literal["none", "auto"] | FunctionCallOption | None = None
+    # Accepted with no effect here (sdk_params.CHAT says why), validated as OpenAI does
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: ShortStr | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    safety_identifier: ShortStr | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    moderation: Moderation | None = None
+    prediction: Prediction | None = None
+    # ["text"] is what is produced; "audio" is refused (translate.py)
+    modalities: Annotated[list[Literal["text", "audio"]], Field(max_length=2)] | None = None
+    # Refused when given (translate.py): typed loosely, since any value is refused
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def constrained(self) -> bool:
+        return super().constrained() or bool(self.functions)
 
 
 # -- responses -----------------------------------------------------------------------------------

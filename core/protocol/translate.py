@@ -24,8 +24,18 @@ from core.generation import capabilities, chat_template, constraints
 from core.generation.params import GenerationParams
 from core.generation.prompt import Prompt
 from core.generation.tokenizer import Tokenizer, context_length
+from core.protocol import sdk_params
 from core.protocol.errors import from_validation
-from core.protocol.schemas import LLAMACPP_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GrammarSpec
+from core.protocol.schemas import (
+    LLAMACPP_UNSUPPORTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FunctionCallOption,
+    GrammarSpec,
+    NamedToolChoice,
+    Tool,
+    ToolFunction,
+)
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
 
@@ -240,7 +250,7 @@ def compile_constraint(req: CompletionRequest | ChatCompletionRequest, settings:
     """The grammar of a request translated with `compile=False` (None: it has no constraint); the
     same 400s a compiling translation gives."""
     if isinstance(req, ChatCompletionRequest):
-        forced, _, _ = _tool_constraint(req, settings)
+        forced, _, _ = _tool_constraint(legacy_functions(req), settings)
         if forced is not None:
             try:
                 return constraints.build(grammar={"type": "lark", "value": forced}, limits=limits_of(settings))
@@ -390,18 +400,74 @@ _CHAT_ONLY = frozenset(
         "chat_template_kwargs",
         "add_generation_prompt",
         "continue_final_message",
+        # the SDK's other chat parameters: read here or in `_refused`, never by the completions translation
+        "functions",
+        "function_call",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "safety_identifier",
+        "reasoning_effort",
+        "verbosity",
+        "moderation",
+        "prediction",
+        "modalities",
+        "audio",
+        "web_search_options",
     }
 )
+# Chat parameters refused whatever their value (sdk_params.CHAT says why).
+_CHAT_REFUSED = tuple(sdk_params.refused(sdk_params.CHAT))
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _refused(req: ChatCompletionRequest) -> None:
+    """The SDK's chat parameters Spool cannot honour where ignoring them would change the answer."""
+    for name in _CHAT_REFUSED:
+        if getattr(req, name) is not None:
+            raise bad(name, sdk_params.refusal(sdk_params.CHAT, name), "unsupported_parameter")
+    if "audio" in (req.modalities or ()):
+        raise bad("modalities", sdk_params.refusal(sdk_params.CHAT, "modalities"), "unsupported_parameter")
+
+
+def legacy_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The deprecated `functions`/`function_call` as the `tools`/`tool_choice` they became (one call
+    at most, as the legacy API makes); the request as it is when it has neither."""
+    if req.functions is None:
+        if req.function_call is not None:
+            raise bad("function_call", "'function_call' needs 'functions'.")
+        return req
+    if req.tools is not None or req.tool_choice is not None:
+        raise bad(
+            "functions", "Send 'tools' and 'tool_choice', or the deprecated 'functions' and 'function_call', not both."
+        )
+    names = [f.name for f in req.functions]
+    call = req.function_call
+    if isinstance(call, FunctionCallOption) and call.name not in names:
+        raise bad("function_call", f"function_call names '{call.name}', which is not in 'functions' ({names}).")
+    tools = [
+        Tool(type="function", function=ToolFunction(name=f.name, description=f.description, parameters=f.parameters))
+        for f in req.functions
+    ]
+    choice = (
+        NamedToolChoice(type="function", function={"name": call.name}) if isinstance(call, FunctionCallOption) else call
+    )
+    return req.model_copy(update={"tools": tools, "tool_choice": choice, "parallel_tool_calls": False})
+
+
+def _messages(req: ChatCompletionRequest, continued: bool = False) -> list[dict[str, Any]]:
+    """`continued`: the final assistant message is continued, its text parts kept as written."""
     out: list[dict[str, Any]] = []
+    last = len(req.messages) - 1
     for i, m in enumerate(req.messages):
         if m.role == "tool" and not m.tool_call_id:
             raise bad(f"messages[{i}].tool_call_id", "A 'tool' message needs the 'tool_call_id' it answers.")
         if m.tool_calls and m.role != "assistant":
             raise bad(f"messages[{i}].tool_calls", "Only 'assistant' messages carry 'tool_calls'.")
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
+        text = m.text("" if continued and i == last else "\n")
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text or ""}
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -471,8 +537,8 @@ def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer, template: str | None
     """The conversation as prompt token ids, through the model's own chat template."""
     if not template:
         raise bad("model", f"The model '{req.model}' has no chat template; use /v1/completions.", "no_chat_template")
-    messages = _messages(req)
-    final_assistant = bool(req.continue_final_message) and messages[-1]["role"] == "assistant"
+    final_assistant = bool(req.continue_final_message) and req.messages[-1].role == "assistant"
+    messages = _messages(req, continued=final_assistant)
     bos, eos = tok.special_text()
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else None
     try:
@@ -512,6 +578,8 @@ def chat_to_generation(
     """A chat request -> (params, prompts, how to render it). The conversation becomes one token-id
     prompt; every other field goes through the completions translation, so bounds and errors agree.
     `compile=False`: as in `to_generation`."""
+    _refused(req)
+    req = legacy_functions(req)
     forced, parse_tools, forced_names = _tool_constraint(req, settings)
     ids = chat_prompt(req, tok, template)
     shared = {f: getattr(req, f) for f in req.model_fields_set - _CHAT_ONLY if f in type(req).model_fields}
