@@ -38,7 +38,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import compile_path
 from starlette.types import Scope
 
-from api.bodies import encode
+from api import bodies
 from api.streaming import HEAVY
 from core.config import Settings
 from core.infra import threads
@@ -183,10 +183,10 @@ HEAVY_CAP: ContextVar[int] = ContextVar("spool_heavy_cap", default=2)
 
 async def build(out: OffLoop) -> Response:
     if out.inline:
-        body = encode(out.build(*out.args))
+        body = bodies.encode(out.build(*out.args))
     else:
         async with HEAVY.hold(out.tenant_id, HEAVY_CAP.get()):
-            body = await threads.run("prepare", lambda: encode(out.build(*out.args)))
+            body = await threads.run("prepare", lambda: bodies.encode(out.build(*out.args)))
     return Response(body, status_code=out.status, media_type="application/json", headers=out.headers or None)
 
 
