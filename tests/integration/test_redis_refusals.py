@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
-from api import errors
+from api import costs, errors
 from api.ratelimit import RequestRateGate
 from api.routes import completions
 from core.idempotency import Idempotency
@@ -201,11 +201,11 @@ def test_a_reply_error_that_is_a_bug_is_not_transient(own_redis):
 def _app(it_settings, own_redis: OwnRedis, principal: Principal) -> tuple[FastAPI, Any]:
     """The API's error handlers, its request-rate gate and its completions routes, wired as api/app.py
     wires them, on this test's Redis. Authentication (api/guard.py, which reads the API's own
-    database) is stood in for by setting the principal it would have found."""
+    database) is stood in for by setting the principal and the route's cost class it would have found."""
     app = FastAPI()
     errors.install(app)
     app.include_router(completions.router)
-    app.add_middleware(RequestRateGate)
+    app.add_middleware(RequestRateGate, settings=it_settings)
 
     engine = create_async_engine(IT_DB)
     sessions = async_sessionmaker(engine, expire_on_commit=False)
@@ -219,7 +219,9 @@ def _app(it_settings, own_redis: OwnRedis, principal: Principal) -> tuple[FastAP
 
     async def asgi(scope, receive, send):
         if scope["type"] == "http":
-            scope.setdefault("state", {})["principal"] = principal  # what api/guard.py sets
+            state = scope.setdefault("state", {})
+            state["principal"] = principal  # what api/guard.py sets
+            state["cost"] = costs.Declared(costs.Cost.WORK, costs.Body.REQUEST)  # /v1/completions' class
         await app(scope, receive, send)
 
     async def close() -> None:
