@@ -221,17 +221,17 @@ class Settings(BaseSettings):
     n_threads: int | None = Field(None, description="CPU threads for llama.cpp (default: all cores).")
     exl2_cache_tokens: int | None = Field(
         None,
-        description="GPU engine: KV-cache size in tokens, shared by all sequences (paged, 256-token pages; "
+        description="GPU engines: KV-cache size in tokens, shared by all sequences (paged, 256-token pages; "
         "cached prompt prefixes live in it too). Default `n_ctx` x `max_batch`.",
     )
     exl2_cache_quant: Literal["fp16", "q4", "q6", "q8"] = Field(
         "fp16",
-        description="GPU engine: KV-cache precision: `fp16`, or quantized `q8`/`q6`/`q4` (a half to a quarter "
-        "of the memory, so more tokens fit).",
+        description="The exllamav2 engine only (the exllamav3 engine ignores it): KV-cache precision: `fp16`, or "
+        "quantized `q8`/`q6`/`q4` (a half to a quarter of the memory, so more tokens fit).",
     )
     exl2_chunk_size: int = Field(
         2048,
-        description="GPU engine: prompt tokens prefilled per step, a multiple of 256 (smaller: shorter stalls "
+        description="GPU engines: prompt tokens prefilled per step, a multiple of 256 (smaller: shorter stalls "
         "of running streams behind a long prompt). Also the longest prompt it can score (`prompt_logprobs`).",
     )
 
@@ -301,7 +301,9 @@ class Settings(BaseSettings):
     )
     max_file_lines: int = Field(2_000_000, description="Most lines a batch input file may have.")
     batch_validation_lease_s: float = Field(
-        300.0, description="A batch whose validating API process died is taken over by another after this."
+        300.0,
+        description="A batch whose validating dispatcher died, or stopped renewing its lease, is taken over by another "
+        "after this.",
     )
     batch_validation_slice_lines: int = Field(
         1000,

@@ -10,6 +10,7 @@ write refusal sets its maxmemory).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -437,11 +438,18 @@ def n128_from_a_max_concurrent_1_tenant(st: Stack, statuses: list[int], out: dic
 def _route_table() -> list[tuple[str, str, str, str]]:
     """(method, path template, cost class, body limit kind) of every charged route of the API, read
     from the application's own table (api/costs.py): a route added tomorrow is swept too."""
+    import logging
+
     from api import costs
     from api.app import create_app
 
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    app = create_app()  # it sets up the API's logging: the harness's own stays as it was
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
     out: list[tuple[str, str, str, str]] = []
-    for r in costs.routes(create_app()):
+    for r in costs.routes(app):
         d = costs.declared(r.endpoint)
         if d is None or d.cost is costs.Cost.PUBLIC or r.path is None:
             continue
@@ -449,12 +457,32 @@ def _route_table() -> list[tuple[str, str, str, str]]:
     return out
 
 
+def _readers(st: Stack, method: str, path: str, n: int) -> list[int]:
+    """`n` clients sending `method path` at once, each reading its whole answer, in a process of their
+    own: in this one their threads would hold the GIL the victims' clocks need (as the replays' do)."""
+    code = (
+        "import httpx, sys, threading\n"
+        f"base, key, method, path, n = {st.base_url!r}, {st.keys['beta']!r}, {method!r}, {path!r}, {n}\n"
+        "codes = []\n"
+        "def one():\n"
+        "    with httpx.Client(base_url=base, headers={'Authorization': f'Bearer {key}'}, timeout=300) as h:\n"
+        "        with h.stream(method, path) as r:\n"
+        "            for _ in r.iter_bytes():\n"
+        "                pass\n"
+        "            codes.append(r.status_code)\n"
+        "ts = [threading.Thread(target=one) for _ in range(n)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(' '.join(map(str, codes)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    return [int(c) for c in done.stdout.split()]
+
+
 def route_sweep(st: Stack, statuses: list[int], out: dict) -> None:
     """Every charged route from tenant beta: the work routes with their largest legal body, every other
     route read by 50 clients at once, the largest objects the tenant owns named in their paths (a job
     with logprobs of 4 choices, a response, a file). DELETE routes run last, once each."""
     import re
-    from concurrent.futures import ThreadPoolExecutor
 
     from core.config import get_settings
 
@@ -488,7 +516,11 @@ def route_sweep(st: Stack, statuses: list[int], out: dict) -> None:
 
     table = _route_table()
     table.sort(key=lambda row: row[0] == "DELETE")
+    began = time.monotonic()
+    out["sweep_began_at_s"] = round(began - out.get("began", began), 1)  # after the objects were made
+    timings: list[tuple[float, float, str]] = []  # (start s into the sweep, wall s, route)
     for method, template, cost, body_kind in table:
+        t0 = time.monotonic()
         path = re.sub(r"\{(\w+)(:\w+)?\}", lambda m: ids.get(m.group(1), "x1"), template)
         swept.append(f"{method} {template}")
         if cost == "work" and body_kind == "request":
@@ -496,9 +528,10 @@ def route_sweep(st: Stack, statuses: list[int], out: dict) -> None:
         elif method in ("DELETE", "POST", "PATCH"):
             statuses.append(one(method, path, b"{}"))
         else:
-            with ThreadPoolExecutor(50) as pool:
-                statuses.extend(pool.map(one, [method] * 50, [path] * 50, [None] * 50))
+            statuses.extend(_readers(st, method, path, 50))
+        timings.append((round(t0 - began, 1), round(time.monotonic() - t0, 2), f"{method} {template}"))
     out["routes_swept"] = len(swept)
+    out["slowest_routes"] = sorted(timings, key=lambda t: -t[1])[:6]  # (s into the sweep, wall s, route)
 
 
 def _respond(http, **body) -> dict:
@@ -520,20 +553,20 @@ def responses_chain_expansion(st: Stack, statuses: list[int], out: dict) -> None
             r = _respond(
                 http, input="Say hi", instructions=instructions, **({"previous_response_id": prev} if prev else {})
             )
-            statuses.append(r["status"])
-            if r["status"] != 200:
+            statuses.append(r["http"])
+            if r["http"] != 200:
                 break
             prev = r["id"]
         out["chain_links_accepted"] = sum(1 for s in statuses if s == 200)
         for _ in range(20):  # small requests naming the deepest link: each refused before expansion
-            statuses.append(_respond(http, input="again", previous_response_id=prev)["status"])
+            statuses.append(_respond(http, input="again", previous_response_id=prev)["http"])
 
 
 def responses_rejoin_flood(st: Stack, statuses: list[int], out: dict) -> None:
     """200 rejoins of one ended response's stream at once (a process of its own, as the job replays')."""
     with st.http(st.keys["beta"]) as http:
         resp = _respond(http, input="Count to fifty", max_output_tokens=400, temperature=0)
-        statuses.append(resp["status"])
+        statuses.append(resp["http"])
     code = (
         "import httpx, sys, threading\n"
         f"base, key, rid = {st.base_url!r}, {st.keys['beta']!r}, {resp.get('id', 'resp_x')!r}\n"
@@ -559,7 +592,7 @@ def responses_large_object_reads(st: Stack, statuses: list[int], out: dict) -> N
 
     with st.http(st.keys["beta"]) as http:
         resp = _respond(http, input="Hi", instructions="Read this. " * (6 * 1024 * 1024 // 11), background=True)
-        statuses.append(resp["status"])
+        statuses.append(resp["http"])
     rid = resp.get("id", "resp_x")
 
     def one(i: int) -> int:
@@ -682,9 +715,15 @@ def main(names: list[str]) -> list[dict]:
     from ops.bench.paced import private_redis
 
     rows = []
+    # The engine on one thread, as the suite runs it: on two cores shared with the API and the attack's
+    # clients, a two-thread llama.cpp waits at its barriers for whichever core the others hold, which
+    # measures this VM's co-location, not what one tenant does to another (route_sweep, 2026-11-29:
+    # victims' gap p99 1.11-1.17 s with two threads, 0.41 s with one, the same sitting).
+    threads = os.environ.get("SPOOL_N_THREADS") or "1"
+    logdir = Path(tempfile.mkdtemp(prefix="hostile-"))
     with (
         private_redis() as (redis_url, _),
-        running_stack(Path(tempfile.mkdtemp(prefix="hostile-")), TEST_DB, redis_url) as st,
+        running_stack(logdir, TEST_DB, redis_url, SPOOL_N_THREADS=threads) as st,
     ):
         for name in names or ALL:
             rows.append(run(st, name))

@@ -257,6 +257,39 @@ STORE_LIMITS = ("max_stored_bytes", "max_redis_bytes")
 LIMITS = ("weight", "rpm", "tpm", "tpd", "max_concurrent", "max_queued", "max_storage_bytes", *STORE_LIMITS)
 
 
+def commands_markdown() -> str:
+    """README's command table: every command of the `spool` app (groups' subcommands too), its
+    arguments and options, and the first sentence of its help. tests/unit/test_reference_tables.py
+    keeps README's copy current; `python -m ops.docs` rewrites it."""
+    from typing import Any
+
+    def usage(cmd: Any) -> str:
+        out = []
+        for p in cmd.params:
+            if p.param_type_name == "argument":
+                out.append((p.metavar or p.name).upper())
+            elif p.param_type_name == "option" and not p.hidden and "--help" not in p.opts:
+                out.append(f"[{max(p.opts, key=len)}]")
+        return " ".join(out)
+
+    def first_sentence(cmd: Any) -> str:
+        text = " ".join((cmd.help or "").split("\n\n")[0].split())
+        return text.split(". ")[0].rstrip(".").replace("|", "\\|")
+
+    rows = ["| command | arguments | does |", "| --- | --- | --- |"]
+
+    def walk(cmd: Any, path: str) -> None:
+        if hasattr(cmd, "commands"):  # a group (typer's own click)
+            for name, sub in cmd.commands.items():
+                walk(sub, f"{path} {name}")
+        else:
+            args = usage(cmd)
+            rows.append(f"| `{path}` | {f'`{args}`' if args else ''} | {first_sentence(cmd)} |")
+
+    walk(typer.main.get_command(app), "spool")
+    return "\n".join(rows)
+
+
 def _limits(args: dict[str, object]) -> dict[str, int | None]:
     """The limit options among a command's arguments (its `locals()`, taken first thing), those given
     only, 'none' as None (unlimited): the same values /admin takes."""

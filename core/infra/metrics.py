@@ -8,6 +8,7 @@ SPOOL_METRICS_PORT (0 = off). `spool api --workers N` runs prometheus_client's m
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
 
@@ -59,3 +60,24 @@ STORED = Gauge(
     "redis (what its ended jobs hold there)",
     ["tenant", "store"],
 )
+
+
+def exported() -> list[MetricWrapperBase]:
+    """The metric objects this module defines, in the order it defines them."""
+    return [v for v in globals().values() if isinstance(v, MetricWrapperBase)]
+
+
+def exposed_name(metric: MetricWrapperBase) -> str:
+    """The name a scrape shows: prometheus_client keeps a counter's name without its `_total`."""
+    return metric._name + ("_total" if metric._type == "counter" else "")
+
+
+def markdown() -> str:
+    """docs/operations.md's metrics table: every metric this module defines, as Prometheus exposes it
+    (a histogram adds `_bucket`, `_sum` and `_count`). tests/unit/test_reference_tables.py keeps the
+    doc's copy current; `python -m ops.docs` rewrites it."""
+    rows = ["| metric | type | labels | help |", "| --- | --- | --- | --- |"]
+    for m in exported():
+        labels = ", ".join(f"`{label}`" for label in m._labelnames) or "none"
+        rows.append(f"| `{exposed_name(m)}` | {m._type} | {labels} | {m._documentation} |")
+    return "\n".join(rows)
