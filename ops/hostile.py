@@ -536,25 +536,24 @@ def route_sweep(st: Stack, statuses: list[int], out: dict) -> None:
 
 def _respond(http, **body) -> dict:
     r = http.post("/v1/responses", json={"model": "default", "max_output_tokens": 8, **body}, timeout=600)
-    return {
-        "status": r.status_code,
-        **(r.json() if r.headers.get("content-type", "").startswith("application/json") else {}),
-    }
+    is_json = r.headers.get("content-type", "").startswith("application/json")
+    return {**(r.json() if is_json else {}), "http": r.status_code}  # after: a response has a "status" too
 
 
 def responses_chain_expansion(st: Stack, statuses: list[int], out: dict) -> None:
-    """A chain of responses, each with 256 KiB of `instructions`, continued past the chain's byte bound:
-    each continuation was read link by link, validated, templated and tokenized on the loop before any
-    limit. Now the bound is read off the previous response's row and the rest is refused at once."""
-    instructions = "Be brief. " * (256 * 1024 // 10)
+    """A chain of responses, each with 256 KiB of input (`truncation: "auto"`: the model sees its tail),
+    continued past the chain's byte bound (SPOOL_RESPONSES_CHAIN_MAX_BYTES, 2 MiB): each continuation
+    was read link by link, validated, templated and tokenized on the loop before any limit. Now the
+    bound is read off the previous response's row and the rest is refused at once."""
+    text = "Be brief. " * (256 * 1024 // 10)
     with st.http(st.keys["beta"]) as http:
         prev: str | None = None
         for _ in range(40):
-            r = _respond(
-                http, input="Say hi", instructions=instructions, **({"previous_response_id": prev} if prev else {})
-            )
+            chained = {"previous_response_id": prev} if prev else {}
+            r = _respond(http, input=text, truncation="auto", **chained)
             statuses.append(r["http"])
             if r["http"] != 200:
+                out["chain_refusal"] = (r.get("error") or {}).get("param")
                 break
             prev = r["id"]
         out["chain_links_accepted"] = sum(1 for s in statuses if s == 200)
@@ -587,11 +586,12 @@ def responses_rejoin_flood(st: Stack, statuses: list[int], out: dict) -> None:
 
 
 def responses_large_object_reads(st: Stack, statuses: list[int], out: dict) -> None:
-    """One response with 6 MiB of `instructions`, read, cancelled and listed by 50 clients at once."""
+    """One response with 6 MiB of input, read, cancelled and its input items listed by 50 clients at once."""
     from concurrent.futures import ThreadPoolExecutor
 
     with st.http(st.keys["beta"]) as http:
-        resp = _respond(http, input="Hi", instructions="Read this. " * (6 * 1024 * 1024 // 11), background=True)
+        big = "Read this. " * (6 * 1024 * 1024 // 11)  # stored whole; the model sees its tail
+        resp = _respond(http, input=big, truncation="auto", background=True)
         statuses.append(resp["http"])
     rid = resp.get("id", "resp_x")
 

@@ -13,15 +13,17 @@ from typing import Annotated, Any, Literal
 import anyio
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.bodies import INLINE_BYTES, json_body, json_response, openapi_body
 from api.costs import OffLoop, cheap, sized, work
-from api.deps import LifecycleDep, SettingsDep, TenantDep, current_principal
+from api.deps import LifecycleDep, SettingsDep, SyncSessionsDep, TenantDep, current_principal
 from api.errors import APIError
 from api.routes.completions import _StreamOrCancel, _wait_unless_draining
 from api.streaming import HEAVY, ReaderLease, sse_comment
 from core.config import Settings
 from core.infra import threads
+from core.infra.orm import Job
 from core.jobs import transitions
 from core.jobs.responses import Batch, Responses
 from core.protocol import render
@@ -68,6 +70,18 @@ async def _built(
     return out
 
 
+def _loaded(sessions: sessionmaker[Session], job_id: str, tenant_id: int, resp_id: str) -> Job:
+    """The response's row, read on a prepare thread (blocking); a 404 if it was forgotten meanwhile."""
+    job = Responses.load(sessions, job_id, tenant_id)
+    if job is None:
+        raise _not_found(resp_id)
+    return job
+
+
+def _rendered(sessions: sessionmaker[Session], job_id: str, tenant_id: int, resp_id: str) -> dict[str, Any]:
+    return render.response_of(_loaded(sessions, job_id, tenant_id, resp_id))
+
+
 @router.post("", response_model=None, responses=_ANSWERS, openapi_extra=openapi_body(ResponsesRequest))
 @work
 async def create_response(
@@ -100,16 +114,22 @@ async def get_response(
     tenant: TenantDep,
     responses: _ResponsesDep,
     settings: SettingsDep,
+    sessions: SyncSessionsDep,
     stream: bool = False,
     starting_after: Annotated[int | None, Query(ge=-1, le=2**53)] = None,
     include: Annotated[list[str] | None, Query(alias="include[]")] = None,
 ) -> OffLoop | _Rejoin:
-    """The response as it stands; with `stream=true`, its events (after `starting_after`)."""
-    job = await responses.find(response_id, tenant.id)
-    if job is None:
+    """The response as it stands; with `stream=true`, its events (after `starting_after`). Its row,
+    which may hold megabytes of input, is read and built on the prepare threads in the tenant's gate."""
+    job_id = await responses.exists(response_id, tenant.id)
+    if job_id is None:
         raise _not_found(response_id)
     if not stream:
-        return OffLoop(tenant.id, render.response_of, (job,))
+        return OffLoop(tenant.id, _rendered, (sessions, job_id, tenant.id, response_id))
+    async with HEAVY.hold(tenant.id, settings.replays_per_tenant):
+        job = await threads.run("prepare", Responses.load, sessions, job_id, tenant.id)
+    if job is None:
+        raise _not_found(response_id)
     events = responses.events(request.app.state.hub, job, tenant.id, starting_after, heavy=_gate(tenant.id, settings))
     return _Rejoin(_framed(events, request.app.state.redis, job.id, live=not transitions.is_terminal(job.state)))
 
@@ -117,15 +137,19 @@ async def get_response(
 @router.post("/{response_id}/cancel", response_model=None, responses=_ANSWERS)
 @sized
 async def cancel_response(
-    response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep
+    response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep, sessions: SyncSessionsDep
 ) -> OffLoop:
     """Cancels a response that is still running (billed what it generated); an ended one is
-    answered as it is."""
-    job = await responses.find(response_id, tenant.id)
-    if job is None:
+    answered as it is. The cancel, the row and the answer all on the prepare threads."""
+    job_id = await responses.exists(response_id, tenant.id)
+    if job_id is None:
         raise _not_found(response_id)
-    row = await anyio.to_thread.run_sync(lifecycle.cancel, job.id, tenant.id)
-    return OffLoop(tenant.id, render.response_of, (row if row is not None else job,))
+
+    def cancelled() -> dict[str, Any]:
+        row = lifecycle.cancel(job_id, tenant.id)
+        return render.response_of(row) if row is not None else _rendered(sessions, job_id, tenant.id, response_id)
+
+    return OffLoop(tenant.id, cancelled)
 
 
 @router.delete("/{response_id}", response_model=None, responses=_ANSWERS)
@@ -148,16 +172,23 @@ async def list_input_items(
     response_id: str,
     tenant: TenantDep,
     responses: _ResponsesDep,
+    sessions: SyncSessionsDep,
     after: Annotated[str | None, Query(max_length=128)] = None,
     before: Annotated[str | None, Query(max_length=128)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
     include: Annotated[list[str] | None, Query(alias="include[]")] = None,
 ) -> OffLoop:
-    job = await responses.find(response_id, tenant.id)
-    if job is None:
+    job_id = await responses.exists(response_id, tenant.id)
+    if job_id is None:
         raise _not_found(response_id)
-    return OffLoop(tenant.id, lambda: wire.page(wire.input_item_list(job), after, before, limit, order))
+
+    def page() -> dict[str, Any]:
+        return wire.page(
+            wire.input_item_list(_loaded(sessions, job_id, tenant.id, response_id)), after, before, limit, order
+        )
+
+    return OffLoop(tenant.id, page)
 
 
 # -- the stream ------------------------------------------------------------------------------------

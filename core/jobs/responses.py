@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
 
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.generation.events import Event, TerminalRow, is_terminal, result_of
@@ -200,6 +201,23 @@ class Responses(Completions):
         if job is None or not render.is_response(job) or forgotten(job):
             return None
         return job
+
+    async def exists(self, resp_id: str, tenant_id: int) -> str | None:
+        """The job id of a stored response of this tenant, or None, from a few small columns: nothing
+        of its input, instructions or output is read (those are loaded by `load`, off the loop)."""
+        job_id = wire.job_id_of(resp_id)
+        if job_id is None:
+            return None
+        found = await one_statement_async(self.sessions, _HEAD, {"id": job_id, "tenant": tenant_id})
+        return job_id if found and not found[0].hidden else None
+
+    @staticmethod
+    def load(sessions: sessionmaker[Session], job_id: str, tenant_id: int) -> Job | None:
+        """The response's whole row on a sync session (blocking: a prepare thread's work, since its
+        JSON may be megabytes that the driver decodes): what `exists` found, or None once forgotten."""
+        with sessions() as session:
+            job = session.execute(transitions.get_for_tenant(job_id, tenant_id)).scalar()
+        return None if job is None or forgotten(job) else job
 
     async def chain_head(self, resp_id: str, tenant_id: int) -> None:
         """Whether a `previous_response_id` may be continued, from its row's chain size alone (no
