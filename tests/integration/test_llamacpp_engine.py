@@ -291,3 +291,32 @@ def test_prompt_scoring_is_spread_over_steps_while_others_go_on(monkeypatch):
     for key in ("s0", "s1"):
         assert len(entries[key]) == len(ids)
         assert lps(key, entries) == pytest.approx(lps("ref", ref), abs=0.5)
+
+
+def test_a_long_prompt_beside_a_generating_sequence_goes_in_a_little_a_step(engine):
+    """Issue 49's Responses scenarios: a 1,000-token prompt went in as 512-token chunks, and each such
+    step held every generating stream for seconds on this CPU. Beside a generating sequence a step now
+    takes at most PREFILL_BESIDE_DECODE prompt tokens (a tail under 64 rows goes with the chunk before
+    it), so the generating one gets a token every step; alone, a prompt still takes the whole batch."""
+    from workers.engine import llamacpp
+
+    gen = spec(engine, "gen", "Hello, my name is", 40, False)
+    long_ids = engine.tokenize("one two three " * 100)[:300]
+    p = GenerationParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add(gen)
+    while not any(isinstance(ev, TokenEvent) and ev.key == "gen" for ev in engine.step()):
+        pass  # the generating sequence past its own prompt
+    engine.add(SeqSpec("long", long_ids, 1, p, 7, prompt_logprobs_len=0, interactive=False))
+    sizes: list[int] = []
+    gen_tokens = 0
+    while True:
+        events = engine.step()
+        sizes.append(engine._lane.batch.n_tokens)
+        gen_tokens += sum(1 for ev in events if isinstance(ev, TokenEvent) and ev.key == "gen")
+        if any(isinstance(ev, TokenEvent) and ev.key == "long" for ev in events):
+            break  # its prompt is in: its first token came
+    while engine.has_work():
+        engine.step()
+    most = 1 + llamacpp.PREFILL_BESIDE_DECODE + llamacpp.PREFILL_BESIDE_DECODE - 1
+    assert max(sizes) <= most and len(sizes) >= 300 // most, sizes  # a chunk a step, not 300 at once
+    assert gen_tokens >= len(sizes) - 1  # the generating sequence stepped on all the while

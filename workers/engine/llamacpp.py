@@ -152,6 +152,13 @@ _FAR_PREFIX = 256
 # of the model: 32 tokens of SmolLM2 cost ~0.2 s of one core.
 _COPY_MIN = 32
 
+# Prompt tokens a step prefills while other sequences are generating in it (alone, a prompt takes the
+# whole batch, `n_batch`). On this CPU a prompt token costs ~10-19 ms, so a 512-token chunk held every
+# stream of the step for 5-10 s (ops/hostile.py, a 6 MiB Responses input truncated to the context);
+# 64 tokens keep a step under a second. Chunks keep at least 64 rows (a shorter tail goes with the chunk
+# before it), where llama.cpp's results stop depending on a chunk's size (see SCORE_CHUNK).
+PREFILL_BESIDE_DECODE = 64
+
 # Prompt positions scored (echo with logprobs, prompt_logprobs) in one decode step: one chunk of one
 # sequence. Each scored position is a row of output logits (the vocabulary projection, ~57 MFLOP for
 # SmolLM2) plus a log-softmax and a top-k here: 8 sequences' prompts scored in batches of 512 rows held
@@ -504,17 +511,22 @@ class LlamaCppEngine(VocabEngine):
         # One sequence's scoring chunk per step, and beside generating sequences every other step only.
         scoring = bool(samplers) and lane.scored_last
         scored_now = False
+        # Beside generating sequences, a step prefills at most PREFILL_BESIDE_DECODE prompt tokens: a
+        # step's time is its tokens', and a 512-token chunk held every other stream for seconds here.
+        budget = lane.n_batch - n if not samplers else min(lane.n_batch - n, PREFILL_BESIDE_DECODE)
         for s in ordered:  # prompt chunks fill the rest of the batch
-            if not s.pending or n >= lane.n_batch:
+            if not s.pending or budget <= 0:
                 continue
             prompt_left = len(s.pending) - s.replay
-            # The prompt in chunks as large as the batch allows, up to its end; generated tokens
+            # The prompt in chunks as large as the budget allows, up to its end; generated tokens
             # (replay) one per step, exactly as they were decoded the first time.
-            take = min(prompt_left, lane.n_batch - n) if prompt_left > 0 else 1
+            take = min(prompt_left, budget) if prompt_left > 0 else 1
+            if 0 < prompt_left - take < PREFILL_BESIDE_DECODE:  # no tail under 64 rows: it goes with this chunk
+                take = min(prompt_left, lane.n_batch - n)
             if s.prompt_lp is not None and (scored := max(0, s.spec.prompt_logprobs_len - 1 - s.pos)):
                 # its positions still to score lead its chunk: a whole scoring chunk, or wait a step
                 want = scored if scored < 2 * SCORE_CHUNK else SCORE_CHUNK
-                if scoring or lane.n_batch - n < want:
+                if scoring or budget < want:
                     continue
                 scoring = scored_now = True
                 if scored > want:
@@ -531,6 +543,7 @@ class LlamaCppEngine(VocabEngine):
                 s.fed.append(tok)
                 s.pos += 1
                 n += 1
+            budget -= take
         lane.scored_last = scored_now
         if n == 0:
             return []
