@@ -320,3 +320,27 @@ def test_a_long_prompt_beside_a_generating_sequence_goes_in_a_little_a_step(engi
     most = 1 + llamacpp.PREFILL_BESIDE_DECODE + llamacpp.PREFILL_BESIDE_DECODE - 1
     assert max(sizes) <= most and len(sizes) >= 300 // most, sizes  # a chunk a step, not 300 at once
     assert gen_tokens >= len(sizes) - 1  # the generating sequence stepped on all the while
+
+
+def test_a_scoring_chunk_over_the_prefill_budget_still_goes_in_beside_generation(engine):
+    """A prompt of 100 positions to score is one scoring chunk of 99 rows (never cut under 64): held to
+    the 64-token prefill budget it never went in while another sequence generated, and the watchdog
+    failed it after 120 s (ops/hostile.py logprob_job_in_a_loop, 2026-11-29)."""
+    gen = spec(engine, "gen2", "Hello, my name is", 60, False)
+    ids = engine.tokenize("one two three " * 40)[:100]
+    p = GenerationParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    engine.add(gen)
+    while not any(isinstance(ev, TokenEvent) and ev.key == "gen2" for ev in engine.step()):
+        pass
+    engine.add(SeqSpec("scored", ids, 1, p, 7, prompt_logprobs=1, prompt_logprobs_len=len(ids)))
+    gen_left = True
+    scored_first = None
+    for step in range(50):
+        events = engine.step()
+        if any(isinstance(ev, TokenEvent) and ev.key == "scored" and ev.token_id is not None for ev in events):
+            scored_first = step
+            break
+        gen_left = "gen2" in engine._lane.live
+    while engine.has_work():
+        engine.step()
+    assert scored_first is not None and scored_first <= 3 and gen_left, (scored_first, gen_left)

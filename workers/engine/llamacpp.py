@@ -526,11 +526,13 @@ class LlamaCppEngine(VocabEngine):
             if s.prompt_lp is not None and (scored := max(0, s.spec.prompt_logprobs_len - 1 - s.pos)):
                 # its positions still to score lead its chunk: a whole scoring chunk, or wait a step
                 want = scored if scored < 2 * SCORE_CHUNK else SCORE_CHUNK
-                if scoring or budget < want:
+                # (a scoring chunk is bounded on its own, SCORE_CHUNK, and may pass the prefill budget:
+                # held to it, one of up to 127 rows never went in beside generating sequences)
+                if scoring or lane.n_batch - n < want:
                     continue
                 scoring = scored_now = True
-                if scored > want:
-                    take = want
+                # the whole scoring chunk (scores must not come from a piece under 64 rows), and no more
+                take = want if scored > want else max(take, min(prompt_left, want))
             chunk, s.pending = s.pending[:take], s.pending[take:]
             for i, tok in enumerate(chunk):
                 last = not s.pending and i == take - 1
