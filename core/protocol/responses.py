@@ -122,43 +122,29 @@ class ResponsesRequest(BaseModel):
 
 # Fields of chat a Responses body may also carry (Spool's sampling extensions, as on chat); the rest
 # of chat's fields have a Responses name (`max_output_tokens`, `text.format`, ...) or no meaning here.
-_NOT_FORWARDED = frozenset(
-    {
-        "messages",
-        "max_tokens",
-        "max_completion_tokens",
-        "n",
-        "stream",
-        "stream_options",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "response_format",
-        "logprobs",
-        "top_logprobs",
-        "user",
-        "temperature",
-        "top_p",
-        "add_generation_prompt",
-        "continue_final_message",
-        # chat's spellings of what Responses names otherwise, or what chat alone declares
-        "functions",
-        "function_call",
-        "metadata",
-        "store",
-        "service_tier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "prompt_cache_options",
-        "safety_identifier",
-        "reasoning_effort",
-        "verbosity",
-        "moderation",
-        "prediction",
-        "modalities",
-        "audio",
-        "web_search_options",
-    }
+_NOT_FORWARDED = (
+    frozenset(
+        {
+            "messages",
+            "max_tokens",
+            "max_completion_tokens",
+            "n",
+            "stream",
+            "stream_options",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "response_format",
+            "logprobs",
+            "top_logprobs",
+            "user",
+            "temperature",
+            "top_p",
+            "add_generation_prompt",
+            "continue_final_message",
+        }
+    )
+    | sdk_params.CHAT_SDK_EXTRAS
 )
 FORWARDED = frozenset(set(ChatCompletionRequest.model_fields) - _NOT_FORWARDED)
 # Parts of the Responses API Spool does not have: refused by name (a 400), never ignored.

@@ -191,3 +191,27 @@ def markdown() -> str:
             lines.append(f"| `{name}` | {d.answer} | {here} |")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# The chat parameters the SDK declares beyond what the completions translation reads: the chat
+# translation reads them (or refuses them), and a Responses body never forwards them.
+CHAT_SDK_EXTRAS = frozenset(
+    {
+        "functions",
+        "function_call",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "safety_identifier",
+        "reasoning_effort",
+        "verbosity",
+        "moderation",
+        "prediction",
+        "modalities",
+        "audio",
+        "web_search_options",
+    }
+)

@@ -388,36 +388,22 @@ def reservation(params: GenerationParams, prompts: list[Prompt], ctx: int) -> in
 
 # -- chat ------------------------------------------------------------------------------------------
 # Chat-only fields; everything else is the completions translation, shared (same bounds, same words).
-_CHAT_ONLY = frozenset(
-    {
-        "messages",
-        "max_completion_tokens",
-        "logprobs",
-        "top_logprobs",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-        # the SDK's other chat parameters: read here or in `_refused`, never by the completions translation
-        "functions",
-        "function_call",
-        "metadata",
-        "store",
-        "service_tier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "prompt_cache_options",
-        "safety_identifier",
-        "reasoning_effort",
-        "verbosity",
-        "moderation",
-        "prediction",
-        "modalities",
-        "audio",
-        "web_search_options",
-    }
+_CHAT_ONLY = (
+    frozenset(
+        {
+            "messages",
+            "max_completion_tokens",
+            "logprobs",
+            "top_logprobs",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "chat_template_kwargs",
+            "add_generation_prompt",
+            "continue_final_message",
+        }
+    )
+    | sdk_params.CHAT_SDK_EXTRAS
 )
 # Chat parameters refused whatever their value (sdk_params.CHAT says why).
 _CHAT_REFUSED = tuple(sdk_params.refused(sdk_params.CHAT))

@@ -50,3 +50,17 @@ def rds() -> redis_lib.Redis:
     r = redis_lib.Redis.from_url(IT_REDIS)
     r.flushdb()
     return r
+
+
+def reset_globals() -> None:
+    """Settings and engines are cached per process: dropped so the server (and what runs after it)
+    reads the environment it is given."""
+    from core.config import get_settings
+    from core.infra import db
+
+    get_settings.cache_clear()
+    for cached in (db.sync_sessions, db.async_sessions, db.async_engine):
+        cached.cache_clear()
+    if db.sync_engine.cache_info().currsize:
+        db.sync_engine().dispose()
+    db.sync_engine.cache_clear()

@@ -29,26 +29,12 @@ from core.infra import redis_keys
 from core.infra.orm import File
 from ops import factories
 from tests.conftest import free_port, wait_for
-from tests.integration.conftest import IT_DB, IT_REDIS
+from tests.integration.conftest import IT_DB, IT_REDIS, reset_globals
 
 DOWNLOADS = 4  # SPOOL_DOWNLOAD_CONCURRENCY of the server below
 UPLOAD_THREADS = 2
 IDLE_TRANSACTION_S = 30
 CHUNK = (b"x" * 1023 + b"\n") * 1024  # 1 MiB, 1024 lines
-
-
-def _reset_globals() -> None:
-    """Settings and engines are cached per process: dropped so the server (and what runs after it)
-    reads the environment it is given."""
-    from core.config import get_settings
-    from core.infra import db
-
-    get_settings.cache_clear()
-    for cached in (db.sync_sessions, db.async_sessions, db.async_engine):
-        cached.cache_clear()
-    if db.sync_engine.cache_info().currsize:
-        db.sync_engine().dispose()
-    db.sync_engine.cache_clear()
 
 
 @dataclass
@@ -70,7 +56,7 @@ def api_server(sessions: sessionmaker[Session]) -> Iterator[Server]:
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    _reset_globals()
+    reset_globals()
     from api.app import create_app
 
     port = free_port()
@@ -88,7 +74,7 @@ def api_server(sessions: sessionmaker[Session]) -> Iterator[Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        _reset_globals()
+        reset_globals()
 
 
 def tenant_key(sessions: sessionmaker[Session]) -> tuple[int, str]:

@@ -18,20 +18,7 @@ from starlette.testclient import TestClient
 
 from api import costs
 from ops import factories
-from tests.integration.conftest import IT_DB, IT_REDIS
-
-
-def _reset_globals() -> None:
-    """Settings and engines are cached per process: dropped so the app reads the environment given."""
-    from core.config import get_settings
-    from core.infra import db
-
-    get_settings.cache_clear()
-    for cached in (db.sync_sessions, db.async_sessions, db.async_engine):
-        cached.cache_clear()
-    if db.sync_engine.cache_info().currsize:
-        db.sync_engine().dispose()
-    db.sync_engine.cache_clear()
+from tests.integration.conftest import IT_DB, IT_REDIS, reset_globals
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +31,7 @@ def client(sessions: sessionmaker[Session], rds) -> Iterator[TestClient]:  # rds
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    _reset_globals()
+    reset_globals()
     from api.app import create_app
 
     try:
@@ -56,7 +43,7 @@ def client(sessions: sessionmaker[Session], rds) -> Iterator[TestClient]:  # rds
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        _reset_globals()
+        reset_globals()
 
 
 def _auth(key: str) -> dict[str, str]:
