@@ -203,6 +203,7 @@ def test_the_gpu_half_runs_end_to_end_with_cuda_stubbed(kit: Path, tmp_path: Pat
     assert "===== exl3_bench_c64: passed" in (out / "gpu_proof.log").read_text()
 
 
+@pytest.mark.wallclock  # most of it waits for an injected hang to reach its time box
 def test_a_failing_step_fails_the_run_loudly_and_the_rest_goes_on(kit: Path, tmp_path: Path) -> None:
     broken = tmp_path / "kit"
     subprocess.run(["cp", "-r", str(kit), str(broken)], check=True)
@@ -222,6 +223,7 @@ def test_a_failing_step_fails_the_run_loudly_and_the_rest_goes_on(kit: Path, tmp
     assert "NOT every step passed" in md and "## model: failed" in md and "## exl3_build: timeout" in md
 
 
+@pytest.mark.wallclock  # most of it waits for time boxes and the budget to run out
 def test_time_boxes_kill_the_whole_step_and_the_budget_ends_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
