@@ -27,7 +27,6 @@ import tomllib
 from pathlib import Path
 
 import httpx
-import pytest
 import redis as redis_lib
 from openai import OpenAI
 
@@ -146,9 +145,6 @@ def _checkout(dest: Path) -> Path:
     return dest
 
 
-# In the wallclock lane: a third of its minute is pip waiting on the registry and the disk, and the two
-# CPU lanes ended 160 s after that lane on the last fresh-clone run (628 and 633 s against 467).
-@pytest.mark.wallclock
 def test_the_documented_bare_host_steps_install_and_serve_a_stream(tmp_path):
     from core.infra.dbadmin import drop_database
 
