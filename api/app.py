@@ -28,7 +28,20 @@ from api.deps import AdminDep
 from api.guard import RequestGuard
 from api.observe import RequestIdentity
 from api.ratelimit import RequestRateGate
-from api.routes import admin, batches, completions, files, jobs, models, responses, tokens, ui, usage, webhooks
+from api.routes import (
+    admin,
+    batches,
+    chat_store,
+    completions,
+    files,
+    jobs,
+    models,
+    responses,
+    tokens,
+    ui,
+    usage,
+    webhooks,
+)
 from core.config import get_settings
 from core.errors import DomainError
 from core.idempotency import Idempotency
@@ -140,6 +153,7 @@ def create_app() -> FastAPI:
     app.add_middleware(RequestIdentity)  # outermost: every response, errors included, carries the id
 
     app.include_router(completions.router)
+    app.include_router(chat_store.router)  # the stored chat completions (`store: true`)
     app.include_router(responses.router)
     app.include_router(jobs.router)
     app.include_router(models.router)

@@ -270,6 +270,27 @@ class Settings(BaseSettings):
         description="Most messages the dispatcher keeps waiting in a model's Celery queues: the rest wait "
         "in Postgres, where fair ordering still applies.",
     )
+    fair_input_weight: float = Field(
+        1.0,
+        ge=0,
+        description="What one prompt token costs a tenant in the fair dispatcher's counters (core/jobs/scheduler.py).",
+    )
+    fair_cached_weight: float = Field(
+        0.1,
+        ge=0,
+        description="What one prompt token served from the prefix cache costs instead (settled when the job ends).",
+    )
+    fair_output_weight: float = Field(
+        2.0,
+        ge=0,
+        description="What one generated token costs: decoding a token takes a GPU step, a prompt token a share of one.",
+    )
+    flex_max_queued: int = Field(
+        64,
+        ge=1,
+        description="Flex requests (`service_tier: flex`) that may wait per model; past it a flex request is "
+        "refused at once with 429 `resource_unavailable` and `Retry-After`.",
+    )
     log_format: Literal["json", "text"] = Field(
         "json", description="Log lines as JSON (with request, job, tenant, model and attempt ids) or as plain text."
     )
@@ -535,6 +556,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "dispatcher_interval_s",
         "dispatcher_batch",
         "queue_depth",
+        "fair_input_weight",
+        "fair_cached_weight",
+        "fair_output_weight",
+        "flex_max_queued",
         "dispatch_timeout_s",
         "worker_unheard_s",
         "batch_group",

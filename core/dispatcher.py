@@ -31,7 +31,7 @@ from core.infra.orm import Job, Tenant
 from core.jobs import transitions as jobs
 from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.scheduler import FairScheduler
+from core.jobs.scheduler import FairScheduler, Weights
 from core.states import JobKind, JobState
 from core.tenancy import admission, quota
 
@@ -44,7 +44,9 @@ WAKE_COALESCE_S = 0.05
 class Dispatcher:
     def __init__(self, sessions: sessionmaker, rds: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
         self.sessions, self.rds, self.broker, self.settings = sessions, rds, broker, settings
-        self.scheduler = FairScheduler()
+        self.scheduler = FairScheduler(
+            Weights(settings.fair_input_weight, settings.fair_cached_weight, settings.fair_output_weight)
+        )
         self.lifecycle = Lifecycle(sessions, rds, settings)
         self._next_sweep = 0.0
         self._next_stored = 0.0  # the stored-bytes gauges: read once every STORED_GAUGES_S
@@ -94,12 +96,15 @@ class Dispatcher:
                 lost = [row for row in stale if (row.id, row.attempt) not in waiting]
                 sent = self._send(session, lost)
 
+            self.scheduler.settle(session)  # ended jobs' charges corrected to what they were served
             for model in s.model_ids:
+                # A woken pass (any job ended) with no request waiting for the model: one index probe.
+                requests_wait = not woken or upkeep or bool(session.scalar(jobs.requests_queued(model)))
                 room = min(s.queue_depth - self._depth(model), s.dispatcher_batch)
-                # Batch lines go out only for free batch slots of live workers: never parked in a
-                # worker thread or in Redis, where they would hold up interactive work.
+                # Batch lines (and flex requests) go out only for free batch slots of live workers:
+                # never parked in a worker thread or in Redis, where they would hold up interactive work.
                 batch_room = workers.batch_capacity(self.rds, model) - session.scalar(jobs.batch_in_flight(model))
-                if woken and not upkeep and batch_room < self.refill_at:
+                if not requests_wait and batch_room < self.refill_at:
                     # A slot or two: the worker's prefetched lines fill them meanwhile. Refilling
                     # them one at a time cost a full pass per line (~6 ms of dispatcher CPU a line).
                     continue

@@ -8,7 +8,6 @@ below api/ knows about HTTP.
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 
 class ErrorKind(enum.StrEnum):
@@ -37,9 +36,6 @@ class DomainError(Exception):
         self.kind, self.message, self.param, self.code = kind, message, param, code
         self.type = type_  # OpenAI's `type` when it is not the kind's usual one (429: "tokens")
         self.headers = headers
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
 
 
 def invalid(param: str | None, message: str, code: str = "invalid_value") -> DomainError:

@@ -214,7 +214,3 @@ class Idempotency:
 def expired(hours: float):
     """Keys past their retention, for the sweeper."""
     return delete(IdempotencyKey).where(IdempotencyKey.created_at < func.now() - timedelta(hours=hours))
-
-
-def owner_of(tenant_id: int, key: str):
-    return select(IdempotencyKey).where(IdempotencyKey.tenant_id == tenant_id, IdempotencyKey.key == key)

@@ -26,9 +26,10 @@ import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from core.config import Settings
+if TYPE_CHECKING:  # core/config.py reads the registry (Settings.model_ids): no import back at run time
+    from core.config import Settings
 
 ENGINES = ("llamacpp", "exllamav2", "exllamav3", "null", "paced")
 BUNDLED = "smollm2-135m-instruct"

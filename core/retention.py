@@ -1,7 +1,9 @@
 """The retention sweeper: what Spool keeps, and for how long (run by the dispatcher every minute).
 
-- files past `expires_at` (uploads: 30 days; batch outputs: like OpenAI's, 30 days): content
-  deleted, the row kept as `deleted` for batches that name it;
+- files past `expires_at` (uploads and batch result files: 30 days after their creation, or the
+  upload's `expires_after` / the batch's `output_expires_after`, core/files/expiry.py): content
+  deleted (and no longer counted to the tenant's storage), the row kept as `deleted` for batches
+  that name it, so the file is a 404 from then on;
 - finished jobs older than `SPOOL_RETENTION_JOBS_DAYS` (batch lines once their batch has ended);
 - batches that ended (completed, failed, expired, cancelled) more than `SPOOL_RETENTION_BATCHES_DAYS`
   ago, once none of their lines is left (so a line is never left without the batch that lets it go);

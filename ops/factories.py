@@ -6,13 +6,17 @@ Rows are written through the ORM on a given sync session; nothing here starts a 
 from __future__ import annotations
 
 import itertools
+import json
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy.orm import Session
+from sqlalchemy import delete
+from sqlalchemy.orm import Session, sessionmaker
 
+from core.files import storage
 from core.generation.params import GenerationParams
-from core.infra.orm import ApiKey, Batch, Job, Tenant
+from core.infra.orm import ApiKey, Batch, File, Job, Tenant
 from core.jobs import transitions
 from core.states import BatchStatus, JobState
 from core.tenancy.keys import hash_key, new_key
@@ -97,6 +101,55 @@ def batch(
     for i in range(lines):
         job(session, t, kind="batch", key_id=kw.get("key_id"), batch_id=b.id, line_no=i + 1, custom_id=f"r{i}")
     return b
+
+
+def validating_batch(
+    session: Session,
+    t: Tenant,
+    key: ApiKey,
+    lines: list[dict[str, Any]],
+    *,
+    chunk_bytes: int | None = None,
+    age_s: float = 0.0,
+    lease_s: float | None = None,
+) -> str:
+    """The id of a batch of `t` awaiting validation of `lines`: its input file stored in chunks of
+    `chunk_bytes` as an upload stores them (None: one chunk), created `age_s` ago; `lease_s`: held by a
+    validator that long from now."""
+    data = "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+    fid, bid = storage.new_file_id(), f"batch_{uuid.uuid4().hex}"
+    session.add(File(id=fid, tenant_id=t.id, purpose="batch", filename="in.jsonl", bytes=len(data), lines=len(lines)))
+    session.flush()
+    step = chunk_bytes or len(data)
+    for seq, at in enumerate(range(0, len(data), step)):
+        session.execute(storage.insert_chunk(fid, seq, data[at : at + step]))
+    now = datetime.now(UTC)
+    session.add(
+        Batch(
+            id=bid,
+            tenant_id=t.id,
+            key_id=key.id,
+            endpoint="/v1/completions",
+            input_file_id=fid,
+            completion_window="24h",
+            status=BatchStatus.validating.value,
+            request_counts={"total": 0, "completed": 0, "failed": 0},
+            created_at=now - timedelta(seconds=age_s),
+            expires_at=now + timedelta(hours=24),
+            lease_until=now + timedelta(seconds=lease_s) if lease_s is not None else None,
+        )
+    )
+    session.commit()
+    return bid
+
+
+def remove_tenants(sessions: sessionmaker[Session], ids: list[int]) -> None:
+    """Tenants a test made, with their jobs and batches (their keys and files go with them)."""
+    with sessions() as s:
+        s.execute(delete(Job).where(Job.tenant_id.in_(ids)))
+        s.execute(delete(Batch).where(Batch.tenant_id.in_(ids)))
+        s.execute(delete(Tenant).where(Tenant.id.in_(ids)))
+        s.commit()
 
 
 _batch_ids = (f"{n:024x}" for n in itertools.count(int(datetime.now(UTC).timestamp() * 1e6)))

@@ -51,13 +51,15 @@ def insert_backlog(
     params = GenerationParams(max_tokens=max_tokens, temperature=0, ignore_eos=True).to_json()
     rows = []
     for i in range(n):
+        ids = prompts[i % len(prompts)] if prompts else PROMPT_IDS
         row = jobs.new_row(
             tenant_id=tenant_id,
             model=MODEL,
             params=params,
-            prompts=[Prompt(prompts[i % len(prompts)] if prompts else PROMPT_IDS).to_json()],
+            prompts=[Prompt(ids).to_json()],
             stream=False,
             kind=JobKind.batch,
+            reserved_tokens=len(ids) + max_tokens,  # what the validator reserves: the fair dispatcher's estimate
         )
         rows.append({k: v for k, v in row.items() if v is not None})  # None left out: JSONB would store JSON null
     with db.begin() as conn:

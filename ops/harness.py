@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import redis as redis_lib
@@ -300,16 +301,123 @@ IT_REDIS = os.environ.get("SPOOL_IT_REDIS_URL", TEST_REDIS.rsplit("/", 1)[0] + "
 # workers (ops/test.sh: one per lane; None: every core).
 ENGINE_THREADS = int(os.environ.get("SPOOL_N_THREADS") or 0) or None
 
+# -- test lanes: each pytest process's database and Redis dbs, from this one allocator ---------------
 # ops/test.sh runs the suite in lanes, pytest processes side by side (pytest-xdist workers, and the
 # wallclock tests' own process), each started with SPOOL_TEST_LANE=n: a lane past the first takes a
-# database and two Redis dbs of its own (stack, integration), so two lanes' stacks never meet. The
-# side stacks' dbs (tests/conftest.SIDE_REDIS_DBS) are each one module's, and a module runs in one lane.
-LANE_REDIS_DBS = {1: (3, 4), 2: (6, 11), 3: (0, 1)}
+# database and two Redis dbs of its own (stack, integration), so two lanes' stacks never meet. The tests
+# drop and flush what they are given, so no lane is ever given a developer's own Spool: core/config.py's
+# database (`spool`) and Redis db 0.
+SPOOL_REDIS_DB = 0
+# The side stacks' Redis dbs (on the stack's server), each one module's: a module runs in one lane. A
+# lane's stack on one of them would share its live-workers hash with the side stack's, whose "workers
+# live" checks then never hold.
+SIDE_REDIS_DBS = {
+    "bare_host": 2,
+    "paced": 5,
+    "compose": 7,
+    "limits": 8,
+    "null_engine": 9,
+    "fresh_machine": 10,
+    "registry": 12,
+    "fuzz": 14,
+}
+# (stack, integration) of the lanes a 16-db Redis (the default) holds: 0 (a plain pytest), 1, and 2 (the
+# wallclock tests'). Lanes past them take free dbs two by two, from a server with more (redis.conf).
+FIXED_LANES = {0: (15, 13), 1: (3, 4), 2: (6, 11)}
+WALLCLOCK_LANE = 2
+
+
+class LaneError(ValueError):
+    """A lane (or a lane count) this Redis server cannot serve without the defaults or a shared db."""
+
+
+def lane_redis_dbs(lane: int, databases: int = 16) -> tuple[int, int]:
+    """`lane`'s (stack, integration) Redis dbs on a server of `databases` dbs; LaneError if it has none
+    left for it."""
+    if lane in FIXED_LANES:
+        return FIXED_LANES[lane]
+    taken = {SPOOL_REDIS_DB, *SIDE_REDIS_DBS.values(), *(n for pair in FIXED_LANES.values() for n in pair)}
+    free = [n for n in range(databases) if n not in taken]
+    i = 2 * (lane - len(FIXED_LANES))
+    if lane < 0 or i + 2 > len(free):
+        most = len(FIXED_LANES) - 1 + len(free) // 2
+        raise LaneError(
+            f"test lane {lane} needs two Redis dbs of its own, and this Redis server has {databases} dbs: db "
+            f"{SPOOL_REDIS_DB} is a local Spool's and {len(taken) - 1} are the lower lanes' and the side stacks', "
+            f"so lanes 0..{most} fit (SPOOL_TEST_LANES={most} at most); raise `databases` in redis.conf "
+            "for more"
+        )
+    return free[i], free[i + 1]
+
+
+def xdist_lanes(count: int, databases: int = 16) -> list[int]:
+    """The lanes of ops/test.sh's `count` pytest-xdist workers (the wallclock lane runs beside them);
+    LaneError when `count` is not a whole number of lanes this server can serve."""
+    if count < 1:
+        raise LaneError(f"{count} lanes: at least one")
+    lanes = [n for n in range(count + 1) if n != WALLCLOCK_LANE][:count]
+    for lane in lanes:
+        lane_redis_dbs(lane, databases)
+    return lanes
+
+
+def redis_databases(url: str) -> int:
+    """How many dbs the Redis server at `url` has (16 where CONFIG is refused: Redis's default)."""
+    try:
+        value = redis_lib.Redis.from_url(url).config_get("databases").get("databases")
+    except redis_lib.RedisError:
+        return 16
+    return int(value) if value else 16
+
+
+def lane_database(base_url: str, lane: int) -> str:
+    """`lane`'s database: `base_url`'s (spool_test by default), with `_lane<n>` past lane 0."""
+    return f"{base_url}_lane{lane}" if lane else base_url
+
+
+def _db_name(url: str) -> str:
+    return urlsplit(url).path.lstrip("/")
+
+
+def _redis_db(url: str) -> tuple[str, int, int]:
+    """(host, port, db) of a Redis URL, Redis's defaults filled in."""
+    u = urlsplit(url)
+    return u.hostname or "localhost", u.port or 6379, int(u.path.lstrip("/") or 0)
+
+
+def _spools_redis(url: str) -> bool:
+    """Whether `url` is Spool's default Redis db (core/config.py): a developer's local Spool."""
+    host, port, db = _redis_db(url)
+    return host in ("127.0.0.1", "localhost") and port == 6379 and db == SPOOL_REDIS_DB
+
+
+def refuse_defaults(db_url: str, redis_url: str) -> None:
+    """LaneError when a stack would drop Spool's own database or flush its Redis db."""
+    if _db_name(db_url) == _db_name(_spool_database_url()):
+        raise LaneError(f"{db_url}: a test stack would drop Spool's own database; name another")
+    if _spools_redis(redis_url):
+        raise LaneError(f"{redis_url}: a test stack would flush a local Spool's Redis db; name another")
+
+
 LANE = int(os.environ.get("SPOOL_TEST_LANE") or 0)
+_SERVER = TEST_REDIS.rsplit("/", 1)[0]
 if LANE:
-    _server = TEST_REDIS.rsplit("/", 1)[0]
-    TEST_DB = f"{TEST_DB}_lane{LANE}"
-    TEST_REDIS, IT_REDIS = (f"{_server}/{n}" for n in LANE_REDIS_DBS[LANE])
+    TEST_DB = lane_database(TEST_DB, LANE)
+    _dbs = 16 if LANE in FIXED_LANES else redis_databases(TEST_REDIS)
+    TEST_REDIS, IT_REDIS = (f"{_SERVER}/{n}" for n in lane_redis_dbs(LANE, _dbs))
+for _url in (TEST_REDIS, IT_REDIS):
+    if _spools_redis(_url) or _redis_db(_url)[2] in SIDE_REDIS_DBS.values():
+        raise LaneError(
+            f"{_url}: a lane's Redis db is neither Spool's nor a side stack's {sorted(SIDE_REDIS_DBS.values())}"
+        )
+if TEST_REDIS == IT_REDIS:
+    raise LaneError(f"{TEST_REDIS}: the stack's and the integration tests' Redis dbs are two")
+refuse_defaults(TEST_DB, TEST_REDIS)
+
+
+def side_redis(name: str) -> str:
+    """The Redis URL of a side stack (SIDE_REDIS_DBS), on the session stack's server."""
+    return f"{_SERVER}/{SIDE_REDIS_DBS[name]}"
 
 
 def migrated_database(db_url: str, env: dict[str, str] | None = None) -> None:
@@ -418,6 +526,7 @@ def running_stack(
         "PYTHONUNBUFFERED": "1",
         **extra_env,
     }
+    refuse_defaults(db_url, redis_url)  # both are dropped and flushed next
     redis_lib.Redis.from_url(redis_url).flushdb()
     st = Stack(env=env, logdir=logdir, port=port, root=root)
     if root == ROOT:
@@ -444,3 +553,18 @@ def running_stack(
     finally:
         st.stop_all()
         print(f"\nprocess logs in {logdir}")
+
+
+if __name__ == "__main__":
+    # `python -m ops.harness lanes N` (ops/test.sh): the wallclock lane, then the lanes of N pytest-xdist
+    # workers, on one line; a count this Redis server cannot serve is refused with the reason (exit 2).
+    if sys.argv[1:2] != ["lanes"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m ops.harness lanes N")
+    try:
+        if not sys.argv[2].isdigit():
+            raise LaneError("a whole number of lanes")
+        lanes = xdist_lanes(int(sys.argv[2]), redis_databases(TEST_REDIS))
+    except LaneError as e:
+        print(f"SPOOL_TEST_LANES={sys.argv[2]}: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(WALLCLOCK_LANE, *lanes)

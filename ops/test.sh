@@ -24,6 +24,15 @@ if [ "${1:-}" = "unit" ]; then
   exec .venv/bin/python -m pytest tests/unit -p no:cacheprovider -q --durations=10 -n 2 "$@"
 fi
 
+# Root: the cluster and dead-host tests build network namespaces and links (`ip netns`), and the
+# fresh-machine test makes a Debian Postgres cluster (`pg_createcluster`); as any other user those three
+# modules skip, and strict skips fail the run. Said here, before anything is installed.
+if [ "$(id -u)" -ne 0 ]; then
+  echo "ops/test.sh: the full run needs root (network namespaces for tests/e2e/test_cluster.py and" \
+    "test_dead_host.py, a Debian Postgres cluster for test_fresh_machine.py): run \`sudo bash ops/test.sh\`;" \
+    "\`bash ops/test.sh unit\` needs neither root nor services" >&2
+  exit 2
+fi
 EXTRAS=cpu,test,bench,eval
 # A host with a CUDA device also installs the GPU engines and a CUDA build of torch, and tests/gpu then
 # runs instead of skipping: a "no CUDA GPU" skip fails the run there (tests/strict_skips.py), never green.
@@ -48,6 +57,11 @@ if [ "$GPU_HOST" = 1 ] && ! torch_sees_cuda; then
   fi
 fi
 bash ops/test-tools.sh
+# Each lane's database and Redis dbs come from ops/harness.py's allocator, which never hands out a local
+# Spool's (database `spool`, Redis db 0): a SPOOL_TEST_LANES this Redis cannot serve is refused here.
+LANES=${SPOOL_TEST_LANES:-2}
+ALLOCATED=$(.venv/bin/python -m ops.harness lanes "$LANES")
+read -r WALL_LANE XDIST_LANES <<<"$ALLOCATED"
 # --durations: where the suite's time goes, printed at the end of every run.
 # SPOOL_STRICT_SKIPS: a skip fails the run unless its reason is an allowed one (no GPU; tests/strict_skips.py).
 export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
@@ -91,13 +105,11 @@ fi
 # The tests marked `solo` ran before them, beside the lint. SPOOL_SERIAL=1: one process, as it was. The run
 # fails if any lane fails; the wallclock lane's report follows the rest.
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
-LANES=${SPOOL_TEST_LANES:-2}
 WALL_LOG=$(mktemp /tmp/spool-wallclock.XXXXXX)
-SPOOL_COSTS_LANE=wallclock SPOOL_TEST_LANE=2 "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
+SPOOL_COSTS_LANE=wallclock SPOOL_TEST_LANE=$WALL_LANE "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
 WALL=$!
 TX=()
-for ((i = 0; i < LANES; i++)); do
-  lane=$i; [ "$i" -ge 2 ] && lane=$((i + 1))  # lane 2 is the wallclock tests'
+for lane in $XDIST_LANES; do
   TX+=(--tx "popen//env:SPOOL_TEST_LANE=$lane")
 done
 rc=0

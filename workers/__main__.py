@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     _heartbeat(r.worker_name, s, r.loop, slots)
     from core.jobs import workers
 
-    r.batch_slot_wake = lambda: workers.wake_dispatcher(r.redis)
+    r.slot_wake = lambda: workers.wake_dispatcher(r.redis)
     # Celery's "received" and "succeeded in" lines repeat ours (which carry job and request ids) for
     # every job: at hundreds of jobs a second their formatting alone is a noticeable share of a core.
     for name in ("celery.app.trace", "celery.worker.strategy"):

@@ -116,7 +116,8 @@ class Attempt:
                         if wants_scores and not before.prefix_sent
                         else None,
                         prompt_logprobs_len=len(ids),
-                        interactive=job.kind != JobKind.batch,
+                        # A flex request runs in batch slots, displaced by interactive work like a line.
+                        interactive=job.kind != JobKind.batch and job.service_tier != "flex",
                         cache_scope=job.tenant_id,  # one tenant's cached prefix is never another's
                     )
                 )

@@ -39,7 +39,6 @@ from core.infra.transient import TRANSIENT
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.transitions import Claimed
-from core.states import JobKind
 from workers.attempt import Attempt
 from workers.cancels import CancelWatch
 from workers.engine.base import SeqSpec
@@ -80,10 +79,6 @@ class SequenceShare:
         self._held: dict[int, tuple[collections.deque, collections.deque]] = {}
         self._tenant: dict[Hashable, int] = {}
         self.most: dict[int, int] = {}  # most sequences of a tenant in the engine at once (tests, metrics)
-
-    def held_count(self) -> int:
-        with self._lock:
-            return sum(len(a) + len(b) for a, b in self._held.values())
 
     def submit(self, tenant: int, specs: list[SeqSpec], sink: Sink) -> None:
         with self._lock:
@@ -214,7 +209,7 @@ class JobRunner:
         self.share = SequenceShare(loop, tenant_cap(settings, loop.engine.max_batch))
         # Leases are renewed from the moment an attempt starts (a grammar compiling).
         self.keeper = LeaseKeeper(self.renew, settings.lease_s)
-        self.batch_slot_wake: Any = None  # set by the worker process: called when an attempt ends
+        self.slot_wake: Any = None  # set by the worker process: called when an attempt ends
 
     # -- entrypoint -------------------------------------------------------------------------
     def run(self, job_id: str, attempt: int) -> Outcome:
@@ -298,10 +293,11 @@ class JobRunner:
                     log.info("job %s attempt %s started", job.id, job.attempt)
                 return self._attempt(job, started)
         finally:
-            # A batch line's end frees a slot the dispatcher fills at once. Interactive jobs do not
-            # wake it: that made it run a full tick per request (a third of a core at 60 requests/s).
-            if job.kind == JobKind.batch and self.batch_slot_wake is not None:
-                self.batch_slot_wake()
+            # Any end frees a slot the dispatcher fills at once: a batch line's, or a request's while
+            # requests wait in Postgres for the fair dispatcher (a contended model). A woken pass with
+            # nothing queued for its free slots is one index probe (core/dispatcher.py `tick`).
+            if self.slot_wake is not None:
+                self.slot_wake()
 
     def _attempt(self, job: Claimed, started: Attempt | None = None) -> Outcome:
         job_id, attempt = job.id, job.attempt

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +30,8 @@ class BatchCreate(BaseModel):
     completion_window: str
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     webhook_url: Annotated[str, Field(max_length=2048, pattern=r"^https?://")] | None = None
+    # {"anchor": "created_at", "seconds": N}: checked by the service (core/files/expiry.py).
+    output_expires_after: dict[str, Any] | None = None
 
 
 @router.post("", response_model=BatchObject)
@@ -44,7 +46,10 @@ async def create_batch(
     keys: IdempotencyDep,
 ) -> dict:
     key = request.headers.get("idempotency-key")
-    async with keys.held(principal.tenant.id, key, "/v1/batches", body.model_dump(mode="json")) as claim:
+    # A request without output_expires_after hashes as it did before that field existed.
+    unset = {"output_expires_after"} if body.output_expires_after is None else None
+    payload = body.model_dump(mode="json", exclude=unset)
+    async with keys.held(principal.tenant.id, key, "/v1/batches", payload) as claim:
         if claim is not None and claim.replay is not None:
             return await service.view(session, await service.get(session, claim.replay, principal.tenant.id))
         rid = getattr(request.state, "request_id", None)

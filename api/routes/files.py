@@ -14,7 +14,7 @@ from api import uploads
 from api.costs import Body, OffLoop, cheap, sized, work
 from api.deps import AsyncSessionsDep, IdempotencyDep, RedisDep, SettingsDep, SyncSessionsDep, TenantDep
 from api.errors import APIError
-from core.files import service
+from core.files import expiry, service
 from core.protocol import render
 from core.protocol.schemas import FileDeleted, FileList, FileObject
 
@@ -32,7 +32,12 @@ _UPLOAD_FORM = {
                 "schema": {
                     "type": "object",
                     "required": ["file", "purpose"],
-                    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}},
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string"},
+                        "expires_after[anchor]": {"type": "string", "enum": [expiry.ANCHOR]},
+                        "expires_after[seconds]": {"type": "integer", "minimum": expiry.MIN_S, "maximum": expiry.MAX_S},
+                    },
                 }
             }
         },
@@ -40,7 +45,9 @@ _UPLOAD_FORM = {
 }
 
 
-def _check_purpose(fields: dict[str, str]) -> None:
+def _check_fields(fields: dict[str, str]) -> None:
+    """The text fields sent so far (before the file, and again once the form has ended)."""
+    expiry.form_seconds(fields, partial=True)
     purpose = fields.get("purpose")
     if purpose is None:
         return  # not sent yet (or at all: checked again once the form has ended)
@@ -63,15 +70,16 @@ async def upload(
     sync_sessions: SyncSessionsDep,
     sessions: AsyncSessionsDep,
 ) -> dict:
-    got = await uploads.receive(request, sync_sessions, tenant.id, settings, _check_purpose)
+    got = await uploads.receive(request, sync_sessions, tenant.id, settings, _check_fields)
     try:
         purpose = got.fields.get("purpose")
         if purpose is None:
             raise APIError(
                 400, "Missing required form field 'purpose'.", param="purpose", code="missing_required_parameter"
             )
+        expires_s = expiry.form_seconds(got.fields)
         key = request.headers.get("idempotency-key")
-        stored = await service.keep(sessions, keys, got.upload, purpose, got.filename, key)
+        stored = await service.keep(sessions, keys, got.upload, purpose, got.filename, key, expires_s)
     except BaseException:
         await service.discard(got.upload)
         raise

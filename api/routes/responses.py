@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import anyio
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.bodies import INLINE_BYTES, json_body, json_response, openapi_body
@@ -28,19 +29,25 @@ from core.jobs import transitions
 from core.jobs.responses import Batch, Responses
 from core.protocol import render
 from core.protocol import responses as wire
-from core.protocol.responses import ResponsesRequest
+from core.protocol.responses import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from core.protocol.schemas import ErrorResponse
 
 router = APIRouter(prefix="/v1/responses")
 
 _Body = Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))]
-_ANSWERS: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The response object, or its stream events (SSE) with `stream: true`",
-        "content": {"application/json": {}, "text/event-stream": {}},
-    },
-    **{s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)},
-}
+_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)}
+
+
+def _answers(model: type[BaseModel], description: str, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """`responses` of a route answering `model` as JSON (its schema in /openapi.json), or with
+    `stream` its typed events as SSE."""
+    content = {"text/event-stream": {"schema": {"type": "string"}}} if stream else {}
+    return {200: {"model": model, "description": description, "content": content}, **_ERRORS}
+
+
+_OBJECT_OR_STREAM = _answers(
+    ResponseObject, "The response object, or its stream events (SSE) with `stream: true`", True
+)
 
 
 async def _responses(request: Request) -> Responses:
@@ -82,7 +89,7 @@ def _rendered(sessions: sessionmaker[Session], job_id: str, tenant_id: int, resp
     return render.response_of(_loaded(sessions, job_id, tenant_id, resp_id))
 
 
-@router.post("", response_model=None, responses=_ANSWERS, openapi_extra=openapi_body(ResponsesRequest))
+@router.post("", response_model=None, responses=_OBJECT_OR_STREAM, openapi_extra=openapi_body(ResponsesRequest))
 @work
 async def create_response(
     body: _Body, request: Request, responses: _ResponsesDep, lifecycle: LifecycleDep, settings: SettingsDep
@@ -106,7 +113,7 @@ async def create_response(
     return await _built(tenant_id, settings, render.response_of, row if row is not None else job, headers=headers)
 
 
-@router.get("/{response_id}", response_model=None, responses=_ANSWERS)
+@router.get("/{response_id}", response_model=None, responses=_OBJECT_OR_STREAM)
 @sized
 async def get_response(
     response_id: str,
@@ -134,7 +141,7 @@ async def get_response(
     return _Rejoin(_framed(events, request.app.state.redis, job.id, live=not transitions.is_terminal(job.state)))
 
 
-@router.post("/{response_id}/cancel", response_model=None, responses=_ANSWERS)
+@router.post("/{response_id}/cancel", response_model=None, responses=_answers(ResponseObject, "The response object"))
 @sized
 async def cancel_response(
     response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep, sessions: SyncSessionsDep
@@ -152,7 +159,7 @@ async def cancel_response(
     return OffLoop(tenant.id, cancelled)
 
 
-@router.delete("/{response_id}", response_model=None, responses=_ANSWERS)
+@router.delete("/{response_id}", response_model=None, responses=_answers(ResponseDeleted, "The response is forgotten"))
 @cheap
 async def delete_response(response_id: str, tenant: TenantDep, responses: _ResponsesDep, lifecycle: LifecycleDep):
     """Forgets a stored response (a running one is cancelled first); then every read of it is a 404."""
@@ -166,7 +173,9 @@ async def delete_response(response_id: str, tenant: TenantDep, responses: _Respo
     return render.response_deleted(render.response_id(job.id))
 
 
-@router.get("/{response_id}/input_items", response_model=None, responses=_ANSWERS)
+@router.get(
+    "/{response_id}/input_items", response_model=None, responses=_answers(InputItemList, "A page of its input items")
+)
 @sized
 async def list_input_items(
     response_id: str,

@@ -347,6 +347,7 @@ class Validation:
         self.renewed = time.monotonic()
         self.errors: list[dict[str, Any]] = []
         self.extra_errors = 0
+        self.models: dict[str, None] = {}  # the models its valid lines name, in the order each first appears
         self.total = 0
         # Each distinct constraint of the file compiled once (a 50k-line file with one schema: once).
         self.cache = constraints.Cache()
@@ -422,10 +423,18 @@ class Validation:
         except _LineError as exc:
             self._note(line_no, exc.entry)
             return True
+        self.models.setdefault(row["model"])
         row["params"], row["prompts"] = Jsonb(row["params"]), Jsonb(row["prompts"])
         row["chat"] = Jsonb(row["chat"]) if row["chat"] is not None else None
         self.copy.write_row([row[c] for c in COLUMNS])
         return True
+
+    @property
+    def model(self) -> str | None:
+        """The batch's `model`: the one its lines name. OpenAI takes one model per batch; Spool runs
+        lines of several (each line is its own job), and then names them all, joined by ",", in the
+        order each first appears. None: no valid line."""
+        return ",".join(self.models) or None
 
     def _mine(self, stmt: Update) -> Update:
         """`stmt` only while this validator's lease is the batch's (a bare `validate` has none)."""
@@ -485,12 +494,13 @@ class Validation:
                         "message": f"{self.extra_errors} more lines are invalid.",
                     }
                 )
-            moved: Any = session.execute(self._mine(rejected(self.batch_id, now, total, render.listing(errors))))
+            stmt = rejected(self.batch_id, now, total, render.listing(errors), self.model)
+            moved: Any = session.execute(self._mine(stmt))
             if not moved.rowcount:  # an UPDATE's result: rowcount
                 return self._not_moved()
             session.commit()
             return BatchStatus.failed
-        moved = session.execute(self._mine(validated(self.batch_id, now, total)))
+        moved = session.execute(self._mine(validated(self.batch_id, now, total, self.model)))
         if not moved.rowcount:  # cancelled, or the lease was taken: none of its lines may run from here
             return self._not_moved()
         session.commit()

@@ -25,7 +25,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches.status import LIVE, end, ending, finalizing
+from core.files import expiry
 from core.files import storage as files
+from core.generation.events import Usage
 from core.infra.orm import Batch, File, Job
 from core.jobs.lifecycle import LINE_ENDINGS, Lifecycle
 from core.protocol import render
@@ -71,9 +73,18 @@ def counts(b: Batch) -> dict[str, int]:
     return {"total": total, "completed": b.lines_completed or 0, "failed": b.lines_failed or 0}
 
 
+def usage(b: Batch) -> Usage:
+    """What its ended lines used, as kept on the row by the trigger on jobs (migration 0017)."""
+    return Usage(
+        prompt_tokens=b.usage_prompt_tokens or 0,
+        completion_tokens=b.usage_completion_tokens or 0,
+        cached_tokens=b.usage_cached_tokens or 0,
+    )
+
+
 def batch_json(b: Batch) -> dict[str, Any]:
     """The batch object: result files being written are not shown until they are whole."""
-    return render.batch(b, counts(b), files_shown=b.status in FINAL)
+    return render.batch(b, counts(b), usage(b), files_shown=b.status in FINAL)
 
 
 # Postgres notifies this channel when a batch's last live line ends (migration 0011's trigger).
@@ -102,7 +113,9 @@ def _line(job: Job, fingerprints: render.Fingerprints) -> tuple[bool, dict[str, 
 
 
 def _result_file(b: Batch, kind: str) -> File:
-    """An output or error file being written: hidden (like an upload in progress) until the batch ends."""
+    """An output or error file being written: hidden (like an upload in progress) until the batch ends;
+    it expires `output_expires_after.seconds` after its creation (30 days by default)."""
+    now = datetime.now(UTC)
     return File(
         id=files.new_file_id(),
         tenant_id=b.tenant_id,
@@ -112,6 +125,8 @@ def _result_file(b: Batch, kind: str) -> File:
         lines=0,
         status=FileStatus.processing.value,
         deleted=True,
+        created_at=now,
+        expires_at=now + timedelta(seconds=b.output_expires_s or expiry.DEFAULT_S),
     )
 
 

@@ -19,6 +19,7 @@ from core.batches import progress, webhooks
 from core.batches.status import CANCELLABLE, EMPTY_COUNTS, cancel_requested
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
+from core.files import expiry
 from core.files import storage as files
 from core.idempotency import Claim
 from core.infra import redis_keys, threads
@@ -61,6 +62,7 @@ async def create(
     completion_window: str,
     metadata: dict[str, str] | None,
     webhook_url: str | None,
+    output_expires_after: dict[str, Any] | None = None,
     claim: Claim | None = None,
     request_id: str | None = None,
 ) -> Batch:
@@ -69,6 +71,7 @@ async def create(
     window_problem = progress.window_problem(completion_window)  # 1 s to progress.MAX_WINDOW_S
     if window_problem is not None:
         raise invalid("completion_window", window_problem)
+    output_expires_s = expiry.seconds_of(output_expires_after, "output_expires_after")
     meta_problem = metadata_problem(metadata)  # OpenAI's limits: 16 pairs, keys 64, values 512 characters
     if meta_problem is not None:
         raise invalid("metadata", meta_problem)
@@ -98,6 +101,7 @@ async def create(
         status=BatchStatus.validating.value,
         meta=metadata,
         webhook_url=webhook_url,
+        output_expires_s=output_expires_s,
         request_id=request_id,
         created_at=now,
         expires_at=progress.expires_at(now, completion_window),

@@ -41,14 +41,15 @@ def _validation_ended(batch_id: str, to: BatchStatus, total: int, **values: Any)
     )
 
 
-def validated(batch_id: str, now: datetime, total: int) -> Update:
-    return _validation_ended(batch_id, BatchStatus.in_progress, total, in_progress_at=now)
+def validated(batch_id: str, now: datetime, total: int, model: str | None = None) -> Update:
+    """`model`: what its lines ask for (core/batches/ingest.py `Validation.model`)."""
+    return _validation_ended(batch_id, BatchStatus.in_progress, total, in_progress_at=now, model=model)
 
 
-def rejected(batch_id: str, now: datetime, total: int, errors: dict[str, Any]) -> Update:
+def rejected(batch_id: str, now: datetime, total: int, errors: dict[str, Any], model: str | None = None) -> Update:
     """`errors`: the list object the batch shows (render.listing; workers import this module, so it
-    renders nothing itself)."""
-    return _validation_ended(batch_id, BatchStatus.failed, total, failed_at=now, errors=errors)
+    renders nothing itself); `model`: what its valid lines ask for."""
+    return _validation_ended(batch_id, BatchStatus.failed, total, failed_at=now, errors=errors, model=model)
 
 
 def cancel_requested(batch_id: str, now: datetime) -> Update:

@@ -290,10 +290,13 @@ def commands_markdown() -> str:
     return "\n".join(rows)
 
 
-def _limits(args: dict[str, object]) -> dict[str, int | None]:
+def _limits(args: dict[str, object]) -> dict[str, int | bool | None]:
     """The limit options among a command's arguments (its `locals()`, taken first thing), those given
     only, 'none' as None (unlimited): the same values /admin takes."""
-    out: dict[str, int | None] = {}
+    out: dict[str, int | bool | None] = {}
+    allow = args.get("allow_priority")
+    if isinstance(allow, bool):
+        out["allow_priority"] = allow
     for k in LIMITS:
         v = args.get(k)
         if v is None:
@@ -339,18 +342,7 @@ def _print(rows: list[dict], as_json: bool, columns: list[str]) -> None:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
-TENANT_COLUMNS = [
-    "id",
-    "name",
-    "weight",
-    "rpm",
-    "tpm",
-    "tpd",
-    "max_concurrent",
-    "max_queued",
-    "max_storage_bytes",
-    *STORE_LIMITS,
-]
+TENANT_COLUMNS = ["id", "name", *LIMITS]
 KEY_COLUMNS = ["id", "prefix", "name", "scope", "revoked", "rpm", "tpm", "expires_at"]
 
 
@@ -366,6 +358,7 @@ def tenant_create(
     max_storage_bytes: str | None = LimitOpt,
     max_stored_bytes: str | None = StoreOpt,
     max_redis_bytes: str | None = StoreOpt,
+    allow_priority: bool = typer.Option(False, help="May be served at `service_tier: priority`."),
 ) -> None:
     """Create a tenant, optionally with limits (requests/tokens per minute, tokens per day, ...)."""
     values = _limits(locals())
@@ -388,6 +381,7 @@ def tenant_update(
     max_storage_bytes: str | None = LimitOpt,
     max_stored_bytes: str | None = StoreOpt,
     max_redis_bytes: str | None = StoreOpt,
+    allow_priority: bool | None = typer.Option(None, help="May be served at `service_tier: priority`."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Change a tenant's weight or limits ('none' clears a limit)."""

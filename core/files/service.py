@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import idempotency
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
-from core.files import storage
+from core.files import expiry, storage
 from core.idempotency import Idempotency
 from core.infra import redis_keys, threads, transient
 from core.infra.kv import Lua
@@ -146,10 +146,11 @@ class Upload:
         """The hex SHA-256 of everything written so far."""
         return self._sha.hexdigest()
 
-    def finish(self, purpose: str, record: Update | None = None) -> File:
-        """Make the stored file visible (and kept for 30 days). `record`: the statement that names it
-        as its Idempotency-Key's object (idempotency.record_statement), run in the same transaction:
-        when it matches nothing (a retry took the key over) nothing is kept and the upload is a 409."""
+    def finish(self, purpose: str, record: Update | None = None, expires_s: int | None = None) -> File:
+        """Make the stored file visible, kept `expires_s` after its creation (`expires_after`; by
+        default 30 days). `record`: the statement that names it as its Idempotency-Key's object
+        (idempotency.record_statement), run in the same transaction: when it matches nothing (a retry
+        took the key over) nothing is kept and the upload is a 409."""
         if self.bytes == 0:
             raise invalid("file", "The file is empty.", "empty_file")
         lines = self.lines + (self.last != b"\n")  # a last line without a newline
@@ -162,7 +163,7 @@ class Upload:
                     lines=lines,
                     status=FileStatus.processed.value,
                     deleted=False,
-                    expires_at=datetime.now(UTC) + timedelta(days=30),
+                    expires_at=File.created_at + timedelta(seconds=expires_s or expiry.DEFAULT_S),
                 )
                 .returning(File)
             )
@@ -193,12 +194,16 @@ async def keep(
     purpose: str,
     filename: str | None,
     key: str | None,
+    expires_s: int | None = None,
 ) -> File:
-    """A received upload, kept under the request's Idempotency-Key `key`. The whole request counts: a
-    retried upload (same key, purpose, name and content) gets the file the first one stored, and this
-    copy is discarded; another file under the same key is a 422, whatever its size. Otherwise the
-    upload is made visible and named by the key in one transaction, only while this request holds it."""
+    """A received upload, kept under the request's Idempotency-Key `key` (and `expires_s` after its
+    creation: `finish`). The whole request counts: a retried upload (same key, purpose, name, expiry
+    and content) gets the file the first one stored, and this copy is discarded; another file under
+    the same key is a 422, whatever its size. Otherwise the upload is made visible and named by the key
+    in one transaction, only while this request holds it."""
     payload = {"purpose": purpose, "filename": filename, "bytes": upload.bytes, "sha256": upload.sha256}
+    if expires_s is not None:  # only when sent: a retry of a request made before this field hashes the same
+        payload["expires_s"] = expires_s
     async with keys.held(upload.tenant_id, key, "/v1/files", payload) as claim:
         if claim is not None and claim.replay is not None:
             f = await find(sessions, claim.replay, upload.tenant_id)
@@ -206,7 +211,7 @@ async def keep(
                 await discard(upload)  # the first request's file is the answer: this copy goes
                 return f
         record = idempotency.record_statement(claim, upload.file_id)
-        return await threads.run("upload", upload.finish, purpose, record)
+        return await threads.run("upload", upload.finish, purpose, record, expires_s)
 
 
 # -- reading: lists, lookups, deletion, downloads ----------------------------------------------------

@@ -73,7 +73,8 @@ def celery_app() -> Celery:
 # base64 body is [args, kwargs, embed], pushed onto the queue's list (priority 0: the list named as
 # the queue). Written here instead of through `send_task`, which cost ~0.5 ms of CPU per job (message
 # building, producer pool, exchange lookup) plus its own Redis round trips; the worker consumes it
-# through Celery unchanged. tests/integration/test_broker_message.py holds it to what send_task writes.
+# through Celery unchanged. tests/integration/test_broker_message.py holds it to what send_task writes
+# and to what kombu's Redis transport and Celery's worker request decode from it.
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 _ORIGIN = f"spool@{socket.gethostname()}:{os.getpid()}"
 

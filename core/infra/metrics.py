@@ -19,6 +19,12 @@ REFUSED = Counter("spool_requests_refused_total", "Requests refused by a limit (
 # Where jobs end (worker, reaper, API cancel)
 REQUESTS = Counter("spool_jobs_finished_total", "Jobs that ended, by outcome", ["tenant", "model", "outcome"])
 TOKENS = Counter("spool_tokens_total", "Tokens of finished jobs", ["tenant", "model", "kind"])
+TIERS = Counter(
+    "spool_service_tier_jobs_total", "Jobs that ended, by the service tier that served them", ["model", "service_tier"]
+)
+FLEX_REFUSED = Counter(
+    "spool_flex_refused_total", "Flex requests refused (429) because the flex backlog was past its bound", ["model"]
+)
 SECONDS = Counter("spool_engine_seconds_total", "Engine time of finished jobs (GPU-seconds)", ["tenant", "model"])
 PROMPT_TOKENS = Counter("spool_prompt_tokens_total", "Prompt tokens processed", ["model"])
 GENERATION_TOKENS = Counter("spool_generation_tokens_total", "Tokens generated", ["model"])

@@ -18,6 +18,7 @@ from sqlalchemy import (
     LargeBinary,
     SmallInteger,
     String,
+    Text,
     func,
     text,
 )
@@ -50,6 +51,8 @@ class Tenant(Base):
     # (core/tenancy/usage.py); NULL: the deployment's default, 0: no limit.
     max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
     max_redis_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # May ask for `service_tier: "priority"` (served ahead of `default`); others asking get `default`.
+    allow_priority: Mapped[bool] = mapped_column(Boolean, server_default="false")
     # Signs this tenant's webhooks (Standard Webhooks `whsec_...`); made on first use, rotatable.
     webhook_secret: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
@@ -85,6 +88,17 @@ class Job(Base):
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         # The fair dispatcher: each tenant's queued jobs of a model, best first.
         Index("ix_jobs_queue", "model", "state", "tenant_id", "kind", text("priority DESC"), "created_at"),
+        # Queued API requests by tier: each tenant's heads of a lane, whether a lane is contended, and
+        # the flex backlog, without walking a queued batch's lines (migration 0018).
+        Index(
+            "ix_jobs_queued_tier",
+            "model",
+            "service_tier",
+            "tenant_id",
+            text("priority DESC"),
+            "created_at",
+            postgresql_where=text("state = 'queued' AND kind = 'interactive'"),
+        ),
         CheckConstraint(f"kind IN ({_KINDS_SQL})", name="ck_jobs_kind"),
         # A batch's lines: in input order, and each custom_id once.
         Index("ix_jobs_batch_line", "batch_id", "line_no", unique=True, postgresql_where=text("batch_id IS NOT NULL")),
@@ -92,6 +106,15 @@ class Job(Base):
             "ix_jobs_batch_custom", "batch_id", "custom_id", unique=True, postgresql_where=text("batch_id IS NOT NULL")
         ),
         Index("ix_jobs_batch_state", "batch_id", "state", postgresql_where=text("batch_id IS NOT NULL")),
+        # A tenant's stored chat completions (`store: true`, kept in `chat` under `stored`), in order
+        # (core/jobs/chat_store.py, migration 0016).
+        Index(
+            "ix_jobs_chat_stored",
+            "tenant_id",
+            "created_at",
+            "id",
+            postgresql_where=text("(chat -> 'stored') IS NOT NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -106,11 +129,14 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.queued.value)
     attempt: Mapped[int] = mapped_column(Integer, server_default="1")
     priority: Mapped[int] = mapped_column(Integer, server_default="0")
+    # The tier that serves it (core/jobs/tiers.py): its lane in the fair dispatcher (migration 0018).
+    service_tier: Mapped[str] = mapped_column(String(16), server_default="default")
     # Engine-neutral GenerationParams (core/generation/params.py) and the prompts, already normalized.
     params: Mapped[dict[str, Any]] = mapped_column(JSONB)
     prompts: Mapped[list[Any]] = mapped_column(JSONB)
     stream: Mapped[bool] = mapped_column(Boolean, server_default="false")
-    # A chat completion: how to render it (tool-call parsing, chat logprobs). NULL: a text completion.
+    # A chat completion: how to render it (tool-call parsing, chat logprobs) and, with `store: true`,
+    # what it keeps for the stored-completion routes (`stored`). NULL: a text completion.
     chat: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     # A response's chain (itself and every `previous_response_id` behind it): how many responses and
     # how many bytes of stored input items, written on insert by a trigger (migration 0013), so one
@@ -152,6 +178,7 @@ class UsageDaily(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
     key_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # 0: no key
     model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    service_tier: Mapped[str] = mapped_column(String(16), primary_key=True, server_default="default")
     requests: Mapped[int] = mapped_column(BigInteger, server_default="0")
     failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
@@ -214,6 +241,15 @@ class Batch(Base):
     lines_failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
     # While finalizing: the last line_no already written to the result files (NULL: not started).
     results_line: Mapped[int | None] = mapped_column(BigInteger)
+    # The model its lines ask for (several: joined by ",", in the order each first appears), set by
+    # validation; the usage its ended lines keep, summed by the same triggers as the counts (0017).
+    model: Mapped[str | None] = mapped_column(Text)
+    usage_prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    usage_cached_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    usage_completion_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # `output_expires_after.seconds`: its result files expire this long after they are created (NULL:
+    # core/files/expiry.DEFAULT_S).
+    output_expires_s: Mapped[int | None] = mapped_column(Integer)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
     webhook_url: Mapped[str | None] = mapped_column(String(2048))
     webhook_state: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

@@ -128,19 +128,20 @@ class Lifecycle:
             completion_tokens=u.completion_tokens,
             gpu_seconds=engine_s,
             outcome=outcome,
+            service_tier=getattr(job, "service_tier", None) or "default",
         )
 
     @staticmethod
     def _record_many(session: Session, rows: Sequence[Any], outcome: Ending) -> None:
         """One usage count per job for many jobs that ended alike with nothing billable (a batch's
         lines that never ran): one upsert per (tenant, key, model), in the caller's transaction."""
-        groups: dict[tuple[int, int | None, str], int] = {}
+        groups: dict[tuple[int, int | None, str, str], int] = {}
         for r in rows:
-            k = (r.tenant_id, r.key_id, r.model)
+            k = (r.tenant_id, r.key_id, r.model, getattr(r, "service_tier", None) or "default")
             groups[k] = groups.get(k, 0) + 1
         params = [
-            usage.record(tenant_id=t, key_id=key, model=m, outcome=outcome, requests=n)
-            for (t, key, m), n in groups.items()
+            usage.record(tenant_id=t, key_id=key, model=m, outcome=outcome, requests=n, service_tier=tier)
+            for (t, key, m, tier), n in groups.items()
         ]
         if params:
             session.execute(usage.UPSERT, params)

@@ -31,7 +31,7 @@ from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.infra.transient import DATABASE
-from core.jobs import transitions, workers
+from core.jobs import chat_store, tiers, transitions, workers
 from core.jobs.stream import HEARTBEAT, follow
 from core.jobs.submit import Send, Submitter
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
@@ -84,10 +84,10 @@ def prompt_floor(body: CompletionRequest | ChatCompletionRequest) -> int:
 
 
 def forgotten(job: Any) -> bool:
-    """A response deleted, or never stored (`store: false`): every route that reads jobs answers it
-    as it answers an unknown id, not only the Responses API's."""
+    """A response deleted, or never stored (`store: false`), or a stored chat completion deleted: every
+    route that reads jobs answers it as it answers an unknown id, not only the API that deleted it."""
     m = (job.chat or {}).get("response") or {}
-    return bool(m.get("deleted")) or m.get("store") is False
+    return bool(m.get("deleted")) or m.get("store") is False or chat_store.is_deleted(job.chat)
 
 
 class Completions:
@@ -104,7 +104,8 @@ class Completions:
         tokenizers: Callable[[str], Tokenizer] = tokenizer_for,
     ) -> None:
         self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
-        self.submit, self.tokenizers = Submitter(sessions, send), tokenizers
+        self.submit = Submitter(sessions, send, settings.queue_depth, lambda: workers.wake_dispatcher_async(rds))
+        self.tokenizers = tokenizers
         self.quotas = Quotas(sessions, rds, settings)
         self._warm: set[str] = set()  # models whose tokenizer this process has loaded
         self._live_until: dict[str, float] = {}  # model -> until when a live worker was last seen
@@ -165,6 +166,10 @@ class Completions:
                 raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
             headers["x-spool-ignored-params"] = ",".join(unknown)
         body.model = check_model(body.model, settings)
+        tenant = principal.tenant
+        tier = tiers.resolve(body.service_tier, tenant.allow_priority)
+        if tier == tiers.Tier.flex:  # refused at once while the flex lane is full: nothing counted or taken
+            await tiers.check_flex(self.sessions, body.model, settings.flex_max_queued)
         if not queued and not await self._live(body.model):
             raise DomainError(
                 ErrorKind.unavailable,
@@ -183,7 +188,6 @@ class Completions:
         else:
             tok, ms, (params, prompts, chat, stored, need) = await threads.run("prepare", self._stored_form, body)
             self._warm.add(body.model)  # its tokenizer is loaded: the next small request may stay on the loop
-        tenant = principal.tenant
         # The tenant's stored bytes (and Redis bytes) before its rate limits: nothing is stored or taken.
         await self.quotas.check(tenant, need)
         job = transitions.new_job(
@@ -195,6 +199,7 @@ class Completions:
             stream=bool(body.stream),
             user=body.user,
             priority=body.priority or 0,
+            service_tier=tier.value,
             reserved_tokens=reservation(params, prompts, context_length(tok, ms)),
             chat=chat,
             request_id=request_id,
@@ -218,7 +223,11 @@ class Completions:
         context, batch) and the translated request."""
         tok = self.tokenizers(body.model)
         ms = settings_for(body.model, self.settings)
-        return tok, ms, translate(body, ms, tok, compile=False)
+        params, prompts, chat = translate(body, ms, tok, compile=False)
+        kept = chat_store.kept(body) if isinstance(body, ChatCompletionRequest) else None
+        if kept is not None:  # `store: true`: kept for the stored-completion routes (core/jobs/chat_store.py)
+            chat = {**(chat or {}), "stored": kept}
+        return tok, ms, (params, prompts, chat)
 
     def _stored_form(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[Tokenizer, Settings, Any]:
         """`_prepare`, then the job's params and prompts as they will be stored and the bytes the job

@@ -128,14 +128,6 @@ async def follow_batches(
     live: Seen = {}  # what this reader was given from the stream
     at = last_id  # the last place it was given
     ms, seq = _split(last_id)
-    # After every entry of the stream, or a resume into a stream that is gone: an ended job's row
-    # answers at once (not after a silence).
-    if ms > 0 or (seq > 0 and not await reader.exists(job_id)):
-        row = await check_row()
-        if row is not None:
-            async with heavy():
-                yield await _rest(reader, job_id, row, last_id, at, live)
-            return
 
     async def batch_of(entries: list[tuple[str, str]]) -> tuple[list[Any], bool]:
         nonlocal at
@@ -149,59 +141,59 @@ async def follow_batches(
                 return out, True
         return out, False
 
-    # The backlog first, in pages this reader pulls alone and only as its caller asks (each inside
-    # `heavy()`): the shared read serves live tails, so one tenant's 200 replays of a long job are
-    # never re-read, parsed and queued for every follower of the process at once.
-    # Nothing of a page is kept while waiting for the gate again: 200 replays waiting there each
-    # held their last decoded page (+680 MiB in the API) when these names outlived the block.
-    pos = last_id
-    while True:
-        async with heavy():
-            try:
-                page = await reader.page(job_id, pos, PAGE)
-            except TRANSIENT:
-                page = []  # Redis away: the shared read below waits it out and tells the silence
-            full, pos = len(page) == PAGE, page[-1][0] if page else pos
-            if page:
-                out, ended = await batch_of(page)
-                del page
-                yield out
-                del out
+    # The ended job's row, once it answers: after every entry of the stream, or a resume into a stream
+    # that is gone, at once (not after a silence); else once the stream has nothing more to give.
+    row = await check_row() if ms > 0 or (seq > 0 and not await reader.exists(job_id)) else None
+    if row is None:
+        # The backlog first, in pages this reader pulls alone and only as its caller asks (each inside
+        # `heavy()`): the shared read serves live tails, so one tenant's 200 replays of a long job are
+        # never re-read, parsed and queued for every follower of the process at once.
+        # Nothing of a page is kept while waiting for the gate again: 200 replays waiting there each
+        # held their last decoded page (+680 MiB in the API) when these names outlived the block.
+        pos = last_id
+        while True:
+            async with heavy():
+                try:
+                    page = await reader.page(job_id, pos, PAGE)
+                except TRANSIENT:
+                    page = []  # Redis away: the shared read below waits it out and tells the silence
+                full, pos = len(page) == PAGE, page[-1][0] if page else pos
+                if page:
+                    out, ended = await batch_of(page)
+                    del page
+                    yield out
+                    del out
+                    if ended:
+                        return
+                page = []
+            if not full:
+                break
+        if ended and at == last_id:
+            row = await check_row()
+    if row is None:
+        if at != last_id:
+            pos = at
+        async with contextlib.aclosing(reader.read_batches(job_id, pos, block_ms)) as reading:
+            async for entries in reading:
+                if entries is None:
+                    row = await check_row()
+                    if row is not None:
+                        break
+                    yield HEARTBEAT
+                    continue
+                big = len(entries) > OFF_LOOP_ENTRIES or sum(len(raw) for _, raw in entries) > HEAVY_BYTES
+                async with heavy() if big else _no_gate():
+                    out, ended = await batch_of(entries)
+                    del entries
+                    yield out
+                    del out
                 if ended:
                     return
-            page = []
-        if not full:
-            break
-    if ended and at == last_id:
-        row = await check_row()
-        if row is not None:
-            async with heavy():
-                rest = await _rest(reader, job_id, row, last_id, at, live)
-                if rest:
-                    yield rest
-            return
-    if at != last_id:
-        pos = at
-    async with contextlib.aclosing(reader.read_batches(job_id, pos, block_ms)) as reading:
-        async for entries in reading:
-            if entries is None:
-                row = await check_row()
-                if row is not None:
-                    async with heavy():
-                        rest = await _rest(reader, job_id, row, last_id, at, live)
-                        if rest:
-                            yield rest
-                    return
-                yield HEARTBEAT
-                continue
-            big = len(entries) > OFF_LOOP_ENTRIES or sum(len(raw) for _, raw in entries) > HEAVY_BYTES
-            async with heavy() if big else _no_gate():
-                out, ended = await batch_of(entries)
-                del entries
-                yield out
-                del out
-            if ended:
-                return
+    if row is not None:
+        async with heavy():
+            rest = await _rest(reader, job_id, row, last_id, at, live)
+            if rest:
+                yield rest
 
 
 async def _rest(

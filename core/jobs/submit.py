@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 # Hands jobs to Celery (core/infra/broker.AsyncSender), each as (job id, attempt, model, kind), in one
 # round trip however many.
 Send = Callable[[Sequence[tuple[str, int, str, str]]], Awaitable[None]]
+# Wakes the dispatcher (core/jobs/workers.wake_dispatcher's pipeline, on the API's client): a job
+# stored `queued` is picked within milliseconds rather than at its next tick.
+Wake = Callable[[], Awaitable[None]]
 # At most this many new jobs in one INSERT (a burst's worth; the rest go in the next one).
 GROUP_MAX = 128
 
@@ -38,8 +41,10 @@ class Submitter:
     pushes. Each job still learns its own outcome: a group that fails for one row's sake (not a
     connection error) is retried row by row, so one bad row fails only its own request."""
 
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], send: Send) -> None:
-        self.sessions, self.send = sessions, send
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], send: Send, depth: int = 8, wake: Wake | None = None
+    ) -> None:
+        self.sessions, self.send, self.depth, self.wake = sessions, send, depth, wake
         self._pending: list[tuple[Job, int | None, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -56,7 +61,7 @@ class Submitter:
 
     async def _one(self, job: Job, cap: int | None, claim: Claim | None) -> None:
         """A job with an Idempotency-Key (its key row in the same transaction), or a batch line."""
-        stmt = transitions.insert_new(job, cap, dispatch=job.kind == JobKind.interactive)
+        stmt = transitions.insert_new(job, cap, dispatch=job.kind == JobKind.interactive, depth=self.depth)
         if claim is None:
             (row,) = await one_statement_async(self.sessions, *stmt)
         else:
@@ -86,7 +91,9 @@ class Submitter:
     async def _store(self, group: list[tuple[Job, int | None, asyncio.Future[None]]]) -> None:
         try:
             rows = await one_statement_async(
-                self.sessions, transitions.INSERT, transitions.insert_group([(job, cap) for job, cap, _ in group])
+                self.sessions,
+                transitions.INSERT,
+                transitions.insert_group([(job, cap) for job, cap, _ in group], self.depth),
             )
         except Exception as exc:
             # Postgres away fails every row alike: not retried row by row.
@@ -104,6 +111,11 @@ class Submitter:
 
     async def _send(self, jobs: list[Job]) -> None:
         out = [j for j in jobs if j.state == JobState.dispatched.value]  # the rest: the dispatcher sends them
+        if len(out) < len(jobs) and self.wake is not None:
+            try:
+                await self.wake()
+            except Exception:  # Redis away: the dispatcher's next tick (a second) picks them up
+                log.warning("could not wake the dispatcher", exc_info=True)
         if not out:
             return
         try:

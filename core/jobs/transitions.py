@@ -32,6 +32,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    not_,
     null,
     or_,
     select,
@@ -42,6 +43,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import defer, undefer
 
 from core.infra.orm import Job
+from core.jobs import tiers
+from core.jobs.tiers import Tier
 from core.states import TERMINAL_STATES, JobKind, JobState
 
 ACTIVE_STATES = (JobState.queued, JobState.dispatched, JobState.running)
@@ -71,6 +74,7 @@ def new_row(
     batch_id: str | None = None,
     line_no: int | None = None,
     custom_id: str | None = None,
+    service_tier: str = "default",
 ) -> dict[str, Any]:
     """A new job's columns, queued at attempt 1: the one builder of job rows. `new_job` makes an ORM
     object of them (the API's request); the batch validator COPYs them as they are, a plain dict per
@@ -94,6 +98,7 @@ def new_row(
         "line_no": line_no,
         "custom_id": custom_id,
         "reserved_tokens": reserved_tokens,
+        "service_tier": service_tier,
     }
 
 
@@ -118,6 +123,7 @@ _NEW = (
     "kind",
     "reserved_tokens",
     "priority",
+    "service_tier",
     "params",
     "prompts",
     "stream",
@@ -144,12 +150,44 @@ def in_flight(tenant_id: Any):
     )
 
 
+def _contended(model: Any, ahead: Any, depth: Any, rank: Any) -> Any:
+    """Whether a new request must wait for the fair dispatcher rather than go straight to a worker: a
+    request of a tier at or ahead of its own (`ahead`) is queued for the model already (it would be
+    overtaken), or the model's queues hold `depth` unclaimed requests (the workers are behind: who goes
+    next is the dispatcher's choice). `rank`: the model's requests ahead of this one in the same statement.
+    Both are index range scans of a few entries (`ix_jobs_queued_tier`; the dispatched of `ix_jobs_queue`)."""
+    waiting = (
+        select(literal(1))
+        .select_from(Job)
+        .where(
+            Job.model == model,
+            Job.state == JobState.queued.value,
+            Job.kind == JobKind.interactive.value,
+            Job.service_tier == any_(ahead),
+        )
+        .exists()
+    )
+    unclaimed = (
+        select(func.count())
+        .select_from(Job)
+        .where(Job.model == model, Job.state == JobState.dispatched.value, Job.kind == JobKind.interactive.value)
+        .scalar_subquery()
+    )
+    return or_(waiting, unclaimed + rank >= depth)
+
+
 def _insert() -> Insert:
     c = _JOBS.c
     cap = bindparam("b_cap", type_=Integer)
     in_flight_now = in_flight(bindparam("b_tenant_id", type_=c.tenant_id.type))
     rank = bindparam("b_rank", type_=Integer)  # the tenant's jobs ahead of this one in the same statement
-    room = and_(bindparam("b_dispatch", type_=Boolean), or_(cap.is_(None), in_flight_now + rank < cap))
+    contended = _contended(
+        bindparam("b_model", type_=c.model.type),
+        bindparam("b_ahead", type_=ARRAY(String)),
+        bindparam("b_depth", type_=Integer),
+        bindparam("b_model_rank", type_=Integer),
+    )
+    room = and_(bindparam("b_dispatch", type_=Boolean), or_(cap.is_(None), in_flight_now + rank < cap), not_(contended))
     values: dict[str, Any] = {n: bindparam(f"b_{n}", type_=c[n].type) for n in _NEW}
     values["state"] = case((room, JobState.dispatched.value), else_=JobState.queued.value)
     values["dispatched_at"] = case((room, func.now()), else_=null())
@@ -159,30 +197,44 @@ def _insert() -> Insert:
 INSERT = _insert()
 
 
-def insert_new(job: Job, cap: int | None, dispatch: bool) -> tuple[Insert, dict[str, Any]]:
-    """Store a new job in one statement, already `dispatched` when `dispatch` and its tenant is under
-    its concurrency cap (else `queued`, for the fair dispatcher); returns (id, state, created_at,
+def insert_new(job: Job, cap: int | None, dispatch: bool, depth: int) -> tuple[Insert, dict[str, Any]]:
+    """Store a new job in one statement, already `dispatched` when `dispatch`, its tenant is under its
+    concurrency cap and its model is not contended (`_contended`: else `queued`, for the fair
+    dispatcher, which then chooses by tokens between tenants); returns (id, state, created_at,
     dispatched_at). Built once, on the table: the ORM's flush plus a second UPDATE was two round trips
-    and a unit of work per request. Replicas racing may overshoot the cap by a job or two; the
-    dispatcher, which feeds everything else, counts exactly."""
-    return INSERT, _new_params(job, cap, dispatch, 0)
+    and a unit of work per request. Replicas racing may overshoot the cap or `depth` by a job or two;
+    the dispatcher, which feeds everything else, counts exactly."""
+    return INSERT, _new_params(job, cap, dispatch, 0, depth, 0)
 
 
-def insert_group(jobs: Sequence[tuple[Job, int | None]]) -> list[dict[str, Any]]:
+def insert_group(jobs: Sequence[tuple[Job, int | None]], depth: int) -> list[dict[str, Any]]:
     """`INSERT`'s parameters for several new interactive jobs stored by one statement (the API's group
-    commit): rows come back in this order. One statement sees one snapshot, so the jobs of a tenant
-    in the group do not see each other: each counts those ahead of it (`b_rank`) against the cap."""
+    commit): rows come back in this order. One statement sees one snapshot, so the jobs in the group do
+    not see each other: each counts those of its tenant ahead of it (`b_rank`) against the cap, and
+    those of its model (`b_model_rank`) against `depth`."""
     ahead: dict[int, int] = {}
+    per_model: dict[str, int] = {}
     out = []
     for job, cap in jobs:
         rank = ahead.get(job.tenant_id, 0)
         ahead[job.tenant_id] = rank + 1
-        out.append(_new_params(job, cap, True, rank))
+        model_rank = per_model.get(job.model, 0)
+        per_model[job.model] = model_rank + 1
+        out.append(_new_params(job, cap, True, rank, depth, model_rank))
     return out
 
 
-def _new_params(job: Job, cap: int | None, dispatch: bool, rank: int) -> dict[str, Any]:
-    return {"b_cap": cap, "b_dispatch": dispatch, "b_rank": rank, **{f"b_{n}": getattr(job, n) for n in _NEW}}
+def _new_params(job: Job, cap: int | None, dispatch: bool, rank: int, depth: int, model_rank: int) -> dict[str, Any]:
+    tier = Tier(job.service_tier or Tier.default)
+    return {
+        "b_cap": cap,
+        "b_dispatch": dispatch and tier != Tier.flex,  # flex waits in its lane for batch slots
+        "b_rank": rank,
+        "b_ahead": tiers.ahead_of(tier),
+        "b_depth": depth,
+        "b_model_rank": model_rank,
+        **{f"b_{n}": getattr(job, n) for n in _NEW},
+    }
 
 
 def _transition(
@@ -225,6 +277,7 @@ class Claimed(NamedTuple):
     request_id: str | None
     created_at: datetime | None
     started_at: datetime | None
+    service_tier: str = "default"  # a flex request decodes as batch work does (workers/attempt.py)
 
 
 # Built once with bound parameters, on the table: building this ORM UPDATE per claim, and letting the
@@ -279,7 +332,9 @@ def renew_lease(job_id: str, attempt: int, lease_s: float) -> Update:
 
 # What ending a job needs back (usage row, metrics, announcement): not the prompts, params and result,
 # which the ORM would otherwise parse back out of JSONB for every finished job.
-ENDED = tuple(_JOBS.c[n] for n in ("id", "tenant_id", "key_id", "model", "kind", "created_at", "finished_at"))
+ENDED = tuple(
+    _JOBS.c[n] for n in ("id", "tenant_id", "key_id", "model", "kind", "service_tier", "created_at", "finished_at")
+)
 
 
 def _ending(to: JobState, *fields: str) -> Update:
@@ -396,16 +451,30 @@ def any_unended() -> Exists:
 
 
 def batch_in_flight(model: str):
-    """Batch lines of a model dispatched or running: the batch slots they hold."""
+    """Batch lines and flex requests of a model dispatched or running: the batch slots they hold."""
     return (
         select(func.count())
         .select_from(Job)
         .where(
             Job.model == model,
-            Job.kind == JobKind.batch.value,
+            or_(Job.kind == JobKind.batch.value, Job.service_tier == Tier.flex.value),
             Job.state.in_([JobState.dispatched.value, JobState.running.value]),
         )
     )
+
+
+def update_chat(where: Sequence[Any], chat: Any) -> Update:
+    """A job's `chat` rewritten, never its state: a stored chat completion's metadata or its forgetting
+    (core/jobs/chat_store.py)."""
+    return update(_JOBS).where(*where).values(chat=chat)
+
+
+def requests_queued(model: str) -> Select:
+    """Whether any API request of the model waits for the fair dispatcher (`ix_jobs_queued_tier`)."""
+    queued = exists().where(
+        Job.model == model, Job.state == JobState.queued.value, Job.kind == JobKind.interactive.value
+    )
+    return select(queued)
 
 
 def dispatch_picked(job_ids: list[str]) -> Update:

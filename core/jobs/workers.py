@@ -105,9 +105,18 @@ def batch_capacity(rds: Any, model: str) -> int:
 
 
 def wake_dispatcher(rds: Any) -> None:
-    """Batch work to hand out now, not at the dispatcher's next tick: a batch line ended (its slot is
-    free) or a batch's lines were just queued (validated). Wakes that pile up are one wake."""
+    """Work to hand out now, not at the dispatcher's next tick: a job ended (its slot is free), a
+    batch's lines were just queued (validated), or a request was stored `queued` (its model contended).
+    Wakes that pile up are one wake."""
     pipe = rds.pipeline(transaction=False)
     pipe.lpush(redis_keys.DISPATCHER_WAKE, 1)
     pipe.ltrim(redis_keys.DISPATCHER_WAKE, 0, 0)
     pipe.execute()
+
+
+async def wake_dispatcher_async(rds: Any) -> None:
+    """`wake_dispatcher` on an asyncio client (the API's)."""
+    pipe = rds.pipeline(transaction=False)
+    pipe.lpush(redis_keys.DISPATCHER_WAKE, 1)
+    pipe.ltrim(redis_keys.DISPATCHER_WAKE, 0, 0)
+    await pipe.execute()

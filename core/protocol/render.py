@@ -186,7 +186,8 @@ def completion(job: JobRecord, fingerprint: str) -> dict[str, Any]:
         if p.prompt_logprobs is not None and "prompt_logprobs" not in ch:
             ch["prompt_logprobs"] = None
         choices.append(ch)
-    return _finished(job, fingerprint, "text_completion", choices)
+    # Not in OpenAI's legacy object, which has no tiers; the SDK keeps the extra field.
+    return {**_finished(job, fingerprint, "text_completion", choices), "service_tier": service_tier(job)}
 
 
 def _finished(job: JobRecord, fingerprint: str, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -273,6 +274,7 @@ TENANT_LIMITS = (
     "max_storage_bytes",
     "max_stored_bytes",
     "max_redis_bytes",
+    "allow_priority",
 )
 
 
@@ -330,7 +332,7 @@ def api_key(k: KeyRecord, plain: str | None = None) -> dict[str, Any]:
 
 
 def usage_row(row: Mapping[Any, Any]) -> dict[str, Any]:
-    """One row of usage per day and model (and key)."""
+    """One row of usage per day, model and service tier (and key)."""
     d = dict(row)
     d["day"] = d["day"].isoformat()
     d["gpu_seconds"] = round(float(d["gpu_seconds"]), 3)
@@ -409,6 +411,7 @@ class BatchRecord(Protocol):
 
     id: str
     endpoint: str
+    model: str | None
     errors: dict[str, Any] | None
     input_file_id: str
     completion_window: str
@@ -427,13 +430,15 @@ class BatchRecord(Protocol):
     cancelled_at: datetime | None
 
 
-def batch(b: BatchRecord, counts: dict[str, int], files_shown: bool) -> dict[str, Any]:
-    """OpenAI's batch object. The domain says what rendering cannot know: its `request_counts`, and
+def batch(b: BatchRecord, counts: dict[str, int], used: Usage, files_shown: bool) -> dict[str, Any]:
+    """OpenAI's batch object. The domain says what rendering cannot know: its `request_counts`, what
+    its ended lines used (`usage`, in the Responses API's shape, as OpenAI's batch shows it), and
     whether its result files are whole yet (`files_shown`; core/batches/progress.batch_json)."""
     return {
         "id": b.id,
         "object": "batch",
         "endpoint": b.endpoint,
+        "model": b.model,
         "errors": b.errors,
         "input_file_id": b.input_file_id,
         "completion_window": b.completion_window,
@@ -450,6 +455,7 @@ def batch(b: BatchRecord, counts: dict[str, int], files_shown: bool) -> dict[str
         "cancelling_at": _ts(b.cancelling_at),
         "cancelled_at": _ts(b.cancelled_at),
         "request_counts": counts,
+        "usage": response_usage(used),
         "metadata": b.meta,
     }
 
@@ -543,9 +549,9 @@ def _message(job: JobRecord, index: int, text: str, finish: str | None) -> tuple
 
 
 def service_tier(job: JobRecord) -> str:
-    """The tier that served the job, which every chat completion, chunk and response echoes:
-    `default` for every job until tiers are scheduled (sdk_params: `service_tier`)."""
-    return "default"
+    """The tier that served the job (core/jobs/tiers.py), which every completion, chunk and response
+    echoes."""
+    return getattr(job, "service_tier", None) or "default"
 
 
 def chat_completion(job: JobRecord, fingerprint: str) -> dict[str, Any]:
@@ -842,3 +848,35 @@ def response_object(
 
 def response_deleted(resp_id: str) -> dict[str, Any]:
     return {"id": resp_id, "object": "response", "deleted": True}
+
+
+# -- stored chat completions (`store: true`, core/jobs/chat_store.py) -------------------------------
+
+
+def stored_chat_completion(job: JobRecord, fingerprint: str, metadata: dict[str, str] | None) -> dict[str, Any]:
+    """A stored chat completion, as the stored-completion routes answer it: the object its create
+    answered, with its `metadata` (OpenAI's stored object echoes it)."""
+    return {**chat_completion(job, fingerprint), "metadata": metadata or {}}
+
+
+def chat_completion_deleted(completion_id: str) -> dict[str, Any]:
+    return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
+
+
+def stored_chat_message(completion_id: str, index: int, message: Mapping[str, Any]) -> dict[str, Any]:
+    """One message a stored completion was asked with (`message`: as the request sent it), in OpenAI's
+    shape: its `content` as one string (parts joined as the prompt joined them) and, when it was sent
+    as parts, those in `content_parts`."""
+    content = message.get("content")
+    parts = content if isinstance(content, list) else None
+    out: dict[str, Any] = {
+        "id": f"{completion_id}-{index}",
+        "role": message["role"],
+        "content": "\n".join(p.get("text") or "" for p in parts) if parts is not None else content,
+        "name": message.get("name"),
+        "content_parts": parts,
+    }
+    for extra in ("tool_calls", "tool_call_id", "refusal"):
+        if message.get(extra) is not None:
+            out[extra] = message[extra]
+    return out

@@ -446,6 +446,108 @@ def rename(exc: DomainError) -> DomainError:
     return exc
 
 
+# -- the objects answered, as /openapi.json describes them ------------------------------------------
+# render.py builds them as dicts (response_object, response_deleted, page); these models only document
+# them (each route's `responses`), so a model that lags the renderer allows the extra keys.
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class OutputText(_Answer):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[dict[str, Any]]
+
+
+class OutputMessage(_Answer):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class FunctionCall(_Answer):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseUsage(_Answer):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseError(_Answer):
+    code: str
+    message: str
+
+
+class ResponseObject(_Answer):
+    """OpenAI's `response` object (render.response_object): a job in whatever state it is."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    background: bool
+    completed_at: int | None
+    error: ResponseError | None
+    incomplete_details: dict[str, Any] | None
+    instructions: str | list[dict[str, Any]] | None
+    max_output_tokens: int | None
+    max_tool_calls: int | None
+    model: str
+    output: list[OutputMessage | FunctionCall]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    prompt_cache_key: str | None
+    reasoning: dict[str, Any]
+    safety_identifier: str | None
+    service_tier: str
+    store: bool
+    temperature: float | None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_logprobs: int
+    top_p: float | None
+    truncation: Literal["auto", "disabled"]
+    usage: ResponseUsage | None
+    user: str | None
+    metadata: dict[str, Any]
+
+
+class ResponseDeleted(_Answer):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class InputItem(_Answer):
+    """One of a response's input items as listed (input_item_list): the client's item, with an id."""
+
+    id: str
+    type: str
+
+
+class InputItemList(_Answer):
+    object: Literal["list"]
+    data: list[InputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # -- reading a stored response -------------------------------------------------------------------
 # Its `response` object, output items and usage are built in core/protocol/render.py (`response_of`,
 # the one home of wire objects); here, what a chain and `input_items` read of it.

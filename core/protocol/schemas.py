@@ -102,6 +102,9 @@ LLAMACPP_UNSUPPORTED = frozenset(
 )
 
 
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
+
+
 class _GenerationRequest(BaseModel):
     """What /v1/completions and /v1/chat/completions share: one set of fields, one set of bounds."""
 
@@ -164,6 +167,8 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Annotated[Int, Field(ge=-100, le=100)] | None = None  # within the tenant: higher runs first
+    # OpenAI's tier (core/jobs/tiers.py): its lane in the fair dispatcher; completions take it too.
+    service_tier: ServiceTier | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
@@ -252,7 +257,6 @@ class ChatMessage(_Part):
 
 # The `openai` SDK's other chat parameters, typed as OpenAI types them (a wrong type is a 400 naming
 # it); what each does here is declared once in core/protocol/sdk_params.py.
-ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
 ShortStr = Annotated[str, Field(max_length=256)]
 
 
@@ -315,10 +319,10 @@ class ChatCompletionRequest(_GenerationRequest):
     # The legacy spelling of tools and tool_choice (translate.py maps them)
     functions: Annotated[list[LegacyFunction], Field(min_length=1, max_length=128)] | None = None
     function_call: Literal["none", "auto"] | FunctionCallOption | None = None
-    # Accepted with no effect here (sdk_params.CHAT says why), validated as OpenAI does
+    # Kept with the completion when `store` is true (core/jobs/chat_store.py)
     metadata: Metadata | None = None
     store: bool | None = None
-    service_tier: ServiceTier | None = None
+    # Accepted with no effect here (sdk_params.CHAT says why), validated as OpenAI does
     prompt_cache_key: ShortStr | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
@@ -473,6 +477,37 @@ class FileList(_Page):
     data: list[FileObject]
 
 
+class StoredChatCompletion(ChatCompletion):
+    """A stored chat completion (`store: true`, core/jobs/chat_store.py): the object its create
+    answered, with its `metadata`."""
+
+    metadata: dict[str, str]
+
+
+class StoredChatCompletionList(_Page):
+    data: list[StoredChatCompletion]
+
+
+class StoredChatMessage(_Response):
+    """One message a stored chat completion was asked with."""
+
+    id: str
+    role: str
+    content: str | None
+    name: str | None = None
+    content_parts: list[dict[str, Any]] | None = None
+
+
+class StoredChatMessageList(_Page):
+    data: list[StoredChatMessage]
+
+
+class ChatCompletionDeleted(_Response):
+    id: str
+    object: Literal["chat.completion.deleted"]
+    deleted: bool
+
+
 # A batch's `metadata`: OpenAI's limits (a 400 naming `metadata` past them, core/batches/service.py).
 METADATA_MAX_PAIRS = 16
 METADATA_KEY_MAX_CHARS = 64
@@ -528,6 +563,7 @@ class UsageRow(_Response):
     day: str
     tenant_id: int
     model: str
+    service_tier: str  # the tier that served these jobs (`default`, `flex`, `priority`)
     requests: int
     failed: int
     prompt_tokens: int
@@ -576,6 +612,7 @@ class TenantObject(_Response):
     max_stored_bytes: int | None = None  # None: the deployment's default; 0: no limit
     max_redis_bytes: int | None = None
     weight: int | None = None
+    allow_priority: bool | None = None  # may be served at `service_tier: "priority"`
     created_at: int | None = None
 
 

@@ -50,7 +50,6 @@ _CACHE = "the engine keeps its own prefix cache per tenant (docs/performance.md)
 
 # Chat and Responses both take these, with the same meaning.
 _SHARED: dict[str, Decision] = {
-    "metadata": _noop("validated as OpenAI does (16 pairs, 64-character keys, 512-character values); not kept"),
     "moderation": _noop(_NO_MODERATION),
     "prompt_cache_key": _noop(f"{_CACHE}; a dispatcher may route by it later"),
     "prompt_cache_retention": _noop(_CACHE),
@@ -68,7 +67,10 @@ CHAT: dict[str, Decision] = {
     "max_completion_tokens": _ok(),
     "max_tokens": _ok(),
     "messages": _ok("a final assistant message with `continue_final_message` is continued from its text as written"),
-    "metadata": _SHARED["metadata"],
+    "metadata": _ok(
+        "validated as OpenAI does (16 pairs, 64-character keys, 512-character values); with `store: true`, "
+        "kept with the completion, echoed by the stored-completion routes and filtered on by their list"
+    ),
     "modalities": Decision(Answer.honoured, '`["text"]`; a list naming `audio` is refused', _TEXT_ONLY),
     "model": _ok(),
     "moderation": _SHARED["moderation"],
@@ -85,7 +87,11 @@ CHAT: dict[str, Decision] = {
     "seed": _ok(),
     "service_tier": _SHARED["service_tier"],
     "stop": _ok(),
-    "store": _noop("every job is kept for its retention whatever it says; stored-completion listing is not served"),
+    "store": _ok(
+        "`true`: once it succeeds, the completion is served by `GET`, `POST` (metadata) and `DELETE "
+        "/v1/chat/completions/{id}`, `GET /v1/chat/completions` and `.../{id}/messages`; omitted or `false` "
+        "(OpenAI's default): not kept there (its job is still read at /v1/jobs/{id}); a batch line's: no effect"
+    ),
     "stream": _ok(),
     "stream_options": _ok(),
     "temperature": _ok(),

@@ -48,6 +48,8 @@ class TenantLimits(BaseModel):
     # None, the deployment's default; 0, no limit.
     max_stored_bytes: BigNonNegInt = None
     max_redis_bytes: BigNonNegInt = None
+    # May be served at `service_tier: "priority"` (core/jobs/tiers.py); others asking get `default`.
+    allow_priority: bool | None = None
 
 
 class TenantCreate(TenantLimits):
@@ -108,6 +110,8 @@ def update_tenant(session: Session, name: str, body: TenantLimits) -> Tenant:
     values = body.model_dump(exclude_unset=True)  # an explicit None clears a limit
     if "weight" in values and values["weight"] is None:
         raise invalid("weight", "weight cannot be null (it is a share, at least 1).")
+    if "allow_priority" in values and values["allow_priority"] is None:
+        values["allow_priority"] = False
     t = tenant(session, name)
     if values:
         session.execute(update(Tenant).where(Tenant.id == t.id).values(**values))
@@ -176,8 +180,8 @@ def ensure_first_key(session: Session, tenant_name: str) -> str | None:
 
 
 def usage_rows(tenant_id: int | None, start: date | None, end: date | None, by_key: bool = False) -> Select:
-    """Usage per day and model (and key), for one tenant or all."""
-    cols = [UsageDaily.day, UsageDaily.tenant_id, UsageDaily.model]
+    """Usage per day, model and service tier (and key), for one tenant or all."""
+    cols = [UsageDaily.day, UsageDaily.tenant_id, UsageDaily.model, UsageDaily.service_tier]
     if by_key:
         cols.append(UsageDaily.key_id)
     stmt = (

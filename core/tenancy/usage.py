@@ -1,6 +1,6 @@
 """Usage accounting: every finished job counts once in `usage_daily`, plus Prometheus counters.
 
-`usage_daily` has one row per day, tenant, key and model: a finished job adds 1 to its `requests`
+`usage_daily` has one row per day, tenant, key, model and service tier: a finished job adds 1 to its `requests`
 (and to `failed` unless it succeeded) and its tokens. Called in the same transaction as the job's
 terminal transition, by whoever makes it (worker, API cancel, dispatcher reaper, batch keeper), so
 billing and job state cannot disagree. Many jobs that end together (a batch's expired lines) are
@@ -15,19 +15,29 @@ from sqlalchemy import BigInteger, Select, Table, Update, bindparam, func, liter
 from sqlalchemy.dialects.postgresql import Insert, insert
 
 from core.infra import redis_keys, streams
-from core.infra.metrics import REQUESTS, SECONDS, TOKENS
+from core.infra.metrics import REQUESTS, SECONDS, TIERS, TOKENS
 from core.infra.orm import UsageDaily
 from core.states import Ending
 
 _TABLE = cast(Table, UsageDaily.__table__)
 _DAY = func.date(func.timezone("utc", func.now()))
-_COLUMNS = ("tenant_id", "key_id", "model", "requests", "failed", "prompt_tokens", "completion_tokens", "gpu_seconds")
+_COLUMNS = (
+    "tenant_id",
+    "key_id",
+    "model",
+    "service_tier",
+    "requests",
+    "failed",
+    "prompt_tokens",
+    "completion_tokens",
+    "gpu_seconds",
+)
 
 
 def _on_conflict(stmt: Insert) -> Insert:
     t, ex = _TABLE, stmt.excluded
     return stmt.on_conflict_do_update(
-        index_elements=[t.c.day, t.c.tenant_id, t.c.key_id, t.c.model],
+        index_elements=[t.c.day, t.c.tenant_id, t.c.key_id, t.c.model, t.c.service_tier],
         set_={
             "requests": t.c.requests + ex.requests,
             "failed": t.c.failed + ex.failed,
@@ -57,6 +67,7 @@ def billed_with(ending: Update) -> Select:
         ended.c.tenant_id,
         func.coalesce(ended.c.key_id, 0),
         ended.c.model,
+        ended.c.service_tier,
         literal(1, BigInteger),
         bindparam("failed", type_=c.failed.type),
         bindparam("prompt_tokens", type_=c.prompt_tokens.type),
@@ -90,6 +101,7 @@ def record(
     gpu_seconds: float = 0.0,
     outcome: Ending = Ending.succeeded,
     requests: int = 1,
+    service_tier: str = "default",
 ) -> dict[str, Any]:
     """Count the job (or `requests` jobs that ended alike, their tokens summed) in the metrics;
     returns the parameters of `UPSERT` for its usage row."""
@@ -97,10 +109,12 @@ def record(
     TOKENS.labels(str(tenant_id), model, "prompt").inc(prompt_tokens)
     TOKENS.labels(str(tenant_id), model, "completion").inc(completion_tokens)
     SECONDS.labels(str(tenant_id), model).inc(gpu_seconds)
+    TIERS.labels(model, service_tier).inc(requests)
     return {
         "tenant_id": tenant_id,
         "key_id": key_id or 0,
         "model": model,
+        "service_tier": service_tier,
         "requests": requests,
         "failed": 0 if outcome == Ending.succeeded else requests,
         "prompt_tokens": prompt_tokens,

@@ -73,6 +73,34 @@ def test_openai_client_round_trip(stack):
     assert b.id in [x.id for x in client.batches.list().data]
 
 
+def test_a_batch_shows_its_model_and_usage_and_its_files_expire_as_asked(stack):
+    """Issue 51: `model`, `usage` (the sum of its lines' usage), `expires_after`, `output_expires_after`."""
+    client = stack.openai()
+    f = client.files.create(
+        file=("two.jsonl", io.BytesIO(_lines(2))),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    assert f.expires_at == f.created_at + 3600
+    b = client.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    b = _poll(client, b.id, {"completed", "failed"})
+    assert b.status == "completed", b.errors
+    used = [o["response"]["body"]["usage"] for o in _output(client, b.output_file_id)]
+    assert b.model == MODEL and b.usage is not None and len(used) == 2
+    assert b.usage.input_tokens == sum(u["prompt_tokens"] for u in used) > 0
+    assert b.usage.output_tokens == sum(u["completion_tokens"] for u in used) > 0
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in used)
+    assert b.usage.input_tokens_details.cached_tokens == cached
+    assert b.usage.total_tokens == b.usage.input_tokens + b.usage.output_tokens
+    out = client.files.retrieve(b.output_file_id)
+    assert out.expires_at == out.created_at + 7200
+
+
 def test_validation_reports_every_bad_line_and_runs_nothing(stack, db):
     client = stack.openai()
     good = _lines(3).decode().splitlines()

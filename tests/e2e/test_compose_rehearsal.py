@@ -20,13 +20,14 @@ import httpx
 import redis as redis_lib
 import yaml
 
-from tests.conftest import ROOT, TEST_DB, TEST_REDIS, Stack, free_port, wait_for
+from ops.harness import side_redis
+from tests.conftest import ROOT, TEST_DB, Stack, free_port, wait_for
 from tests.helpers import answers_health, env_example
 
 # A database and Redis db of its own: the rehearsal starts from empty ones, and must not wipe the
 # session's shared stack (it did: every later test on that stack then got 401s).
 COMPOSE_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_compose"
-COMPOSE_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/7"
+COMPOSE_REDIS = side_redis("compose")
 
 SERVICES = ("migrate", "api", "dispatcher", "worker", "worker-gpu")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ops.harness import side_redis
 from tests.conftest import ROOT, free_port, wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -59,7 +60,7 @@ def test_services_make_a_login_and_spool_serves_with_it(debian_cluster, tmp_path
         **env,
         "SPOOL_DATABASE_URL": url,
         "SPOOL_API_PORT": str(api_port),
-        "SPOOL_REDIS_URL": "redis://127.0.0.1:6379/10",
+        "SPOOL_REDIS_URL": side_redis("fresh_machine"),
     }
     log = open(tmp_path / "up.log", "wb")
     up = subprocess.Popen(

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_DB, TEST_REDIS, running_stack
+from ops.harness import side_redis
+from tests.conftest import TEST_DB, running_stack
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def fuzz_stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("fuzz-logs"),
         TEST_DB.rsplit("/", 1)[0] + "/spool_fuzz",
-        TEST_REDIS.rsplit("/", 1)[0] + "/14",
+        side_redis("fuzz"),
     ) as st:
         yield st
 

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import MODEL, TEST_DB, TEST_REDIS, Stack, running_stack, wait_for
+from ops.harness import side_redis
+from tests.conftest import MODEL, TEST_DB, Stack, running_stack, wait_for
 
 # A database and Redis db of their own: a second stack on the session's would drop its database
 # (every later test got 401s) and share its dispatcher, which knows none of these limits.
 LIMITS_DB = TEST_DB.rsplit("/", 1)[0] + "/spool_limits"
-LIMITS_REDIS = TEST_REDIS.rsplit("/", 1)[0] + "/8"
+LIMITS_REDIS = side_redis("limits")
 
 MAX_LINES = 5
 MAX_ENQUEUED = 300

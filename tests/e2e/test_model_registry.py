@@ -10,7 +10,8 @@ import os
 import pytest
 
 from core.registry import smollm2_gguf
-from tests.conftest import MODEL, TEST_DB, TEST_REDIS, job_row, running_stack, wait_for
+from ops.harness import side_redis
+from tests.conftest import MODEL, TEST_DB, job_row, running_stack, wait_for
 
 pytest.importorskip("gguf")
 
@@ -42,7 +43,7 @@ n_ctx = 512
     )
     logs = tmp_path_factory.mktemp("registry-logs")
     db_url = TEST_DB.rsplit("/", 1)[0] + "/spool_registry"
-    redis_url = TEST_REDIS.rsplit("/", 1)[0] + "/12"
+    redis_url = side_redis("registry")
     with running_stack(
         logs, db_url, redis_url, extra_workers=({"SPOOL_WORKER_MODELS": HF_MODEL},), SPOOL_MODELS_FILE=str(registry)
     ) as st:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ops.harness import side_redis
 from tests.conftest import MODEL, TEST_DB, running_stack
 from tests.sse import collect
 
@@ -13,7 +14,7 @@ from tests.sse import collect
 @pytest.fixture(scope="module")
 def null_stack(tmp_path_factory):
     db = TEST_DB.rsplit("/", 1)[0] + "/spool_null"
-    with running_stack(tmp_path_factory.mktemp("null-logs"), db, "redis://127.0.0.1:6379/9", SPOOL_ENGINE="null") as st:
+    with running_stack(tmp_path_factory.mktemp("null-logs"), db, side_redis("null_engine"), SPOOL_ENGINE="null") as st:
         yield st
 
 

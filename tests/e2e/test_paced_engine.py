@@ -9,6 +9,7 @@ import concurrent.futures
 import httpx
 import pytest
 
+from ops.harness import side_redis
 from tests.conftest import MODEL, TEST_DB, running_stack
 from tests.helpers import two_process_api
 from tests.sse import collect
@@ -19,7 +20,7 @@ from workers.engine.paced import PacedEngine
 def paced_stack(tmp_path_factory):
     db = TEST_DB.rsplit("/", 1)[0] + "/spool_paced"
     env = {"SPOOL_ENGINE": "paced", "SPOOL_MAX_BATCH": "4", "SPOOL_PACED_STEP_MS": "2", "SPOOL_PACED_SEQ_MS": "0.25"}
-    with running_stack(tmp_path_factory.mktemp("paced-logs"), db, "redis://127.0.0.1:6379/5", **env) as st:
+    with running_stack(tmp_path_factory.mktemp("paced-logs"), db, side_redis("paced"), **env) as st:
         yield st
 
 

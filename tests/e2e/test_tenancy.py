@@ -207,9 +207,16 @@ def test_tenant_b_gets_404_for_every_object_of_tenant_a(stack):
                 e = r.json()["error"]
                 answers.append((e["type"], e["code"], e["param"]))
             assert answers[0] == answers[1], (method, path, answers)
+        # B's usage lists B's rows only: both have some (A's job ended, B sent one of its own), so an
+        # empty list cannot pass for isolation.
+        assert _post(http_b, max_tokens=1).status_code == 200
+        wait_for(lambda: http_a.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded", 60, "A's job")
+        with stack.http(stack.keys["admin"]) as admin:
+            ids = {t["name"]: t["id"] for t in admin.get("/admin/tenants").json()["data"]}
+        assert {r["tenant_id"] for r in http_a.get("/v1/usage").json()["data"]} == {ids["alpha"]}
         listed = [http_b.get(p).json()["data"] for p in ("/v1/files", "/v1/batches", "/v1/usage")]
         assert file_id not in [f["id"] for f in listed[0]] and batch_id not in [x["id"] for x in listed[1]]
-        assert all(r["tenant_id"] != _tenant_id(http_a) for r in listed[2])
+        assert listed[2] and {r["tenant_id"] for r in listed[2]} == {ids["beta"]}, listed[2]
         # ...and A still sees all of it.
         assert http_a.get(f"/v1/jobs/{job_id}").status_code == 200
         assert http_a.get(f"/v1/files/{file_id}").status_code == 200
@@ -237,8 +244,3 @@ def test_a_job_whose_worker_keeps_dying_releases_its_reservation(stack, db):
         assert 0 < row["completion_tokens"] < 400  # what was streamed, not what was reserved
         prompt = len(http.post("/tokenize", json={"model": MODEL, "content": CHAT_DONE}).json()["tokens"])
         assert _post(http, max_tokens=450 - billed - prompt).status_code == 200  # the rest came back
-
-
-def _tenant_id(http: httpx.Client) -> int:
-    rows = http.get("/v1/usage").json()["data"]
-    return rows[0]["tenant_id"] if rows else -1

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis as redis_lib
@@ -64,3 +65,21 @@ def reset_globals() -> None:
     if db.sync_engine.cache_info().currsize:
         db.sync_engine().dispose()
     db.sync_engine.cache_clear()
+
+
+@contextmanager
+def spool_env(env: dict[str, str]) -> Iterator[None]:
+    """The process environment with `env` in it and Spool's cached settings and engines read anew, for
+    an app a module builds in process (a module's fixture has no monkeypatch); both restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    reset_globals()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reset_globals()

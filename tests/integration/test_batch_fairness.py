@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select
 
 from core.batches import progress, webhooks
 from core.batches.status import cancel_requested
@@ -35,11 +35,7 @@ def tenant(session, sessions) -> Iterator:
 
     yield make
     session.rollback()
-    with sessions() as s:
-        s.execute(delete(Job).where(Job.tenant_id.in_(made)))
-        s.execute(delete(Batch).where(Batch.tenant_id.in_(made)))
-        s.execute(delete(Tenant).where(Tenant.id.in_(made)))
-        s.commit()
+    factories.remove_tenants(sessions, made)
 
 
 def _status(session, batch_id: str) -> str:

@@ -5,45 +5,15 @@ its counts start from the file's lines (core/batches/status.py)."""
 
 from __future__ import annotations
 
-import json
-import uuid
-from datetime import UTC, datetime, timedelta
-
 from sqlalchemy import select
 
 from core.batches import ingest
-from core.files import storage
-from core.infra.orm import Batch, File, Job
+from core.infra.orm import Batch, Job
 from core.jobs import transitions
 from core.states import BatchStatus, JobKind
 from ops import factories
 
 MODEL = "smollm2-135m-instruct"
-
-
-def _batch(session, t, key, lines: list[dict]) -> str:
-    """A batch in `validating` of `lines` (its input file stored as one chunk); returns its id."""
-    data = "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
-    fid, bid = storage.new_file_id(), f"batch_{uuid.uuid4().hex}"
-    session.add(File(id=fid, tenant_id=t.id, purpose="batch", filename="in.jsonl", bytes=len(data), lines=len(lines)))
-    session.flush()
-    session.execute(storage.insert_chunk(fid, 0, data))
-    session.add(
-        Batch(
-            id=bid,
-            tenant_id=t.id,
-            key_id=key.id,
-            endpoint="/v1/completions",
-            input_file_id=fid,
-            completion_window="24h",
-            status=BatchStatus.validating.value,
-            request_counts={"total": 0, "completed": 0, "failed": 0},
-            expires_at=datetime.now(UTC) + timedelta(hours=24),
-            lease_until=datetime.now(UTC) + timedelta(minutes=5),  # the validator's
-        )
-    )
-    session.commit()
-    return bid
 
 
 def test_validated_lines_are_the_rows_new_row_builds(sessions, session, it_settings):
@@ -58,7 +28,7 @@ def test_validated_lines_are_the_rows_new_row_builds(sessions, session, it_setti
             "body": {"model": MODEL, "prompt": ["x", "y"], "max_tokens": 2, "user": "u1", "priority": 1},
         },
     ]
-    bid = _batch(session, t, key, lines)
+    bid = factories.validating_batch(session, t, key, lines, lease_s=300)
 
     assert ingest.validate(sessions, bid, it_settings) == BatchStatus.in_progress
 
@@ -96,7 +66,9 @@ def test_a_bad_line_fails_the_batch_and_stores_no_job(sessions, session, it_sett
     t = factories.tenant(session)
     _, key = factories.api_key(session, t)
     good = {"custom_id": "a", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "Hi", "max_tokens": 1}}
-    bid = _batch(session, t, key, [good, {**good, "custom_id": "b", "url": "/v1/embeddings"}])
+    bid = factories.validating_batch(
+        session, t, key, [good, {**good, "custom_id": "b", "url": "/v1/embeddings"}], lease_s=300
+    )
 
     assert ingest.validate(sessions, bid, it_settings) == BatchStatus.failed
 

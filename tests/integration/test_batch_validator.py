@@ -9,22 +9,19 @@ integration tests: every assertion is about this test's own tenants, removed aft
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import func, select, update
 
 from core.batches import ingest
 from core.batches.status import cancel_requested
-from core.files import storage
 from core.generation import constraints
-from core.infra.orm import Batch, File, Job, Tenant
+from core.infra.orm import Batch, Job
 from core.states import BatchStatus
 from ops import factories
 from ops.harness import wait_for
@@ -53,37 +50,11 @@ def batch(session, sessions) -> Iterator[Callable[..., str]]:
         t = factories.tenant(session)
         made.append(t.id)
         _, key = factories.api_key(session, t)
-        data = "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
-        fid, bid = storage.new_file_id(), f"batch_{uuid.uuid4().hex}"
-        session.add(File(id=fid, tenant_id=t.id, purpose="batch", filename="in.jsonl", bytes=len(data)))
-        session.flush()
-        for seq, at in enumerate(range(0, len(data), 64 * 1024)):  # chunks as an upload stores them
-            session.execute(storage.insert_chunk(fid, seq, data[at : at + 64 * 1024]))
-        now = datetime.now(UTC)
-        session.add(
-            Batch(
-                id=bid,
-                tenant_id=t.id,
-                key_id=key.id,
-                endpoint="/v1/completions",
-                input_file_id=fid,
-                completion_window="24h",
-                status=BatchStatus.validating.value,
-                request_counts={"total": 0, "completed": 0, "failed": 0},
-                created_at=now - timedelta(seconds=age_s),
-                expires_at=now + timedelta(hours=24),
-            )
-        )
-        session.commit()
-        return bid
+        return factories.validating_batch(session, t, key, lines, chunk_bytes=64 * 1024, age_s=age_s)
 
     yield make
     session.rollback()
-    with sessions() as s:
-        s.execute(delete(Job).where(Job.tenant_id.in_(made)))
-        s.execute(delete(Batch).where(Batch.tenant_id.in_(made)))
-        s.execute(delete(Tenant).where(Tenant.id.in_(made)))
-        s.commit()
+    factories.remove_tenants(sessions, made)
 
 
 def _row(sessions, bid: str) -> Batch:

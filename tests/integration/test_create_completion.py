@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aioredis
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
 from core.errors import DomainError, ErrorKind
@@ -68,7 +68,10 @@ def _run(it_settings, broker: Broker, use: Callable[[Completions], Awaitable[T]]
         rds = aioredis.Redis.from_url(IT_REDIS, decode_responses=True)
         sessions = async_sessionmaker(engine, expire_on_commit=False)
         keys = Idempotency(sessions, lock_s=30.0)
-        service = Completions(sessions, rds, it_settings, keys, broker, lambda _model: CharTokenizer())
+        # Room in the model's queues whatever earlier tests left dispatched: these tests are about storing
+        # and sending; when a contended model's requests wait for the dispatcher is test_lifecycle.py's.
+        roomy = it_settings.model_copy(update={"queue_depth": 100_000})
+        service = Completions(sessions, rds, roomy, keys, broker, lambda _model: CharTokenizer())
         try:
             return await use(service)
         finally:
@@ -76,6 +79,14 @@ def _run(it_settings, broker: Broker, use: Callable[[Completions], Awaitable[T]]
             await engine.dispose()
 
     return asyncio.run(main())
+
+
+@pytest.fixture(autouse=True)
+def uncontended(session) -> None:
+    """Each test starts with no request of the model waiting (an earlier test's queued job would make
+    every new one wait behind it for the fair dispatcher: core/jobs/transitions.py `_contended`)."""
+    session.execute(update(Job).where(Job.model == MODEL, Job.state == JobState.queued.value).values(state="cancelled"))
+    session.commit()
 
 
 @pytest.fixture

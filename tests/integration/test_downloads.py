@@ -10,7 +10,6 @@ this session's integration database and Redis db; clients that stop reading are 
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 import time
@@ -29,7 +28,7 @@ from core.infra import redis_keys
 from core.infra.orm import File
 from ops import factories
 from tests.conftest import free_port, wait_for
-from tests.integration.conftest import IT_DB, IT_REDIS, reset_globals
+from tests.integration.conftest import IT_DB, IT_REDIS, spool_env
 
 DOWNLOADS = 4  # SPOOL_DOWNLOAD_CONCURRENCY of the server below
 UPLOAD_THREADS = 2
@@ -54,27 +53,19 @@ def api_server(sessions: sessionmaker[Session]) -> Iterator[Server]:
         "SPOOL_DB_IDLE_TRANSACTION_S": str(IDLE_TRANSACTION_S),
         "SPOOL_LOG_FORMAT": "text",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    reset_globals()
-    from api.app import create_app
+    with spool_env(env):
+        from api.app import create_app
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 60, "the in-process API to start")
-    try:
-        yield Server(f"http://127.0.0.1:{port}", port, thread.ident or 0)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        reset_globals()
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_for(lambda: server.started, 60, "the in-process API to start")
+        try:
+            yield Server(f"http://127.0.0.1:{port}", port, thread.ident or 0)
+        finally:
+            server.should_exit = True
+            thread.join(30)
 
 
 def tenant_key(sessions: sessionmaker[Session]) -> tuple[int, str]:

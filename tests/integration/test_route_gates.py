@@ -8,7 +8,6 @@ database and Redis db."""
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ from starlette.testclient import TestClient
 
 from api import costs
 from ops import factories
-from tests.integration.conftest import IT_DB, IT_REDIS, reset_globals
+from tests.integration.conftest import IT_DB, IT_REDIS, spool_env
 
 
 @pytest.fixture(scope="module")
@@ -29,21 +28,11 @@ def client(sessions: sessionmaker[Session], rds) -> Iterator[TestClient]:  # rds
         "SPOOL_READS_PER_MINUTE": "2",
         "SPOOL_LOG_FORMAT": "text",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    reset_globals()
-    from api.app import create_app
+    with spool_env(env):
+        from api.app import create_app
 
-    try:
         with TestClient(create_app(), raise_server_exceptions=False) as c:
             yield c
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        reset_globals()
 
 
 def _auth(key: str) -> dict[str, str]:

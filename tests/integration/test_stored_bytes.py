@@ -11,10 +11,8 @@ the principal it would have found. The counts are the migration's triggers' (001
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -306,34 +304,11 @@ def test_usage_and_metrics_show_each_store(session, sessions, rds, it_settings, 
 # -- a batch ---------------------------------------------------------------------------------------
 
 
-def _batch(session, t, key, lines: list[dict]) -> str:
-    data = "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
-    fid, bid = storage.new_file_id(), f"batch_{uuid.uuid4().hex}"
-    session.add(File(id=fid, tenant_id=t.id, purpose="batch", filename="in.jsonl", bytes=len(data), lines=len(lines)))
-    session.flush()
-    session.execute(storage.insert_chunk(fid, 0, data))
-    session.add(
-        Batch(
-            id=bid,
-            tenant_id=t.id,
-            key_id=key.id,
-            endpoint="/v1/completions",
-            input_file_id=fid,
-            completion_window="24h",
-            status=BatchStatus.validating.value,
-            request_counts={"total": 0, "completed": 0, "failed": 0},
-            expires_at=datetime.now(UTC) + timedelta(hours=24),
-        )
-    )
-    session.commit()
-    return bid
-
-
 def test_a_batch_whose_lines_pass_the_quota_fails_at_validation(session, sessions, it_settings):
     t = factories.tenant(session, max_stored_bytes=8_000)
     _, key = factories.api_key(session, t)
     line = {"url": "/v1/completions", "body": {"model": MODEL, "prompt": "The quick brown fox. " * 60, "max_tokens": 2}}
-    bid = _batch(session, t, key, [{"custom_id": f"r{i}", **line} for i in range(10)])
+    bid = factories.validating_batch(session, t, key, [{"custom_id": f"r{i}", **line} for i in range(10)])
     before = _stored(session, t.id)
     assert ingest.validate(sessions, bid, it_settings) == BatchStatus.failed
     session.expire_all()
@@ -345,7 +320,7 @@ def test_a_batch_whose_lines_pass_the_quota_fails_at_validation(session, session
 
     # Under the quota, the same file is queued.
     tenancy.run(sessions, tenancy.update_tenant, t.name, tenancy.TenantLimits(max_stored_bytes=0))
-    bid = _batch(session, t, key, [{"custom_id": f"r{i}", **line} for i in range(10)])
+    bid = factories.validating_batch(session, t, key, [{"custom_id": f"r{i}", **line} for i in range(10)])
     assert ingest.validate(sessions, bid, it_settings) == BatchStatus.in_progress
     assert _stored(session, t.id) > 12_600
 

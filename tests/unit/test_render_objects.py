@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
+from core.generation.events import Usage
 from core.protocol import render
 from core.protocol.schemas import BatchObject, FileDeleted, FileObject
 from core.states import BatchStatus
@@ -45,6 +46,7 @@ def _batch(**kw):
     base = dict(
         id="batch_1",
         endpoint="/v1/completions",
+        model="m",
         errors=None,
         input_file_id="file-1",
         completion_window="24h",
@@ -62,11 +64,12 @@ def _batch(**kw):
 
 def test_a_batch_object_shows_its_files_only_when_told():
     counts = {"total": 3, "completed": 2, "failed": 1}
-    body = render.batch(_batch(completed_at=T0), counts, files_shown=True)
+    body = render.batch(_batch(completed_at=T0), counts, Usage(prompt_tokens=5, completion_tokens=2), files_shown=True)
     assert list(body) == [
         "id",
         "object",
         "endpoint",
+        "model",
         "errors",
         "input_file_id",
         "completion_window",
@@ -83,12 +86,14 @@ def test_a_batch_object_shows_its_files_only_when_told():
         "cancelling_at",
         "cancelled_at",
         "request_counts",
+        "usage",
         "metadata",
     ]
+    assert body["model"] == "m" and body["usage"]["input_tokens"] == 5 and body["usage"]["total_tokens"] == 7
     assert body["object"] == "batch" and body["request_counts"] == counts and body["metadata"] == {"k": "v"}
     assert body["output_file_id"] == "file-2" and body["completed_at"] == T0_S and body["in_progress_at"] is None
     BatchObject.model_validate(body)
-    writing = render.batch(_batch(status=BatchStatus.finalizing.value), counts, files_shown=False)
+    writing = render.batch(_batch(status=BatchStatus.finalizing.value), counts, Usage(), files_shown=False)
     assert writing["output_file_id"] is None and writing["error_file_id"] is None
 
 

@@ -155,54 +155,51 @@ def test_a_punycode_host_is_an_ordinary_name():
     )
 
 
-def test_the_dns_lookup_is_inside_the_deliverys_deadline(monkeypatch):
-    """Before: the lookup ran before the deadline started, on the delivery's thread: a resolver that
-    hangs held it for as long as the system resolver liked. Now the attempt ends at its deadline."""
+@pytest.fixture
+def hung_dns(monkeypatch):
+    """`slow-dns.example` does not resolve (its lookups hang until the event it yields is set, at the
+    latest when the test ends); other names do."""
     import socket
     import threading
+
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def hanging(host, *a, **k):
+        if host == "slow-dns.example":
+            release.wait(30)  # a resolver that does not answer
+            raise socket.gaierror("no answer")
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    try:
+        yield release
+    finally:
+        release.set()
+
+
+def test_the_dns_lookup_is_inside_the_deliverys_deadline(hung_dns):
+    """Before: the lookup ran before the deadline started, on the delivery's thread: a resolver that
+    hangs held it for as long as the system resolver liked. Now the attempt ends at its deadline."""
     import time
 
     from core.batches.webhooks import _post
     from core.config import Settings
 
-    real, release = socket.getaddrinfo, threading.Event()
-
-    def hanging(host, *a, **k):
-        if host == "slow-dns.example":
-            release.wait(30)  # a resolver that does not answer
-            raise socket.gaierror("no answer")
-        return real(host, *a, **k)
-
-    monkeypatch.setattr(socket, "getaddrinfo", hanging)
     started = time.monotonic()
-    try:
-        with pytest.raises(TimeoutError):
-            _post("http://slow-dns.example/hook", b"{}", {}, Settings(webhook_timeout_s=1.0))
-        assert time.monotonic() - started < 3
-    finally:
-        release.set()
+    with pytest.raises(TimeoutError):
+        _post("http://slow-dns.example/hook", b"{}", {}, Settings(webhook_timeout_s=1.0))
+    assert time.monotonic() - started < 3
 
 
-def test_one_tenants_hung_lookups_leave_the_dns_threads_to_the_others(monkeypatch):
+def test_one_tenants_hung_lookups_leave_the_dns_threads_to_the_others(hung_dns):
     """A tenant whose receivers' names never resolve holds at most DNS_PER_TENANT lookup threads (hung
     lookups cannot be interrupted); its next attempt fails at once, and another tenant's delivery
     still resolves and is sent inside its deadline."""
-    import socket
-    import threading
     import time
 
     from core.batches import webhooks
     from core.config import Settings
 
-    real, release = socket.getaddrinfo, threading.Event()
-
-    def hanging(host, *a, **k):
-        if host == "slow-dns.example":
-            release.wait(30)  # a resolver that does not answer
-            raise socket.gaierror("no answer")
-        return real(host, *a, **k)
-
-    monkeypatch.setattr(socket, "getaddrinfo", hanging)
     short = Settings(webhook_timeout_s=0.3)
     try:
         for _ in range(webhooks.DNS_PER_TENANT):
@@ -217,7 +214,7 @@ def test_one_tenants_hung_lookups_leave_the_dns_threads_to_the_others(monkeypatc
         with pytest.raises(webhooks.RefusedAddress):
             webhooks._post("http://localhost:9/hook", b"{}", {}, short, tenant_id=8)
     finally:
-        release.set()
+        hung_dns.set()
     deadline = time.monotonic() + 10
     while webhooks._dns_busy.get(7) and time.monotonic() < deadline:
         time.sleep(0.01)  # the hung lookups end once the resolver answers; then the share is free again

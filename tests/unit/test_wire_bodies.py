@@ -60,7 +60,7 @@ LINES = {
         b'"body":{"id":"cmpl-ab12","object":"text_completion","created":1767225600,"model":"m",'
         b'"system_fingerprint":"fp_x","choices":[{"text":"hi","index":0,"logprobs":null,"finish_reason":"stop"}],'
         b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,'
-        b'"prompt_tokens_details":{"cached_tokens":0}}}},"error":null}',
+        b'"prompt_tokens_details":{"cached_tokens":0}},"service_tier":"default"}},"error":null}',
     ),
     "expired": (
         _job("expired"),
