@@ -103,12 +103,16 @@ class Dispatcher:
                 room = min(s.queue_depth - self._depth(model), s.dispatcher_batch)
                 # Batch lines (and flex requests) go out only for free batch slots of live workers:
                 # never parked in a worker thread or in Redis, where they would hold up interactive work.
-                batch_room = workers.batch_capacity(self.rds, model) - session.scalar(jobs.batch_in_flight(model))
+                live = workers.live(self.rds, model)
+                batch_room = sum(w.batch_slots for w in live) - session.scalar(jobs.batch_in_flight(model))
+                # API requests in flight are held to the workers' slots (what the API's INSERT holds them
+                # to): beyond that they would wait inside a worker, in arrival order, whoever sent them.
+                request_room = workers.slots(live) - session.scalar(select(jobs.interactive_in_flight(model)))
                 if not requests_wait and batch_room < self.refill_at:
                     # A slot or two: the worker's prefetched lines fill them meanwhile. Refilling
                     # them one at a time cost a full pass per line (~6 ms of dispatcher CPU a line).
                     continue
-                picks = self.scheduler.pick(session, model, room, batch_room)
+                picks = self.scheduler.pick(session, model, room, batch_room, request_room)
                 if picks:
                     picks = self._admit_lines(session, picks)
                 rows = session.execute(jobs.dispatch_picked(picks)).all() if picks else []

@@ -320,6 +320,7 @@ SIDE_REDIS_DBS = {
     "fresh_machine": 10,
     "registry": 12,
     "fuzz": 14,
+    "fairness": 1,
 }
 # (stack, integration) of the lanes a 16-db Redis (the default) holds: 0 (a plain pytest), 1, and 2 (the
 # wallclock tests'). Lanes past them take free dbs two by two, from a server with more (redis.conf).

@@ -142,12 +142,16 @@ class FairScheduler:
         self.charged: dict[str, _Charge] = {}  # dispatched jobs whose charge is not settled yet
         self._next_settle = 0.0
 
-    def pick(self, session: Session, model: str, room: int, batch_room: int | None = None) -> list[str]:
-        """Up to `room` job ids to send now, of which at most `batch_room` from the batch lane (None: no
-        limit beyond `room`): bulk work goes out only as engine slots free for it."""
+    def pick(
+        self, session: Session, model: str, room: int, batch_room: int | None = None, request_room: int | None = None
+    ) -> list[str]:
+        """Up to `room` job ids to send now, of which at most `batch_room` from the batch lane and at most
+        `request_room` from the request lanes (None: no limit beyond `room`): work goes out only as
+        engine slots free for it, so the backlog, and the choice, stay here."""
         if room <= 0:
             return []
         batch_room = room if batch_room is None else max(0, batch_room)
+        request_room = room if request_room is None else max(0, request_room)
         tenants = session.execute(
             select(Tenant.id, Tenant.weight, Tenant.max_concurrent).where(
                 Tenant.id.in_(list(session.scalars(_TENANTS_WITH_QUEUED, {"model": model})))
@@ -173,11 +177,12 @@ class FairScheduler:
         }
         heads = self._heads(session, model, take, room, batch_room)
         picks: list[str] = []
-        batch_picked = 0
+        batch_picked = requests_picked = 0
         for lane in LANES:
             queues = heads[lane]
             self._lift(lane, queues)
-            while len(picks) < room and not (lane == BATCH_LANE and batch_picked >= batch_room):
+            lane_room = batch_room - batch_picked if lane == BATCH_LANE else request_room - requests_picked
+            while len(picks) < room and lane_room > 0:
                 # A tenant's concurrency cap counts across lanes: `take` is what it may still start.
                 ready = [t for t, q in queues.items() if q and take[t] > 0]
                 if not ready:
@@ -191,7 +196,11 @@ class FairScheduler:
                     self.charged[head.job_id] = _Charge(lane, best, weight[best], charge)
                 self.counters[(lane, best)] += charge / weight[best]
                 picks.append(head.job_id)
-                batch_picked += lane == BATCH_LANE
+                lane_room -= 1
+                if lane == BATCH_LANE:
+                    batch_picked += 1
+                else:
+                    requests_picked += 1
         return picks
 
     def _heads(

@@ -104,11 +104,12 @@ class Completions:
         tokenizers: Callable[[str], Tokenizer] = tokenizer_for,
     ) -> None:
         self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
-        self.submit = Submitter(sessions, send, settings.queue_depth, lambda: workers.wake_dispatcher_async(rds))
+        self.submit = Submitter(sessions, send, self.capacity, lambda: workers.wake_dispatcher_async(rds))
         self.tokenizers = tokenizers
         self.quotas = Quotas(sessions, rds, settings)
         self._warm: set[str] = set()  # models whose tokenizer this process has loaded
         self._live_until: dict[str, float] = {}  # model -> until when a live worker was last seen
+        self._slots: dict[str, int] = {}  # model -> its live workers' slots, as last seen
 
     async def _live(self, model: str) -> bool:
         """Whether a worker serves `model`. A yes is kept for a second (a worker is taken for gone only
@@ -117,11 +118,19 @@ class Completions:
         now = time.monotonic()
         if self._live_until.get(model, 0.0) > now:
             return True
-        if await workers.live_async(self.redis, model):
+        live = await workers.live_async(self.redis, model)
+        self._slots[model] = workers.slots(live)
+        if live:
             self._live_until[model] = now + LIVE_CACHE_S
             return True
         self._live_until.pop(model, None)
         return False
+
+    def capacity(self, model: str) -> int:
+        """How many of a model's requests may be in flight before a new one waits in Postgres for the fair
+        dispatcher: its live workers' slots, as last seen (within a second), the bound the dispatcher keeps
+        too (core/dispatcher.py). None live: every request waits there until one is."""
+        return self._slots.get(model, 0)
 
     async def create(
         self,

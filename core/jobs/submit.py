@@ -42,9 +42,15 @@ class Submitter:
     connection error) is retried row by row, so one bad row fails only its own request."""
 
     def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], send: Send, depth: int = 8, wake: Wake | None = None
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        send: Send,
+        capacity: Callable[[str], int] = lambda _model: 8,
+        wake: Wake | None = None,
     ) -> None:
-        self.sessions, self.send, self.depth, self.wake = sessions, send, depth, wake
+        # `capacity`: how many of a model's requests may be in flight before new ones wait for the fair
+        # dispatcher (its live workers' slots and the queue depth: `Completions.capacity`).
+        self.sessions, self.send, self.capacity, self.wake = sessions, send, capacity, wake
         self._pending: list[tuple[Job, int | None, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -61,7 +67,9 @@ class Submitter:
 
     async def _one(self, job: Job, cap: int | None, claim: Claim | None) -> None:
         """A job with an Idempotency-Key (its key row in the same transaction), or a batch line."""
-        stmt = transitions.insert_new(job, cap, dispatch=job.kind == JobKind.interactive, depth=self.depth)
+        stmt = transitions.insert_new(
+            job, cap, dispatch=job.kind == JobKind.interactive, capacity=self.capacity(job.model)
+        )
         if claim is None:
             (row,) = await one_statement_async(self.sessions, *stmt)
         else:
@@ -93,7 +101,7 @@ class Submitter:
             rows = await one_statement_async(
                 self.sessions,
                 transitions.INSERT,
-                transitions.insert_group([(job, cap) for job, cap, _ in group], self.depth),
+                transitions.insert_group([(job, cap) for job, cap, _ in group], self.capacity),
             )
         except Exception as exc:
             # Postgres away fails every row alike: not retried row by row.

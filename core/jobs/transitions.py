@@ -150,12 +150,29 @@ def in_flight(tenant_id: Any):
     )
 
 
-def _contended(model: Any, ahead: Any, depth: Any, rank: Any) -> Any:
+def interactive_in_flight(model: Any) -> Any:
+    """A model's API requests dispatched or running (flex ones aside: they hold batch slots), as a scalar
+    subquery; `model` may be a bound parameter. A range of `ix_jobs_queue`, as long as the workers' slots."""
+    return (
+        select(func.count())
+        .select_from(Job)
+        .where(
+            Job.model == model,
+            Job.state == any_(_IN_FLIGHT_STATES),
+            Job.kind == JobKind.interactive.value,
+            Job.service_tier != Tier.flex.value,
+        )
+        .scalar_subquery()
+    )
+
+
+def _contended(model: Any, ahead: Any, capacity: Any, rank: Any) -> Any:
     """Whether a new request must wait for the fair dispatcher rather than go straight to a worker: a
     request of a tier at or ahead of its own (`ahead`) is queued for the model already (it would be
-    overtaken), or the model's queues hold `depth` unclaimed requests (the workers are behind: who goes
-    next is the dispatcher's choice). `rank`: the model's requests ahead of this one in the same statement.
-    Both are index range scans of a few entries (`ix_jobs_queued_tier`; the dispatched of `ix_jobs_queue`)."""
+    overtaken), or the model's requests in flight fill `capacity` (its live workers' slots: more would
+    wait inside a worker, in arrival order, where no tenant's share is kept). `rank`:
+    the model's requests ahead of this one in the same statement. Both are index range scans of a few
+    entries (`ix_jobs_queued_tier`; `ix_jobs_queue`)."""
     waiting = (
         select(literal(1))
         .select_from(Job)
@@ -167,13 +184,7 @@ def _contended(model: Any, ahead: Any, depth: Any, rank: Any) -> Any:
         )
         .exists()
     )
-    unclaimed = (
-        select(func.count())
-        .select_from(Job)
-        .where(Job.model == model, Job.state == JobState.dispatched.value, Job.kind == JobKind.interactive.value)
-        .scalar_subquery()
-    )
-    return or_(waiting, unclaimed + rank >= depth)
+    return or_(waiting, interactive_in_flight(model) + rank >= capacity)
 
 
 def _insert() -> Insert:
@@ -184,7 +195,7 @@ def _insert() -> Insert:
     contended = _contended(
         bindparam("b_model", type_=c.model.type),
         bindparam("b_ahead", type_=ARRAY(String)),
-        bindparam("b_depth", type_=Integer),
+        bindparam("b_capacity", type_=Integer),
         bindparam("b_model_rank", type_=Integer),
     )
     room = and_(bindparam("b_dispatch", type_=Boolean), or_(cap.is_(None), in_flight_now + rank < cap), not_(contended))
@@ -197,21 +208,21 @@ def _insert() -> Insert:
 INSERT = _insert()
 
 
-def insert_new(job: Job, cap: int | None, dispatch: bool, depth: int) -> tuple[Insert, dict[str, Any]]:
+def insert_new(job: Job, cap: int | None, dispatch: bool, capacity: int) -> tuple[Insert, dict[str, Any]]:
     """Store a new job in one statement, already `dispatched` when `dispatch`, its tenant is under its
     concurrency cap and its model is not contended (`_contended`: else `queued`, for the fair
     dispatcher, which then chooses by tokens between tenants); returns (id, state, created_at,
     dispatched_at). Built once, on the table: the ORM's flush plus a second UPDATE was two round trips
-    and a unit of work per request. Replicas racing may overshoot the cap or `depth` by a job or two;
+    and a unit of work per request. Replicas racing may overshoot the cap or `capacity` by a job or two;
     the dispatcher, which feeds everything else, counts exactly."""
-    return INSERT, _new_params(job, cap, dispatch, 0, depth, 0)
+    return INSERT, _new_params(job, cap, dispatch, 0, capacity, 0)
 
 
-def insert_group(jobs: Sequence[tuple[Job, int | None]], depth: int) -> list[dict[str, Any]]:
+def insert_group(jobs: Sequence[tuple[Job, int | None]], capacity: Callable[[str], int]) -> list[dict[str, Any]]:
     """`INSERT`'s parameters for several new interactive jobs stored by one statement (the API's group
     commit): rows come back in this order. One statement sees one snapshot, so the jobs in the group do
     not see each other: each counts those of its tenant ahead of it (`b_rank`) against the cap, and
-    those of its model (`b_model_rank`) against `depth`."""
+    those of its model (`b_model_rank`) against its model's `capacity`."""
     ahead: dict[int, int] = {}
     per_model: dict[str, int] = {}
     out = []
@@ -220,18 +231,18 @@ def insert_group(jobs: Sequence[tuple[Job, int | None]], depth: int) -> list[dic
         ahead[job.tenant_id] = rank + 1
         model_rank = per_model.get(job.model, 0)
         per_model[job.model] = model_rank + 1
-        out.append(_new_params(job, cap, True, rank, depth, model_rank))
+        out.append(_new_params(job, cap, True, rank, capacity(job.model), model_rank))
     return out
 
 
-def _new_params(job: Job, cap: int | None, dispatch: bool, rank: int, depth: int, model_rank: int) -> dict[str, Any]:
+def _new_params(job: Job, cap: int | None, dispatch: bool, rank: int, capacity: int, model_rank: int) -> dict[str, Any]:
     tier = Tier(job.service_tier or Tier.default)
     return {
         "b_cap": cap,
         "b_dispatch": dispatch and tier != Tier.flex,  # flex waits in its lane for batch slots
         "b_rank": rank,
         "b_ahead": tiers.ahead_of(tier),
-        "b_depth": depth,
+        "b_capacity": capacity,
         "b_model_rank": model_rank,
         **{f"b_{n}": getattr(job, n) for n in _NEW},
     }

@@ -100,8 +100,11 @@ def beats(rds: Any, model: str) -> dict[str, float]:
     return {w.name: w.seen for w in out if isinstance(w, WorkerInfo)}
 
 
-def batch_capacity(rds: Any, model: str) -> int:
-    return sum(w.batch_slots for w in live(rds, model))
+def slots(live: list[WorkerInfo]) -> int:
+    """The sequences these workers' engines hold at once (batch slots with their prefetch, and the
+    interactive ones): how many API requests may be in flight before new ones wait for the dispatcher.
+    The prefetch is the margin that keeps an engine full across a dispatch round trip."""
+    return sum(w.batch_slots + w.interactive_slots for w in live)
 
 
 def wake_dispatcher(rds: Any) -> None:

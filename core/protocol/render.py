@@ -829,7 +829,7 @@ def response_object(
         "parallel_tool_calls": m.get("parallel_tool_calls", True),
         "previous_response_id": m.get("previous_response_id"),
         "prompt_cache_key": m.get("prompt_cache_key"),
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": m.get("reasoning") or {"effort": None, "summary": None},
         "safety_identifier": m.get("safety_identifier"),
         "service_tier": service_tier(job),
         "store": m.get("store", True),

@@ -301,8 +301,8 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     extra = sorted(set(text) - {"format", "verbosity"})
     if extra:
         raise invalid(f"text.{extra[0]}", f"Unrecognized field text.{extra[0]}", "unknown_parameter")
-    if text.get("verbosity") not in (None, "medium"):
-        raise invalid("text.verbosity", "Only the default verbosity ('medium') is supported.", "unsupported_parameter")
+    if text.get("verbosity") not in (None, "low", "medium", "high"):
+        raise invalid("text.verbosity", "'text.verbosity' must be one of 'low', 'medium' or 'high'.")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -323,6 +323,13 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise invalid("text.format.type", f"Unknown text format {kind!r}: expected text, json_object or json_schema.")
 
 
+_REASONING = {
+    "effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
+    "summary": ("auto", "concise", "detailed"),
+    "generate_summary": ("auto", "concise", "detailed"),
+}
+
+
 def _check(req: ResponsesRequest, model: str) -> None:
     for name in sorted(_UNSUPPORTED_FIELDS):
         if name in (req.model_extra or {}):
@@ -337,14 +344,14 @@ def _check(req: ResponsesRequest, model: str) -> None:
         raise invalid("background", "A background response must be stored: 'background' needs 'store' not false.")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is enabled.")
+    # Validated and echoed, with no effect: the model does not reason, so there is nothing to bound or
+    # summarize, and ignoring them changes no answer (chat's `reasoning_effort` alike: sdk_params).
     reasoning = req.reasoning or {}
-    for key in ("effort", "summary", "generate_summary"):
-        if reasoning.get(key) is not None:
-            raise invalid(
-                f"reasoning.{key}",
-                f"The model '{model}' does not reason: 'reasoning.{key}' is not supported.",
-                "unsupported_parameter",
-            )
+    for key in sorted(set(reasoning) - set(_REASONING)):
+        raise invalid(f"reasoning.{key}", f"Unrecognized field reasoning.{key}", "unknown_parameter")
+    for key, allowed in _REASONING.items():
+        if reasoning.get(key) is not None and reasoning[key] not in allowed:
+            raise invalid(f"reasoning.{key}", f"'reasoning.{key}' must be one of {', '.join(map(repr, allowed))}.")
     for name in req.include or ():
         if name not in _INCLUDE_OK:
             raise invalid("include", f"include value {name!r} is not supported here.", "unsupported_parameter")
@@ -376,6 +383,7 @@ def meta(req: ResponsesRequest) -> dict[str, Any]:
         "user": req.user,
         "safety_identifier": req.safety_identifier,
         "prompt_cache_key": req.prompt_cache_key,
+        "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": (req.reasoning or {}).get("summary")},
         "service_tier": req.service_tier,  # what was asked; the response echoes `render.service_tier`
         "input": input_items(req) if stored else [],
     }
@@ -402,7 +410,7 @@ def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]], model: str) ->
         body[name] = (req.model_extra or {})[name]
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
-    for name in ("temperature", "top_p", "parallel_tool_calls", "stream", "user"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "service_tier"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     tools = _tools(req)

@@ -54,7 +54,12 @@ _SHARED: dict[str, Decision] = {
     "prompt_cache_key": _noop(f"{_CACHE}; a dispatcher may route by it later"),
     "prompt_cache_retention": _noop(_CACHE),
     "safety_identifier": _noop("no abuse detection runs here"),
-    "service_tier": _noop('every request is served at `default`, and the response says `"service_tier": "default"`'),
+    "service_tier": _ok(
+        "its lane in the fair dispatcher (core/jobs/tiers.py): `flex` beside batch work, refused with 429 "
+        "`resource_unavailable` past SPOOL_FLEX_MAX_QUEUED waiting; `priority` (and `scale`, `fast`, `ultrafast`) "
+        "ahead of `default` for tenants with `allow_priority`, others served at `default`; `auto` is `default`; "
+        "the response, usage and /metrics say which tier served it"
+    ),
 }
 
 CHAT: dict[str, Decision] = {
@@ -150,14 +155,14 @@ RESPONSES: dict[str, Decision] = {
         "'prompt_cache_options.prewarm' is not supported: Spool cannot warm the cache without generating.",
     ),
     "prompt_cache_retention": _SHARED["prompt_cache_retention"],
-    "reasoning": _ok("an empty object; `effort` and `summary` are 400s: the model does not reason"),
+    "reasoning": _noop(f"`effort` and `summary` validated and echoed; {_NO_REASONING}, nor to summarize"),
     "safety_identifier": _noop("no abuse detection runs here; echoed"),
     "service_tier": _SHARED["service_tier"],
     "store": _ok(),
     "stream": _ok(),
     "stream_options": _noop("no obfuscation field is sent"),
     "temperature": _ok(),
-    "text": _ok("`format`; a `verbosity` other than `medium` is a 400"),
+    "text": _ok("`format`; `verbosity` validated and echoed, with no effect (as chat's `verbosity`)"),
     "tool_choice": _ok("`none`, `auto`, `required` or a function; hosted tool types are 400s"),
     "tools": _ok("function tools; hosted tools are 400s"),
     "top_logprobs": _ok(),

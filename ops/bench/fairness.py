@@ -63,7 +63,7 @@ class Load:
     weight: int = 1
     max_tokens: int = 16
     cap: int | None = None
-    concurrency: int = 12
+    concurrency: int = 48
     tier: str | None = None
     tenant_id: int = 0
     key: str = ""
@@ -152,6 +152,20 @@ def _now(db: Engine) -> Any:
         return conn.execute(text("SELECT clock_timestamp()")).scalar()
 
 
+def _ttft(http: httpx.Client, body: dict[str, Any]) -> float:
+    """Seconds to the first chunk of one streamed completion, read to its end."""
+    t0 = time.perf_counter()
+    first = None
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("the stream carried no chunk")
+    return first
+
+
 def _probe(url: str, key: str, every: float, stop: threading.Event, ttfts: list[float]) -> None:
     """One streamed 50-token request every `every` s (the light interactive tenant)."""
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
@@ -159,14 +173,7 @@ def _probe(url: str, key: str, every: float, stop: threading.Event, ttfts: list[
         while not stop.wait(every):
             n += 1
             body = {"model": MODEL, "prompt": prompt_ids(50, 9_000_000 + n), "max_tokens": 4, "stream": True}
-            t0 = time.perf_counter()
-            with http.stream("POST", "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        ttfts.append(time.perf_counter() - t0)
-                        break
-                for _ in r.iter_lines():
-                    pass
+            ttfts.append(_ttft(http, body))
 
 
 def shares_phase(
@@ -177,7 +184,7 @@ def shares_phase(
     seconds: float,
     warmup: float = 5.0,
     sample: float = 5.0,
-    concurrency: int = 12,
+    concurrency: int = 48,
     caps: tuple[int | None, int | None] = (None, None),
     suffix: str = "",
     probe_every: float = 2.0,
@@ -201,7 +208,23 @@ def shares_phase(
         while time.monotonic() - t0 < seconds:
             time.sleep(sample)
             got = served(db, tenants, since, _now(db))
-            samples.append({"t": round(time.monotonic() - t0, 1), **{str(t): got[t] for t in tenants}})
+            with db.connect() as conn:  # how many of each wait in Postgres: backlogged, or not
+                queued: dict[int, int] = dict(
+                    conn.execute(
+                        text(
+                            "SELECT tenant_id, count(*) FROM jobs WHERE tenant_id = ANY(:t) AND state = 'queued'"
+                            " GROUP BY tenant_id"
+                        ),
+                        {"t": tenants},
+                    ).all()
+                )
+            samples.append(
+                {
+                    "t": round(time.monotonic() - t0, 1),
+                    **{str(t): got[t] for t in tenants},
+                    "queued": {str(t): queued.get(t, 0) for t in tenants},
+                }
+            )
         stop.set()
         prober.join(60)
         until = _now(db)
@@ -258,15 +281,7 @@ def _ttft_p50(url: str, key: str, n: int, tier: str | None = None, every: float 
         for i in range(n):
             body: dict[str, Any] = {"model": MODEL, "prompt": prompt_ids(50, 7_000_000 + i), "max_tokens": 4}
             body |= {"stream": True, **({"service_tier": tier} if tier else {})}
-            t0 = time.perf_counter()
-            with http.stream("POST", "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        out.append(time.perf_counter() - t0)
-                        break
-                for _ in r.iter_lines():
-                    pass
+            out.append(_ttft(http, body))
             time.sleep(every)
     return out
 
@@ -380,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--database-url")
     ap.add_argument("--seconds", type=float, default=300)
     ap.add_argument("--pairs", default="1:1,2:1", help="short:long weights, one phase each")
-    ap.add_argument("--concurrency", type=int, default=12, help="requests each backlogged tenant keeps outstanding")
+    ap.add_argument("--concurrency", type=int, default=48, help="requests each backlogged tenant keeps outstanding")
     ap.add_argument("--phases", default="shares,tiers")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)

@@ -362,7 +362,7 @@ def test_a_rejoin_after_the_stream_expired_numbers_events_alike(stack, rds):
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",
         ),
-        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"input": "x", "max_output_tokens": "5"}, "max_output_tokens"),

@@ -62,16 +62,17 @@ class Broker:
         self.calls.append(len(jobs))
 
 
-def _run(it_settings, broker: Broker, use: Callable[[Completions], Awaitable[T]]) -> T:
+def _run(it_settings, broker: Broker, use: Callable[[Completions], Awaitable[T]], roomy: bool = True) -> T:
     async def main() -> T:
         engine = create_async_engine(IT_DB)
         rds = aioredis.Redis.from_url(IT_REDIS, decode_responses=True)
         sessions = async_sessionmaker(engine, expire_on_commit=False)
         keys = Idempotency(sessions, lock_s=30.0)
-        # Room in the model's queues whatever earlier tests left dispatched: these tests are about storing
-        # and sending; when a contended model's requests wait for the dispatcher is test_lifecycle.py's.
-        roomy = it_settings.model_copy(update={"queue_depth": 100_000})
-        service = Completions(sessions, rds, roomy, keys, broker, lambda _model: CharTokenizer())
+        service = Completions(sessions, rds, it_settings, keys, broker, lambda _model: CharTokenizer())
+        if roomy:
+            # Room in flight whatever earlier tests left dispatched: these tests are about storing and
+            # sending; when a contended model's requests wait for the dispatcher is test_lifecycle.py's.
+            service.submit.capacity = lambda _model: 100_000
         try:
             return await use(service)
         finally:
@@ -191,10 +192,13 @@ def test_a_model_nobody_serves_is_a_503_unless_queued(it_settings, session, rds)
     assert err.value.kind == ErrorKind.unavailable and err.value.headers == {"retry-after": "5"}
     assert _jobs_of(session, t.id) == []
 
-    created = _run(settings, broker, lambda s: s.create(who, _request(model="unserved-model"), queued=True))
+    created = _run(
+        settings, broker, lambda s: s.create(who, _request(model="unserved-model"), queued=True), roomy=False
+    )
     [row] = _jobs_of(session, t.id)
     assert row.id == created.job.id and row.model == "unserved-model"
-    assert broker.sent == [(row.id, 1, "unserved-model", "interactive")]  # waits in its queue for a worker
+    # No worker has a slot for it: it waits in Postgres, and the dispatcher sends it once one is live.
+    assert row.state == JobState.queued and broker.sent == []
 
 
 def test_a_live_worker_is_asked_once_a_second_and_its_absence_every_time(it_settings, session, rds, caller):

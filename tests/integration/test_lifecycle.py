@@ -156,7 +156,7 @@ def test_a_new_job_is_stored_dispatched_only_while_its_tenant_is_under_its_cap(s
     def store(cap: int | None, dispatch: bool = True) -> tuple[str, bool]:
         job = transitions.new_job(tenant_id=t.id, model="m", params={}, prompts=[[1, 2]], stream=False)
         with sessions() as s:
-            stmt = transitions.insert_new(job, cap, dispatch, depth=8)
+            stmt = transitions.insert_new(job, cap, dispatch, capacity=8)
             job_id, state, created_at, dispatched_at = s.execute(*stmt).one()
             s.commit()
         assert job_id == job.id  # RETURNING names the row: the group INSERT matches rows to requests by it
@@ -179,32 +179,32 @@ def test_a_new_job_is_stored_dispatched_only_while_its_tenant_is_under_its_cap(s
 
 def test_a_new_request_goes_straight_to_a_worker_only_while_its_model_is_uncontended(session, sessions):
     """`dispatched` at once only while no request of its tier or a tier ahead waits for the model and
-    fewer than `depth` requests wait unclaimed in its queues; flex never (it waits for batch slots)."""
+    fewer than `capacity` of its requests are in flight; flex never (it waits for batch slots)."""
     t, other = factories.tenant(session), factories.tenant(session)
 
-    def store(model: str, tier: str = "default", tenant=t, depth: int = 2) -> str:
+    def store(model: str, tier: str = "default", tenant=t, capacity: int = 2) -> str:
         job = transitions.new_job(
             tenant_id=tenant.id, model=model, params={}, prompts=[[1]], stream=False, service_tier=tier
         )
         with sessions() as s:
-            state = s.execute(*transitions.insert_new(job, None, True, depth=depth)).one().state
+            state = s.execute(*transitions.insert_new(job, None, True, capacity=capacity)).one().state
             s.commit()
         return state
 
-    # The model's queues hold `depth` unclaimed requests: the workers are behind, the dispatcher chooses.
+    # The model's requests in flight fill `capacity`: the workers are full, the dispatcher chooses.
     assert [store("m1"), store("m1", tenant=other), store("m1")] == ["dispatched", "dispatched", "queued"]
-    assert store("m1", tenant=other, depth=100) == "queued"  # one waits: no overtaking it, whoever asks
-    assert store("m1", "priority", depth=100) == "dispatched"  # a default request waiting is not ahead of it
-    assert store("m2", "priority", depth=0) == "queued"
-    assert store("m2", "default", depth=100) == "queued"  # behind the waiting priority request
-    assert store("m3", "flex", depth=100) == "queued"  # flex always waits for the dispatcher
-    assert store("m3", "default", depth=100) == "dispatched"  # a waiting flex request is not ahead of it
+    assert store("m1", tenant=other, capacity=100) == "queued"  # one waits: no overtaking it, whoever asks
+    assert store("m1", "priority", capacity=100) == "dispatched"  # a default request waiting is not ahead of it
+    assert store("m2", "priority", capacity=0) == "queued"
+    assert store("m2", "default", capacity=100) == "queued"  # behind the waiting priority request
+    assert store("m3", "flex", capacity=100) == "queued"  # flex always waits for the dispatcher
+    assert store("m3", "default", capacity=100) == "dispatched"  # a waiting flex request is not ahead of it
     # The API's group INSERT: rows of one statement count those of their model ahead of them.
     jobs = [
         (transitions.new_job(tenant_id=t.id, model="m4", params={}, prompts=[[1]], stream=False), None)
         for _ in range(3)
     ]
     with sessions() as s:
-        rows = s.execute(transitions.INSERT, transitions.insert_group(jobs, 2)).all()
+        rows = s.execute(transitions.INSERT, transitions.insert_group(jobs, lambda _model: 2)).all()
         s.commit()
     assert sorted(r.state for r in rows) == ["dispatched", "dispatched", "queued"]

@@ -159,7 +159,7 @@ def test_logprobs_and_truncation():
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
-        ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning.effort"),
+        ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
         ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
         ({"input": "x", "background": True, "store": False}, "background"),
