@@ -27,7 +27,7 @@ from api import costs, errors
 from api.deps import AdminDep
 from api.guard import RequestGuard
 from api.observe import RequestIdentity
-from api.ratelimit import RequestRateGate
+from api.request_gate import RequestRateGate
 from api.routes import (
     admin,
     batches,
@@ -45,11 +45,12 @@ from api.routes import (
 from core.config import get_settings
 from core.errors import DomainError
 from core.idempotency import Idempotency
-from core.infra import heap, kv, logs, streams
+from core.infra import heap, kv, logs
 from core.infra.broker import AsyncSender
 from core.infra.db import async_engine, async_sessions, sync_sessions
+from core.infra.streams import read
 from core.infra.tokenizers import tokenizer_for
-from core.jobs import workers
+from core.jobs import live_workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.responses import Responses
 from core.jobs.service import Completions
@@ -64,8 +65,8 @@ async def lifespan(app: FastAPI):
     app.state.redis = kv.async_client(
         settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections
     )
-    # Every event stream this process follows, read by one blocking XREAD (core/infra/streams.Hub).
-    app.state.hub = streams.Hub(app.state.redis)
+    # Every event stream this process follows, read by one blocking XREAD (core/infra/streams/read.Hub).
+    app.state.hub = read.Hub(app.state.redis)
     # The services, wired once here: routes get them (and the sync sessions) through api/deps.py.
     app.state.sync_sessions = sync_sessions()
     app.state.async_sessions = async_sessions()
@@ -193,12 +194,12 @@ def create_app() -> FastAPI:
             async with asyncio.timeout(3):
                 await request.app.state.redis.ping()
                 for m in settings.model_ids:
-                    models[m] = len(await workers.live_async(request.app.state.redis, m))
+                    models[m] = len(await live_workers.live_async(request.app.state.redis, m))
         except Exception:
             problems.append("redis unreachable")
         for m in [m for m, n in models.items() if n == 0]:
             try:  # a worker that could not start left its reason (workers/__main__.py)
-                failed = await workers.failures_async(request.app.state.redis, m)
+                failed = await live_workers.failures_async(request.app.state.redis, m)
             except Exception:
                 failed = []
             why = f" (a worker could not start: {failed[0].error})" if failed else ""

@@ -39,7 +39,7 @@ from starlette.routing import compile_path
 from starlette.types import Scope
 
 from api import bodies
-from api.streaming import HEAVY
+from api.sse import HEAVY
 from core.config import Settings
 from core.infra import threads
 
@@ -130,7 +130,7 @@ class OffLoop:
 
 
 # What a sized route may return besides OffLoop: an answer sent as it is produced, whose producer
-# carries its own gates (api/streaming.sse_chunks, the file downloads).
+# carries its own gates (api/sse.sse_chunks, the file downloads).
 _STREAMED = (StreamingResponse,)
 
 
@@ -177,7 +177,7 @@ def sized(fn: F) -> F:
 
 
 # How many heavy builds one tenant may run at once (SPOOL_REPLAYS_PER_TENANT), set per request by the
-# rate gate (api/ratelimit.py) from the settings api/app.py hands it.
+# rate gate (api/request_gate.py) from the settings api/app.py hands it.
 HEAVY_CAP: ContextVar[int] = ContextVar("spool_heavy_cap", default=2)
 
 

@@ -15,8 +15,8 @@ from api.errors import APIError
 from api.guard import authenticate
 from core.config import Settings, get_settings
 from core.idempotency import Idempotency
-from core.infra import streams
 from core.infra.orm import Tenant
+from core.infra.streams import read
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.service import Completions
 from core.protocol.render import Fingerprints
@@ -39,7 +39,7 @@ async def redis_client(request: Request) -> aioredis.Redis:
     return request.app.state.redis
 
 
-async def stream_hub(request: Request) -> streams.Hub:
+async def stream_hub(request: Request) -> read.Hub:
     return request.app.state.hub
 
 
@@ -98,7 +98,7 @@ async def admin_principal(principal: Annotated[Principal, Depends(current_princi
 SettingsDep = Annotated[Settings, Depends(settings)]
 SessionDep = Annotated[AsyncSession, Depends(db_session)]
 RedisDep = Annotated[aioredis.Redis, Depends(redis_client)]
-HubDep = Annotated[streams.Hub, Depends(stream_hub)]
+HubDep = Annotated[read.Hub, Depends(stream_hub)]
 LifecycleDep = Annotated[Lifecycle, Depends(lifecycle)]
 CompletionsDep = Annotated[Completions, Depends(completions)]
 IdempotencyDep = Annotated[Idempotency, Depends(idempotency)]

@@ -28,8 +28,8 @@ from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, sen
 from core.infra.db import Listener
 from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED, STORED, STORED_REDIS
 from core.infra.orm import Job, Tenant
+from core.jobs import live_workers
 from core.jobs import transitions as jobs
-from core.jobs import workers
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler, Weights
 from core.states import JobKind, JobState
@@ -103,11 +103,11 @@ class Dispatcher:
                 room = min(s.queue_depth - self._depth(model), s.dispatcher_batch)
                 # Batch lines (and flex requests) go out only for free batch slots of live workers:
                 # never parked in a worker thread or in Redis, where they would hold up interactive work.
-                live = workers.live(self.rds, model)
+                live = live_workers.live(self.rds, model)
                 batch_room = sum(w.batch_slots for w in live) - session.scalar(jobs.batch_in_flight(model))
                 # API requests in flight are held to the workers' slots (what the API's INSERT holds them
                 # to): beyond that they would wait inside a worker, in arrival order, whoever sent them.
-                request_room = workers.slots(live) - session.scalar(select(jobs.interactive_in_flight(model)))
+                request_room = live_workers.slots(live) - session.scalar(select(jobs.interactive_in_flight(model)))
                 if not requests_wait and batch_room < self.refill_at:
                     # A slot or two: the worker's prefetched lines fill them meanwhile. Refilling
                     # them one at a time cost a full pass per line (~6 ms of dispatcher CPU a line).
@@ -148,7 +148,7 @@ class Dispatcher:
         try:
             beats: dict[str, float] = {}
             for m in models:
-                beats |= workers.beats(self.rds, m)
+                beats |= live_workers.beats(self.rds, m)
         except transient.REDIS:
             self.heard.clear()
             return 0
@@ -309,7 +309,7 @@ class Dispatcher:
             QUEUED.labels(model, kind).set(n)
             OLDEST.labels(model, kind).set(now - oldest.timestamp() if oldest is not None else 0)
         for model in self.settings.model_ids:
-            LIVE_WORKERS.labels(model).set(len(workers.live(self.rds, model)))
+            LIVE_WORKERS.labels(model).set(len(live_workers.live(self.rds, model)))
 
     def stored_gauges(self, session: Session) -> None:
         """Each tenant's bytes per store: a few rows per tenant (core/tenancy/quota.py), never a scan of jobs."""
@@ -380,7 +380,7 @@ class Dispatcher:
             # fixed period would cap short batch lines at queue_depth per period.
             pause = 0.02 if sent else self.settings.dispatcher_interval_s - (time.monotonic() - started)
             if pause > 0.05:
-                # A worker that frees a batch slot wakes us (workers.wake_dispatcher): refill at once.
+                # A worker that frees a batch slot wakes us (live_workers.wake_dispatcher): refill at once.
                 try:
                     woke = self.rds.blpop([redis_keys.DISPATCHER_WAKE], timeout=pause)
                     self.rds.delete(redis_keys.DISPATCHER_WAKE)

@@ -3,9 +3,9 @@
 The bottom layer of core (pyproject.toml's layers contract): it imports nothing of Spool, and every
 package may import it. The ORM builds its check constraints and column defaults from these enums,
 the pure packages (core/generation, core/protocol) read rows with them, and the domain moves rows
-from one to another (core/jobs/transitions.py, core/batches/status.py). The column values are these
-enums' values; StrEnum members compare equal to them. (core/status.py is another thing: the
-status page's snapshot.)
+from one to another (core/jobs/transitions.py, core/batches/transitions.py). The column values are these
+enums' values; StrEnum members compare equal to them. This is the one home of these words (a job has
+a state; a batch and a file have a status): the rest of Spool imports them from here.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class JobKind(enum.StrEnum):
 class BatchStatus(enum.StrEnum):
     """OpenAI's words. validating -> in_progress -> finalizing -> completed | expired | cancelled;
     validating -> failed; validating | in_progress -> cancelling -> (finalizing ->) cancelled. Every
-    change is one compare-and-set in core/batches/status.py."""
+    change is one compare-and-set in core/batches/transitions.py."""
 
     validating = "validating"
     failed = "failed"

@@ -908,7 +908,7 @@ def schedule(
     return [WORKER_KILL] * (kills // 2) + others[:2] + [WORKER_KILL] * (kills - kills // 2) + others[2:]
 
 
-# How long a kill waits for work to cut. Long: beside the test lanes (a machine shared with other
+# How long a kill waits for work to cut. Long: beside the test shards (a machine shared with other
 # stacks) a stream may still be waiting out the lease of the worker killed just before, and the kill
 # must still cut one mid-flight (20 s failed once in four runs there, 2026-11-28).
 KILL_WAIT_S = 90.0
@@ -935,7 +935,7 @@ class Injector:
         import redis as redis_lib
         from sqlalchemy import text
 
-        from core.infra.streams import stream_key
+        from core.infra.streams.keys import stream_key
 
         with self.db.connect() as conn:
             q = (

@@ -298,18 +298,18 @@ TEST_REDIS = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 IT_REDIS = os.environ.get("SPOOL_IT_REDIS_URL", TEST_REDIS.rsplit("/", 1)[0] + "/13")
 
 # llama.cpp threads for an engine a test builds in process, as SPOOL_N_THREADS sets them for a stack's
-# workers (ops/test.sh: one per lane; None: every core).
+# workers (ops/test.sh: one per shard; None: every core).
 ENGINE_THREADS = int(os.environ.get("SPOOL_N_THREADS") or 0) or None
 
-# -- test lanes: each pytest process's database and Redis dbs, from this one allocator ---------------
-# ops/test.sh runs the suite in lanes, pytest processes side by side (pytest-xdist workers, and the
-# wallclock tests' own process), each started with SPOOL_TEST_LANE=n: a lane past the first takes a
-# database and two Redis dbs of its own (stack, integration), so two lanes' stacks never meet. The tests
-# drop and flush what they are given, so no lane is ever given a developer's own Spool: core/config.py's
+# -- test shards: each pytest process's database and Redis dbs, from this one allocator ---------------
+# ops/test.sh runs the suite in shards, pytest processes side by side (pytest-xdist workers, and the
+# wallclock tests' own process), each started with SPOOL_TEST_SHARD=n: a shard past the first takes a
+# database and two Redis dbs of its own (stack, integration), so two shards' stacks never meet. The tests
+# drop and flush what they are given, so no shard is ever given a developer's own Spool: core/config.py's
 # database (`spool`) and Redis db 0.
 SPOOL_REDIS_DB = 0
-# The side stacks' Redis dbs (on the stack's server), each one module's: a module runs in one lane. A
-# lane's stack on one of them would share its live-workers hash with the side stack's, whose "workers
+# The side stacks' Redis dbs (on the stack's server), each one module's: a module runs in one shard. A
+# shard's stack on one of them would share its live-workers hash with the side stack's, whose "workers
 # live" checks then never hold.
 SIDE_REDIS_DBS = {
     "bare_host": 2,
@@ -322,44 +322,44 @@ SIDE_REDIS_DBS = {
     "fuzz": 14,
     "fairness": 1,
 }
-# (stack, integration) of the lanes a 16-db Redis (the default) holds: 0 (a plain pytest), 1, and 2 (the
-# wallclock tests'). Lanes past them take free dbs two by two, from a server with more (redis.conf).
-FIXED_LANES = {0: (15, 13), 1: (3, 4), 2: (6, 11)}
-WALLCLOCK_LANE = 2
+# (stack, integration) of the shards a 16-db Redis (the default) holds: 0 (a plain pytest), 1, and 2 (the
+# wallclock tests'). Shards past them take free dbs two by two, from a server with more (redis.conf).
+FIXED_SHARDS = {0: (15, 13), 1: (3, 4), 2: (6, 11)}
+WALLCLOCK_SHARD = 2
 
 
-class LaneError(ValueError):
-    """A lane (or a lane count) this Redis server cannot serve without the defaults or a shared db."""
+class ShardError(ValueError):
+    """A shard (or a shard count) this Redis server cannot serve without the defaults or a shared db."""
 
 
-def lane_redis_dbs(lane: int, databases: int = 16) -> tuple[int, int]:
-    """`lane`'s (stack, integration) Redis dbs on a server of `databases` dbs; LaneError if it has none
+def shard_redis_dbs(shard: int, databases: int = 16) -> tuple[int, int]:
+    """`shard`'s (stack, integration) Redis dbs on a server of `databases` dbs; ShardError if it has none
     left for it."""
-    if lane in FIXED_LANES:
-        return FIXED_LANES[lane]
-    taken = {SPOOL_REDIS_DB, *SIDE_REDIS_DBS.values(), *(n for pair in FIXED_LANES.values() for n in pair)}
+    if shard in FIXED_SHARDS:
+        return FIXED_SHARDS[shard]
+    taken = {SPOOL_REDIS_DB, *SIDE_REDIS_DBS.values(), *(n for pair in FIXED_SHARDS.values() for n in pair)}
     free = [n for n in range(databases) if n not in taken]
-    i = 2 * (lane - len(FIXED_LANES))
-    if lane < 0 or i + 2 > len(free):
-        most = len(FIXED_LANES) - 1 + len(free) // 2
-        raise LaneError(
-            f"test lane {lane} needs two Redis dbs of its own, and this Redis server has {databases} dbs: db "
-            f"{SPOOL_REDIS_DB} is a local Spool's and {len(taken) - 1} are the lower lanes' and the side stacks', "
-            f"so lanes 0..{most} fit (SPOOL_TEST_LANES={most} at most); raise `databases` in redis.conf "
+    i = 2 * (shard - len(FIXED_SHARDS))
+    if shard < 0 or i + 2 > len(free):
+        most = len(FIXED_SHARDS) - 1 + len(free) // 2
+        raise ShardError(
+            f"test shard {shard} needs two Redis dbs of its own, and this Redis server has {databases} dbs: db "
+            f"{SPOOL_REDIS_DB} is a local Spool's and {len(taken) - 1} are the lower shards' and the side stacks', "
+            f"so shards 0..{most} fit (SPOOL_TEST_SHARDS={most} at most); raise `databases` in redis.conf "
             "for more"
         )
     return free[i], free[i + 1]
 
 
-def xdist_lanes(count: int, databases: int = 16) -> list[int]:
-    """The lanes of ops/test.sh's `count` pytest-xdist workers (the wallclock lane runs beside them);
-    LaneError when `count` is not a whole number of lanes this server can serve."""
+def xdist_shards(count: int, databases: int = 16) -> list[int]:
+    """The shards of ops/test.sh's `count` pytest-xdist workers (the wallclock shard runs beside them);
+    ShardError when `count` is not a whole number of shards this server can serve."""
     if count < 1:
-        raise LaneError(f"{count} lanes: at least one")
-    lanes = [n for n in range(count + 1) if n != WALLCLOCK_LANE][:count]
-    for lane in lanes:
-        lane_redis_dbs(lane, databases)
-    return lanes
+        raise ShardError(f"{count} shards: at least one")
+    shards = [n for n in range(count + 1) if n != WALLCLOCK_SHARD][:count]
+    for shard in shards:
+        shard_redis_dbs(shard, databases)
+    return shards
 
 
 def redis_databases(url: str) -> int:
@@ -371,9 +371,9 @@ def redis_databases(url: str) -> int:
     return int(value) if value else 16
 
 
-def lane_database(base_url: str, lane: int) -> str:
-    """`lane`'s database: `base_url`'s (spool_test by default), with `_lane<n>` past lane 0."""
-    return f"{base_url}_lane{lane}" if lane else base_url
+def shard_database(base_url: str, shard: int) -> str:
+    """`shard`'s database: `base_url`'s (spool_test by default), with `_shard<n>` past shard 0."""
+    return f"{base_url}_shard{shard}" if shard else base_url
 
 
 def _db_name(url: str) -> str:
@@ -393,26 +393,27 @@ def _spools_redis(url: str) -> bool:
 
 
 def refuse_defaults(db_url: str, redis_url: str) -> None:
-    """LaneError when a stack would drop Spool's own database or flush its Redis db."""
+    """ShardError when a stack would drop Spool's own database or flush its Redis db."""
     if _db_name(db_url) == _db_name(_spool_database_url()):
-        raise LaneError(f"{db_url}: a test stack would drop Spool's own database; name another")
+        raise ShardError(f"{db_url}: a test stack would drop Spool's own database; name another")
     if _spools_redis(redis_url):
-        raise LaneError(f"{redis_url}: a test stack would flush a local Spool's Redis db; name another")
+        raise ShardError(f"{redis_url}: a test stack would flush a local Spool's Redis db; name another")
 
 
-LANE = int(os.environ.get("SPOOL_TEST_LANE") or 0)
+# SPOOL_TEST_LANE: the name SPOOL_TEST_SHARD had before issue 52, still read.
+SHARD = int(os.environ.get("SPOOL_TEST_SHARD") or os.environ.get("SPOOL_TEST_LANE") or 0)
 _SERVER = TEST_REDIS.rsplit("/", 1)[0]
-if LANE:
-    TEST_DB = lane_database(TEST_DB, LANE)
-    _dbs = 16 if LANE in FIXED_LANES else redis_databases(TEST_REDIS)
-    TEST_REDIS, IT_REDIS = (f"{_SERVER}/{n}" for n in lane_redis_dbs(LANE, _dbs))
+if SHARD:
+    TEST_DB = shard_database(TEST_DB, SHARD)
+    _dbs = 16 if SHARD in FIXED_SHARDS else redis_databases(TEST_REDIS)
+    TEST_REDIS, IT_REDIS = (f"{_SERVER}/{n}" for n in shard_redis_dbs(SHARD, _dbs))
 for _url in (TEST_REDIS, IT_REDIS):
     if _spools_redis(_url) or _redis_db(_url)[2] in SIDE_REDIS_DBS.values():
-        raise LaneError(
-            f"{_url}: a lane's Redis db is neither Spool's nor a side stack's {sorted(SIDE_REDIS_DBS.values())}"
+        raise ShardError(
+            f"{_url}: a shard's Redis db is neither Spool's nor a side stack's {sorted(SIDE_REDIS_DBS.values())}"
         )
 if TEST_REDIS == IT_REDIS:
-    raise LaneError(f"{TEST_REDIS}: the stack's and the integration tests' Redis dbs are two")
+    raise ShardError(f"{TEST_REDIS}: the stack's and the integration tests' Redis dbs are two")
 refuse_defaults(TEST_DB, TEST_REDIS)
 
 
@@ -557,15 +558,15 @@ def running_stack(
 
 
 if __name__ == "__main__":
-    # `python -m ops.harness lanes N` (ops/test.sh): the wallclock lane, then the lanes of N pytest-xdist
+    # `python -m ops.harness shards N` (ops/test.sh): the wallclock shard, then the shards of N pytest-xdist
     # workers, on one line; a count this Redis server cannot serve is refused with the reason (exit 2).
-    if sys.argv[1:2] != ["lanes"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m ops.harness lanes N")
+    if sys.argv[1:2] != ["shards"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m ops.harness shards N")
     try:
         if not sys.argv[2].isdigit():
-            raise LaneError("a whole number of lanes")
-        lanes = xdist_lanes(int(sys.argv[2]), redis_databases(TEST_REDIS))
-    except LaneError as e:
-        print(f"SPOOL_TEST_LANES={sys.argv[2]}: {e}", file=sys.stderr)
+            raise ShardError("a whole number of shards")
+        shards = xdist_shards(int(sys.argv[2]), redis_databases(TEST_REDIS))
+    except ShardError as e:
+        print(f"SPOOL_TEST_SHARDS={sys.argv[2]}: {e}", file=sys.stderr)
         sys.exit(2)
-    print(WALLCLOCK_LANE, *lanes)
+    print(WALLCLOCK_SHARD, *shards)

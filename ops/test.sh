@@ -57,11 +57,11 @@ if [ "$GPU_HOST" = 1 ] && ! torch_sees_cuda; then
   fi
 fi
 bash ops/test-tools.sh
-# Each lane's database and Redis dbs come from ops/harness.py's allocator, which never hands out a local
-# Spool's (database `spool`, Redis db 0): a SPOOL_TEST_LANES this Redis cannot serve is refused here.
-LANES=${SPOOL_TEST_LANES:-2}
-ALLOCATED=$(.venv/bin/python -m ops.harness lanes "$LANES")
-read -r WALL_LANE XDIST_LANES <<<"$ALLOCATED"
+# Each shard's database and Redis dbs come from ops/harness.py's allocator, which never hands out a local
+# Spool's (database `spool`, Redis db 0): a SPOOL_TEST_SHARDS this Redis cannot serve is refused here.
+SHARDS=${SPOOL_TEST_SHARDS:-2}
+ALLOCATED=$(.venv/bin/python -m ops.harness shards "$SHARDS")
+read -r WALL_SHARD XDIST_SHARDS <<<"$ALLOCATED"
 # --durations: where the suite's time goes, printed at the end of every run.
 # SPOOL_STRICT_SKIPS: a skip fails the run unless its reason is an allowed one (no GPU; tests/strict_skips.py).
 export SPOOL_STRICT_SKIPS=${SPOOL_STRICT_SKIPS:-1}
@@ -74,15 +74,15 @@ if [ "${SPOOL_SERIAL:-0}" = 1 ]; then
 fi
 
 # The tests marked `solo` (the fault harness: a schedule timed against a load of its own size) cannot
-# share the machine with the lanes, but the lint can share it with them: mypy, most of it, holds one core
-# for about a minute on a fresh clone, and the solo run took 70-80 s after the lanes. Side by side they
+# share the machine with the shards, but the lint can share it with them: mypy, most of it, holds one core
+# for about a minute on a fresh clone, and the solo run took 70-80 s after the shards. Side by side they
 # take about the longer one's time. The engine takes one thread (SPOOL_N_THREADS=1): with two, llama.cpp's
 # threads meet at a barrier after every operation, and while mypy holds a core one of them waits for it
 # each time. Seen on a slow stretch (2026-11-28, yardstick 140 ms): 984 ms a decode step, the harness's
 # reference requests timed out after 60 s.
 SOLO_LOG=$(mktemp /tmp/spool-solo.XXXXXX)
 T_TESTS=$SECONDS  # the tests' clock (printed at the end): from here, the solo run's start
-SPOOL_COSTS_LANE=solo SPOOL_N_THREADS=1 "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
+SPOOL_COSTS_SHARD=solo SPOOL_N_THREADS=1 "${PYTEST[@]}" -m solo --durations=5 "$@" >"$SOLO_LOG" 2>&1 &
 SOLO=$!
 lint_rc=0
 lint || lint_rc=$?
@@ -90,27 +90,27 @@ T_LINT=$SECONDS
 solo_rc=0
 wait $SOLO || solo_rc=$?
 [ "$solo_rc" = 5 ] && solo_rc=0  # "$@" selected none of them
-T_LANES=$SECONDS
+T_SHARDS=$SECONDS
 if [ "$lint_rc" != 0 ]; then
   cat "$SOLO_LOG"
   exit "$lint_rc"
 fi
 
-# The suite runs in lanes, pytest processes side by side, each on a database and Redis dbs of its own
-# (ops/harness.py: SPOOL_TEST_LANE): SPOOL_TEST_LANES (2) pytest-xdist workers share the tests a module
+# The suite runs in shards, pytest processes side by side, each on a database and Redis dbs of its own
+# (ops/harness.py: SPOOL_TEST_SHARD): SPOOL_TEST_SHARDS (2) pytest-xdist workers share the tests a module
 # at a time, longest first (tests/conftest.py: COSTS), and the tests marked `wallclock`, which spend
 # their time waiting (an outage held, a client paused, a lease running out, the package registry),
 # run in a process of their own beside them. Each stack's llama.cpp takes one thread: two one-thread engines on two cores generate ~1.4x
 # what one two-thread engine does, and two engines of two threads each slow each other several-fold.
 # The tests marked `solo` ran before them, beside the lint. SPOOL_SERIAL=1: one process, as it was. The run
-# fails if any lane fails; the wallclock lane's report follows the rest.
+# fails if any shard fails; the wallclock shard's report follows the rest.
 export SPOOL_N_THREADS=${SPOOL_N_THREADS:-1}
 WALL_LOG=$(mktemp /tmp/spool-wallclock.XXXXXX)
-SPOOL_COSTS_LANE=wallclock SPOOL_TEST_LANE=$WALL_LANE "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
+SPOOL_COSTS_SHARD=wallclock SPOOL_TEST_SHARD=$WALL_SHARD "${PYTEST[@]}" -m wallclock --durations=10 "$@" >"$WALL_LOG" 2>&1 &
 WALL=$!
 TX=()
-for lane in $XDIST_LANES; do
-  TX+=(--tx "popen//env:SPOOL_TEST_LANE=$lane")
+for shard in $XDIST_SHARDS; do
+  TX+=(--tx "popen//env:SPOOL_TEST_SHARD=$shard")
 done
 rc=0
 "${PYTEST[@]}" -m "not wallclock and not solo" --durations=40 "${TX[@]}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
@@ -118,7 +118,7 @@ wall_rc=0
 wait $WALL || wall_rc=$?
 T_END=$SECONDS
 echo
-echo "=== the solo tests, run beside the lint, before the lanes ==="
+echo "=== the solo tests, run beside the lint, before the shards ==="
 cat "$SOLO_LOG"
 rm -f "$SOLO_LOG"
 echo
@@ -126,12 +126,12 @@ echo "=== the wallclock tests, run beside the rest ==="
 cat "$WALL_LOG"
 rm -f "$WALL_LOG"
 echo
-echo "=== what each module cost (every lane; CPU: the pytest process and all it started) ==="
+echo "=== what each module cost (every shard; CPU: the pytest process and all it started) ==="
 .venv/bin/python -m tests.costs "$SPOOL_COSTS" 30 || true
 echo
-echo "=== time: the solo tests beside the lint $((T_LANES - T_TESTS)) s (the lint $((T_LINT - T_TESTS)) s)," \
-  "the lanes $((T_END - T_LANES)) s;" \
-  "tests in all (the solo run's start to the last lane's end) $((T_END - T_TESTS)) s ==="
+echo "=== time: the solo tests beside the lint $((T_SHARDS - T_TESTS)) s (the lint $((T_LINT - T_TESTS)) s)," \
+  "the shards $((T_END - T_SHARDS)) s;" \
+  "tests in all (the solo run's start to the last shard's end) $((T_END - T_TESTS)) s ==="
 [ "$wall_rc" = 5 ] && wall_rc=0  # "$@" selected none of them
 [ "$rc" = 5 ] && rc=0
 exit $((rc != 0 || wall_rc != 0 || solo_rc != 0))

@@ -13,7 +13,7 @@ from sqlalchemy import create_engine, text
 # that import them from here.
 try:
     from ops.harness import IT_REDIS, ROOT, SPOOL, TEST_DB, TEST_REDIS, Stack, free_port, running_stack, wait_for
-except ValueError as e:  # ops.harness.LaneError: a lane or URL that would reach Spool's own data, or another lane's
+except ValueError as e:  # ops.harness.ShardError: a shard or URL that would reach Spool's own data, or another shard's
     raise pytest.UsageError(str(e)) from e
 
 __all__ = [
@@ -33,9 +33,9 @@ __all__ = [
 MODEL = "smollm2-135m-instruct"
 
 # Seconds a module takes (its tests' calls and its own stacks' start), from the costs table of a full
-# run in lanes (tests/costs.py; 2026-11-28 23:00, the 2-core VM, 45d9df9). ops/test.sh's lanes take
-# modules in this order, longest first, so that no long module starts last while the other lane
-# idles; modules not listed follow in their own order. The wallclock lane
+# run in shards (tests/costs.py; 2026-11-28 23:00, the 2-core VM, 45d9df9). ops/test.sh's shards take
+# modules in this order, longest first, so that no long module starts last while the other shard
+# idles; modules not listed follow in their own order. The wallclock shard
 # (the modules marked so) takes its own in the same order.
 COSTS = {
     "tests/e2e/test_protocol.py": 129,

@@ -1,11 +1,11 @@
 """A pytest plugin: what each test module costs, in wall seconds and in CPU seconds of this pytest
 process and every process under it (the stacks it starts, their workers and engines). With
-SPOOL_COSTS=FILE each module appends a line `module wall cpu lane start end` to FILE (lane: the
-pytest process's SPOOL_COSTS_LANE, else its SPOOL_TEST_LANE; start, end: epoch seconds).
-`python -m tests.costs FILE` prints them, most CPU first, then when each lane began and ended its
-last module (a lane idle at the end is time the order in tests/conftest.COSTS could win back).
+SPOOL_COSTS=FILE each module appends a line `module wall cpu shard start end` to FILE (shard: the
+pytest process's SPOOL_COSTS_SHARD, else its SPOOL_TEST_SHARD; start, end: epoch seconds).
+`python -m tests.costs FILE` prints them, most CPU first, then when each shard began and ended its
+last module (a shard idle at the end is time the order in tests/conftest.COSTS could win back).
 ops/test.sh prints that table after every run: the suite is CPU-bound on 2 cores, so CPU seconds
-(not wall, which the other lanes stretch) say where its time goes.
+(not wall, which the other shards stretch) say where its time goes.
 
 A process that leaves the tree (a daemon that double-forks, as `pg_ctl start` does) is not counted."""
 
@@ -51,13 +51,13 @@ class _Costs:
         self.out = out
         self.module: str | None = None
         self.wall = self.cpu = self.start = 0.0
-        self.lane = os.environ.get("SPOOL_COSTS_LANE") or os.environ.get("SPOOL_TEST_LANE") or "0"
+        self.shard = os.environ.get("SPOOL_COSTS_SHARD") or os.environ.get("SPOOL_TEST_SHARD") or "0"
 
     def _close(self) -> None:
         if self.module is not None:
             wall, cpu = time.monotonic() - self.wall, _tree_cpu(os.getpid()) - self.cpu
             with self.out.open("a") as f:
-                f.write(f"{self.module} {wall:.1f} {cpu:.1f} {self.lane} {self.start:.1f} {time.time():.1f}\n")
+                f.write(f"{self.module} {wall:.1f} {cpu:.1f} {self.shard} {self.start:.1f} {time.time():.1f}\n")
         self.module = None
 
     @pytest.hookimpl(tryfirst=True)
@@ -80,26 +80,26 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def main(path: str, most: int = 25) -> None:
     rows: dict[str, list[float]] = {}
-    lanes: dict[str, list[float]] = {}  # lane -> [first start, last end, modules]
+    shards: dict[str, list[float]] = {}  # shard -> [first start, last end, modules]
     for line in Path(path).read_text().splitlines():
         module, wall, cpu, *when = line.split()
         acc = rows.setdefault(module, [0.0, 0.0])
         acc[0] += float(wall)
         acc[1] += float(cpu)
         if when:
-            lane, start, end = when[0], float(when[1]), float(when[2])
-            span = lanes.setdefault(lane, [start, end, 0])
+            shard, start, end = when[0], float(when[1]), float(when[2])
+            span = shards.setdefault(shard, [start, end, 0])
             span[0], span[1], span[2] = min(span[0], start), max(span[1], end), span[2] + 1
     total_wall, total_cpu = (sum(r[i] for r in rows.values()) for i in (0, 1))
     print(f"{'module':60} {'wall s':>8} {'cpu s':>8}")
     for module, (wall, cpu) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:most]:
         print(f"{module:60} {wall:8.1f} {cpu:8.1f}")
     print(f"{f'all {len(rows)} modules':60} {total_wall:8.1f} {total_cpu:8.1f}")
-    if lanes:
-        t0 = min(span[0] for span in lanes.values())
-        print("lane                    modules  first began  last ended  (seconds after the first module began)")
-        for lane, (start, end, n) in sorted(lanes.items()):
-            print(f"{lane:23} {n:8d} {start - t0:12.1f} {end - t0:11.1f}")
+    if shards:
+        t0 = min(span[0] for span in shards.values())
+        print("shard                   modules  first began  last ended  (seconds after the first module began)")
+        for shard, (start, end, n) in sorted(shards.items()):
+            print(f"{shard:23} {n:8d} {start - t0:12.1f} {end - t0:11.1f}")
 
 
 if __name__ == "__main__":

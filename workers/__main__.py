@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         _could_not_start(s, exc)
     slots = batch_slots(s.worker_model_ids[0], s)
     _heartbeat(r.worker_name, s, r.loop, slots)
-    from core.jobs import workers
+    from core.jobs import live_workers
 
-    r.slot_wake = lambda: workers.wake_dispatcher(r.redis)
+    r.slot_wake = lambda: live_workers.wake_dispatcher(r.redis)
     # Celery's "received" and "succeeded in" lines repeat ours (which carry job and request ids) for
     # every job: at hundreds of jobs a second their formatting alone is a noticeable share of a core.
     for name in ("celery.app.trace", "celery.worker.strategy"):
@@ -61,14 +61,14 @@ def _could_not_start(s, exc: BaseException) -> NoReturn:
     """The model did not load or could not generate: say so with the library's words (the log, and the
     model's worker record that /ready and /ui read), and exit non-zero without taking any message."""
     from core.infra import kv
-    from core.jobs import workers
+    from core.jobs import live_workers
     from workers.runtime import worker_name
 
     model = s.worker_model_ids[0]
     message = f"{type(exc).__name__}: {exc}"
     logging.getLogger(__name__).critical("worker for %s could not start: %s", model, message, exc_info=exc)
     try:
-        workers.failed(kv.client(s.redis_url), model, worker_name(), message)
+        live_workers.failed(kv.client(s.redis_url), model, worker_name(), message)
     except Exception:
         logging.getLogger(__name__).warning("could not record the failure in Redis", exc_info=True)
     sys.exit(EXIT_NOT_READY)
@@ -85,7 +85,7 @@ def _heartbeat(name: str, s, loop, slots: int) -> None:
 
     from core.infra import kv
     from core.infra.metrics import RUNNING, WAITING
-    from core.jobs import workers
+    from core.jobs import live_workers
 
     rds = kv.client(s.redis_url)
     model = s.worker_model_ids[0]
@@ -98,7 +98,7 @@ def _heartbeat(name: str, s, loop, slots: int) -> None:
             except Exception:  # a thread that died here would leave a working worker unheard: its jobs
                 # would be given to others (core/dispatcher.py) while it goes on taking new ones
                 logging.getLogger(__name__).exception("heartbeat pass failed; going on")
-            time.sleep(workers.HEARTBEAT_S)
+            time.sleep(live_workers.HEARTBEAT_S)
 
     def beat_once() -> None:
         pace.say()
@@ -106,20 +106,20 @@ def _heartbeat(name: str, s, loop, slots: int) -> None:
         if stalled > s.engine_stall_s:
             logging.getLogger(__name__).critical("engine wedged for %.0fs: leaving (a supervisor restarts me)", stalled)
             try:
-                workers.gone(rds, model, name)
+                live_workers.gone(rds, model, name)
             finally:
                 os._exit(70)  # a wedged C call cannot be interrupted; exit without waiting for it
         waiting = loop.waiting_count()
         RUNNING.labels(model, name).set(max(loop.live_count() - waiting, 0))
         WAITING.labels(model, name).set(waiting)
         try:
-            workers.beat(rds, model, name, slots, s.interactive_slots)
+            live_workers.beat(rds, model, name, slots, s.interactive_slots)
         except Exception:
             logging.getLogger(__name__).warning("heartbeat failed; retrying", exc_info=True)
 
-    workers.beat(rds, model, name, slots, s.interactive_slots)
+    live_workers.beat(rds, model, name, slots, s.interactive_slots)
     threading.Thread(target=beat_forever, name="heartbeat", daemon=True).start()
-    atexit.register(lambda: workers.gone(rds, model, name))
+    atexit.register(lambda: live_workers.gone(rds, model, name))
 
 
 class _Pace:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from core.generation.events import Delta, JobResult, decode, encode
 from core.generation.params import GenerationParams, choice_index
 from core.generation.prompt import Prompt
-from core.infra import streams
 from core.infra.metrics import ITL, QUEUE_WAIT, TTFT
+from core.infra.streams import write
 from core.infra.transient import TRANSIENT
 from core.jobs.transitions import Claimed
 from core.states import JobKind
@@ -74,15 +74,15 @@ class Attempt:
         # anything later is refused (a worker that lost its lease may still be generating).
         if not self.fenced:
             ttl = self.settings.events_ttl_s
-            retrying(self.settings, f"fence {job.id}", streams.raise_fence, rds, job.id, job.attempt, ttl)
-        if job.attempt > 1 and streams.trimmed(rds, job.id):
+            retrying(self.settings, f"fence {job.id}", write.raise_fence, rds, job.id, job.attempt, ttl)
+        if job.attempt > 1 and write.trimmed(rds, job.id):
             raise JobError(
                 "This job's progress log was trimmed, so it cannot resume exactly.",
                 type_="server_error",
                 code="resume_impossible",
             )
         # Read (and logged: entry positions continue after them) even when not resumed from.
-        self.log = streams.entries(rds, job.id) if job.attempt > 1 else []
+        self.log = write.entries(rds, job.id) if job.attempt > 1 else []
         prior = {} if self.buffered else resume.prior_progress(decode(raw) for _, raw in self.log)
         wants_scores = p.prompt_logprobs is not None or (p.echo and p.logprobs is not None)
         # The constraint is compiled once for the job; each sequence gets a copy of the compiled
@@ -300,7 +300,7 @@ class Attempt:
         publish = self.runner.lifecycle.publish_deltas
         try:
             ids = publish(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
-        except streams.StreamLost:  # nothing was appended: rebuild (or stop, Fenced), then append
+        except write.StreamLost:  # nothing was appended: rebuild (or stop, Fenced), then append
             self.rebuild_lost_stream()
             ids = publish(self.job.id, self.job.attempt, out, start=len(self.log) + 1)
         self.logged(ids, self.payloads(out))
@@ -313,11 +313,11 @@ class Attempt:
         already higher (a newer attempt got there) stops it before it writes anything."""
         job, rds, ttl = self.job, self.runner.redis, self.settings.events_ttl_s
         if not self.runner.renew(job):
-            raise streams.Fenced(f"job {job.id}: attempt {job.attempt} no longer owns it; not rebuilding its stream")
-        if streams.raise_fence(rds, job.id, job.attempt, ttl) > job.attempt:
-            raise streams.Fenced(f"job {job.id}: attempt {job.attempt} was superseded; not rebuilding its stream")
+            raise write.Fenced(f"job {job.id}: attempt {job.attempt} no longer owns it; not rebuilding its stream")
+        if write.raise_fence(rds, job.id, job.attempt, ttl) > job.attempt:
+            raise write.Fenced(f"job {job.id}: attempt {job.attempt} was superseded; not rebuilding its stream")
         log.warning("job %s: its event stream was lost (Redis restarted?); rebuilding it", job.id)
-        streams.rebuild(rds, job.id, self.log, ttl)
+        write.rebuild(rds, job.id, self.log, ttl)
 
     def _renew_while_waiting(self) -> None:
         now = time.monotonic()
@@ -329,7 +329,7 @@ class Attempt:
         except TRANSIENT:
             return  # Postgres away too: the lease may lapse, and the job resumes elsewhere
         if not owned:  # the dispatcher gave the job to another worker (this one is cut from Redis)
-            raise streams.Fenced(f"job {self.job.id}: attempt {self.job.attempt} lost its lease while Redis was away")
+            raise write.Fenced(f"job {self.job.id}: attempt {self.job.attempt} lost its lease while Redis was away")
 
     def _on_cancel(self) -> None:
         """Called by the worker's cancel watch (workers/cancels.py) when the job's cancel key is set."""

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from core.infra import streams, transient
+from core.infra import transient
+from core.infra.streams import keys
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class CancelWatch:
         if not watched:
             return
         try:
-            found = self._redis.mget([streams.cancel_key(job_id) for job_id, _ in watched])
+            found = self._redis.mget([keys.cancel_key(job_id) for job_id, _ in watched])
         except transient.REDIS:
             return
         self.rounds += 1

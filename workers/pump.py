@@ -23,8 +23,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from core.config import Settings
-from core.infra import streams
 from core.infra.backoff import Backoff, retry
+from core.infra.streams import write
 from core.infra.transient import TRANSIENT
 from workers.engine.base import PromptEvent, TokenEvent
 from workers.retry import Abandoned
@@ -93,10 +93,10 @@ class StreamPump:
         wait = Backoff(self.settings.infra_retry_s, self.settings.lease_s / 3)
         ttl = self.settings.events_ttl_s
         while ready:
-            appends = [streams.Append(a.job.id, a.job.attempt, payloads, ttl, len(a.log) + 1) for a, payloads in ready]
+            appends = [write.Append(a.job.id, a.job.attempt, payloads, ttl, len(a.log) + 1) for a, payloads in ready]
             try:
                 results = retry(
-                    partial(streams.append_many, self.redis, appends), wait, retry_on=TRANSIENT, on_wait=_waiting
+                    partial(write.append_many, self.redis, appends), wait, retry_on=TRANSIENT, on_wait=_waiting
                 )
             except TRANSIENT as exc:  # still away at the deadline
                 for a, _ in ready:
@@ -105,11 +105,11 @@ class StreamPump:
             self.flushes += 1
             lost = []
             for (a, payloads), append, r in zip(ready, appends, results, strict=True):
-                if r == streams.LOST:
+                if r == write.LOST:
                     lost.append((a, payloads))
                     continue
                 try:
-                    a.logged(streams.appended(r, append.job_id, append.attempt), payloads)
+                    a.logged(write.appended(r, append.job_id, append.attempt), payloads)
                 except Exception as exc:  # Fenced, or this job's own script error
                     a.stop(exc)
             # Streams lost with a Redis restart (nothing was appended to them): each is rebuilt by

@@ -33,8 +33,9 @@ from sqlalchemy.orm import sessionmaker
 
 from core.config import Settings
 from core.generation.events import ErrorInfo
-from core.infra import logs, streams
+from core.infra import logs
 from core.infra.autocommit import one_statement
+from core.infra.streams import write
 from core.infra.transient import TRANSIENT
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
@@ -200,7 +201,7 @@ class JobRunner:
         self.sessions = sessions
         self.worker_name = worker_name
         # One Redis round trip per decode step for all this worker's sequences, not one per sequence.
-        self.lifecycle = Lifecycle(sessions, redis_client, settings, appender=streams.GroupAppender(redis_client))
+        self.lifecycle = Lifecycle(sessions, redis_client, settings, appender=write.GroupAppender(redis_client))
         # Every attempt's engine events become stream entries on one thread (workers/pump.py).
         self.pump = StreamPump(redis_client, settings)
         # Every running job's cancel key asked in one round trip, not one EXISTS per job per 0.5 s.
@@ -245,7 +246,7 @@ class JobRunner:
             retrying(
                 self.settings,
                 f"fence {len(jobs)} jobs",
-                streams.raise_fences,
+                write.raise_fences,
                 self.redis,
                 [(j.id, j.attempt) for j in jobs],
                 self.settings.events_ttl_s,
@@ -303,7 +304,7 @@ class JobRunner:
         job_id, attempt = job.id, job.attempt
         try:
             return (started or Attempt(self, job)).run()
-        except streams.Fenced:
+        except write.Fenced:
             log.info("job %s attempt %s was superseded by a newer attempt; stopping", job_id, attempt)
             return Outcome.lost
         except LETTING_GO as exc:

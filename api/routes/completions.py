@@ -19,7 +19,7 @@ from api.bodies import INLINE_BYTES, json_body, openapi_answers, openapi_body
 from api.costs import work
 from api.deps import current_principal
 from api.errors import APIError
-from api.streaming import readers, sse, sse_chunks
+from api.sse import readers, sse, sse_chunks
 from core.config import Settings
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.service import Completions

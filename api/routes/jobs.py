@@ -13,9 +13,9 @@ from api.cache import SingleFlight
 from api.costs import OffLoop, sized
 from api.deps import CompletionsDep, FingerprintsDep, HubDep, LifecycleDep, RedisDep, SettingsDep, TenantDep
 from api.errors import APIError
-from api.streaming import sse_chunks
-from core.infra import streams
+from api.sse import sse_chunks
 from core.infra.orm import Job
+from core.infra.streams import read
 from core.jobs.service import Completions
 from core.protocol import render
 from core.protocol.schemas import JobObject
@@ -114,7 +114,7 @@ async def job_events(
     if row is None:
         raise _not_found(job_id)
     given = request.headers.get("last-event-id") or last_event_id or "0-0"
-    start = streams.parse_id(given)
+    start = read.parse_id(given)
     if start is None:
         raise APIError(
             400,

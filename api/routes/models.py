@@ -11,7 +11,7 @@ from api.errors import APIError
 from core.config import Settings
 from core.errors import DomainError
 from core.infra.tokenizers import context_length, tokenizer_for
-from core.jobs import workers
+from core.jobs import live_workers
 from core.protocol import render
 from core.protocol.schemas import ModelList, ModelObject
 from core.registry import aliases, resolve, served_models, settings_for
@@ -25,7 +25,7 @@ async def _model(name: str, model_id: str, settings: Settings, redis) -> dict:
         ctx = context_length(await anyio.to_thread.run_sync(tokenizer_for, model_id), ms)
     except DomainError:  # its weights are not on this host: listed with its configured context
         ctx = ms.n_ctx
-    return render.model(name, model_id, ctx, len(await workers.live_async(redis, model_id)))
+    return render.model(name, model_id, ctx, len(await live_workers.live_async(redis, model_id)))
 
 
 @router.get("/v1/models", response_model=ModelList)

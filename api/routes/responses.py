@@ -21,7 +21,7 @@ from api.costs import OffLoop, cheap, sized, work
 from api.deps import LifecycleDep, SettingsDep, SyncSessionsDep, TenantDep, current_principal
 from api.errors import APIError
 from api.routes.completions import _StreamOrCancel, _wait_unless_draining
-from api.streaming import HEAVY, ReaderLease, sse_comment
+from api.sse import HEAVY, ReaderLease, sse_comment
 from core.config import Settings
 from core.infra import threads
 from core.infra.orm import Job

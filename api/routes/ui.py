@@ -23,7 +23,7 @@ from api.guard import authenticate
 from core.errors import DomainError
 from core.infra import redis_keys
 from core.states import KeyScope
-from core.status import Snapshot, snapshot
+from core.status_page import Snapshot, snapshot
 from core.tenancy.keys import hash_key, is_live_admin
 
 router = APIRouter(prefix="/ui", include_in_schema=False)

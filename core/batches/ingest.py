@@ -34,7 +34,7 @@ from sqlalchemy import Update, and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import distinct_on
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.batches.status import cancelled, rejected, validated
+from core.batches.transitions import cancelled, rejected, validated
 from core.config import Settings
 from core.errors import DomainError
 from core.files import storage as files
@@ -43,8 +43,8 @@ from core.infra import redis_keys
 from core.infra.orm import Batch
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.infra.transient import TRANSIENT
+from core.jobs import live_workers
 from core.jobs import transitions as jobs
-from core.jobs import workers
 from core.jobs.service import translate
 from core.protocol import render
 from core.protocol import responses as wire
@@ -760,7 +760,7 @@ def _warm(settings: Settings) -> None:
 def _wake_dispatcher(rds: Any) -> None:
     """The lines start now rather than at the dispatcher's next tick; without Redis they start then."""
     try:
-        workers.wake_dispatcher(rds)
+        live_workers.wake_dispatcher(rds)
     except Exception:  # best effort, whatever Redis answers: the batch is valid and stays so
         log.warning("batch validated; could not wake the dispatcher: its lines start at its next tick")
 

@@ -24,7 +24,7 @@ from sqlalchemy import BigInteger, ColumnElement, Exists, Text, and_, bindparam,
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.batches.status import LIVE, end, ending, finalizing
+from core.batches.transitions import LIVE, end, ending, finalizing
 from core.files import expiry
 from core.files import storage as files
 from core.generation.events import Usage

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core import idempotency
 from core.batches import progress, webhooks
-from core.batches.status import CANCELLABLE, EMPTY_COUNTS, cancel_requested
+from core.batches.transitions import CANCELLABLE, EMPTY_COUNTS, cancel_requested
 from core.config import Settings
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.files import expiry

@@ -4,7 +4,7 @@ The output side of `GenerationParams`: workers produce these; only core/protocol
 OpenAI's shapes (completion or chat), so the same job can be shown as a `text_completion`, its
 chunks, or a batch output line. They live here, below both, so that core/protocol depends on
 nothing but core/generation. They travel through the job's Redis stream as JSON, one event per
-entry (core/jobs/stream.py reads it).
+entry (core/jobs/follow.py reads it).
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class GenerationParams(BaseModel):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerationParams:
-        # Jobs stored before the CPU engine had one lane carry the lane choice it no longer needs.
+        # Jobs stored while the CPU engine had a fast path beside its exact one carry the field that chose
+        # between them (`reproducible`), gone since: dropped on read.
         return cls.model_validate({k: v for k, v in data.items() if k not in _RETIRED})
 
     @property

@@ -4,7 +4,7 @@ Every wait for the infrastructure pauses 0.2 s, then twice as long each time up 
 cap: a worker's third of its lease), and gives up once the next pause would end past its deadline.
 What counts as unavailable is core/infra/transient.py. `retry` calls a function under such a
 backoff (workers/retry.py, workers/pump.py, core/jobs/lifecycle.py); a loop that never gives up
-paces itself with a `Backoff` alone (the stream hub's shared read, core/infra/streams.py).
+paces itself with a `Backoff` alone (the stream hub's shared read, core/infra/streams/read.py).
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class Job(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
-    # Where each delta entry of the job's stream left its choice (core/infra/streams.py `marks_of`: a
+    # Where each delta entry of the job's stream left its choice (core/infra/streams/write.py `marks_of`: a
     # compact string, ~12-16 bytes a delta), written by the ending: a resume from any event id is
     # placed in the row's text for as long as the row exists, not only while the ended stream lives.
     # NULL: the job streamed nothing (or ended before this column). Deferred: only a reader resuming

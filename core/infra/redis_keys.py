@@ -1,8 +1,8 @@
 """The names of Spool's Redis keys: one place to see every namespace, what each key holds and who uses it.
 
 A key's literal lives only in core/infra (tests/unit/test_homes.py checks it): here, or, for the
-job's event stream and its cancel flag and fence, beside the code that reads them
-(core/infra/streams.py). Celery's broker keys are kombu's own (core/infra/broker.py).
+job's event stream and its cancel flag, fence and marks, in core/infra/streams/keys.py (the stream
+hub's wake key in core/infra/streams/read.py). Celery's broker keys are kombu's own (core/infra/broker.py).
 Namespaces: `job:` (one job), `rl:` (rate limits), `spool:` (the deployment), `ui:` (the status page).
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 
 def readers(job_id: str) -> str:
-    """A sorted set, one leased entry per SSE stream following the job now, on any API replica (api/streaming.py)."""
+    """A sorted set, one leased entry per SSE stream following the job now, on any API replica (api/sse.py)."""
     return f"job:{job_id}:readers"
 
 
 def tenant_limit(tenant_id: int, name: str) -> str:
     """A tenant's rate-limit state (`rpm`, `tpm`, `tpd:<day>`, `active`, `reads`), kept by the Lua scripts of
-    core/tenancy/ratelimit.py; `downloads`: its download slots (core/files/service.py)."""
+    core/tenancy/limits.py; `downloads`: its download slots (core/files/service.py)."""
     return f"rl:t{tenant_id}:{name}"
 
 
@@ -37,7 +37,7 @@ def revoked(digest: str) -> str:
 
 def stored_bytes(window: int) -> str:
     """A hash, one field per tenant: the bytes its jobs' ended streams, marks and fences took in Redis, added
-    as each job ended within this window (core/infra/streams.py `_SEAL`); read by core/tenancy/usage.py."""
+    as each job ended within this window (core/infra/streams/write.py `_SEAL`); read by core/tenancy/usage.py."""
     return f"spool:stored:redis:{window}"
 
 
@@ -47,7 +47,7 @@ def dispatcher_probe(name: str) -> str:
 
 
 def live_workers(model: str) -> str:
-    """A hash of the worker heartbeats serving a model (core/jobs/workers.py)."""
+    """A hash of the worker heartbeats serving a model (core/jobs/live_workers.py)."""
     return f"spool:workers:{model}"
 
 

@@ -5,7 +5,7 @@ webhook hosts whose DNS never answers, would leave none for preparing other tena
 kind here has its own `CapacityLimiter` (SPOOL_UPLOAD_THREADS, SPOOL_PREPARE_THREADS,
 SPOOL_DNS_THREADS); everything else keeps the default one. Within `prepare` and `dns`, one tenant
 holds at most its share at once (SPOOL_PREPARE_PER_TENANT; half the DNS threads): the tenant is named
-in `SHARE` by the API's rate gate (api/ratelimit.py) for everything its request does, so no route has
+in `SHARE` by the API's rate gate (api/request_gate.py) for everything its request does, so no route has
 to remember it.
 """
 

@@ -40,15 +40,16 @@ from core.generation.events import (
     inline_result,
 )
 from core.generation.prompt import Prompt
-from core.infra import streams, transient
+from core.infra import transient
 from core.infra.autocommit import one_statement
 from core.infra.backoff import Backoff, retry
 from core.infra.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REAPED
 from core.infra.orm import Job
+from core.infra.streams import keys, write
 from core.jobs import transitions
 from core.jobs.transitions import Claimed
 from core.states import Ending
-from core.tenancy import ratelimit, usage
+from core.tenancy import limits, usage
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Lifecycle:
         sessions: sessionmaker[Session],
         rds: redis.Redis,
         settings: Settings,
-        appender: streams.GroupAppender | None = None,
+        appender: write.GroupAppender | None = None,
     ) -> None:
         """`appender`: a worker's, grouping every running job's appends into one round trip a step."""
         self.sessions, self.redis, self.settings = sessions, rds, settings
@@ -97,8 +98,8 @@ class Lifecycle:
         s = self.settings
         pipe = self.redis.pipeline(transaction=False)
         if cancel_flag:
-            pipe.set(streams.cancel_key(job_id), 1, ex=3600)
-        streams.queue_append(pipe, job_id, [encode(e) for e in evs], s.events_ttl_s)
+            pipe.set(keys.cancel_key(job_id), 1, ex=3600)
+        write.queue_append(pipe, job_id, [encode(e) for e in evs], s.events_ttl_s)
         out = pipe.execute()
         ids = out[1:-1] if cancel_flag else out[:-1]
         return [i if isinstance(i, str) else i.decode() for i in ids]
@@ -106,11 +107,11 @@ class Lifecycle:
     def publish_deltas(self, job_id: str, attempt: int, evs: Sequence[Delta], start: int) -> list[str]:
         """A running attempt's output, as the job's entries number `start`... (1-based, positional
         ids: a retried append writes nothing twice): appended only while no newer attempt has
-        claimed the job (streams.Fenced otherwise)."""
+        claimed the job (write.Fenced otherwise)."""
         payloads, ttl = [encode(e) for e in evs], self.settings.events_ttl_s
         if self.appender is not None:  # a worker: grouped with its other jobs' appends, one round trip
             return self.appender.append(job_id, attempt, payloads, ttl, start)
-        return streams.append_fenced(self.redis, job_id, attempt, payloads, ttl, start)
+        return write.append_fenced(self.redis, job_id, attempt, payloads, ttl, start)
 
     # -- the one way a job ends --------------------------------------------------------------
     @staticmethod
@@ -148,7 +149,7 @@ class Lifecycle:
 
     def _announce(self, row: Any, billable: int, ev: Done | Failed | Cancelled) -> None:
         """After the commit: settle the reservation and publish the end (on the job's stream, if it
-        wrote one: `streams.queue_end`), retried while Redis is away (the ledger already says how the
+        wrote one: `write.queue_end`), retried while Redis is away (the ledger already says how the
         job ended; readers fall back to it meanwhile). `row`: the ended job (id, tenant_id)."""
         job_id = row.id
         # Only a job a worker had claimed can be running somewhere: one cancelled before that leaves
@@ -158,10 +159,10 @@ class Lifecycle:
         def once() -> None:
             # One round trip: the settlement, then the event (a pipeline runs them in this order).
             pipe = self.redis.pipeline(transaction=False)
-            pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), int(time.time() * 1000), billable)
+            pipe.eval(limits.SETTLE, 1, limits.reservation_key(job_id), int(time.time() * 1000), billable)
             if flag:
-                pipe.set(streams.cancel_key(job_id), 1, ex=3600)
-            streams.queue_end(pipe, job_id, row.tenant_id, [encode(ev)], self.settings.ended_events_ttl_s)
+                pipe.set(keys.cancel_key(job_id), 1, ex=3600)
+            write.queue_end(pipe, job_id, row.tenant_id, [encode(ev)], self.settings.ended_events_ttl_s)
             pipe.execute()
 
         self._while_redis_away(once, f"job {job_id}")
@@ -177,21 +178,21 @@ class Lifecycle:
                 now_ms = int(time.time() * 1000)
                 pipe = self.redis.pipeline(transaction=False)
                 for job_id, tenant_id, ev in chunk:
-                    pipe.eval(ratelimit.SETTLE, 1, ratelimit.reservation_key(job_id), now_ms, 0)
-                    streams.queue_end(pipe, job_id, tenant_id, [encode(ev)], ttl)
+                    pipe.eval(limits.SETTLE, 1, limits.reservation_key(job_id), now_ms, 0)
+                    write.queue_end(pipe, job_id, tenant_id, [encode(ev)], ttl)
                 pipe.execute()
 
             self._while_redis_away(once, f"{len(chunk)} jobs")
 
     def _marks(self, job_id: str, strict: bool = False) -> str | None:
-        """The marks of the job's stream as it stands (`streams.marks_of`: a few bytes a delta), for
+        """The marks of the job's stream as it stands (`write.marks_of`: a few bytes a delta), for
         the ending about to be written: its row keeps them for as long as it exists, and nothing of
         the ended job outlives its stream in Redis. Read before the statement, whose compare-and-set
         may still lose (a wasted read, nothing written). Redis away: None, the ending goes on (a
         resume from an id after the stream expired is then refused as expired), unless `strict`
         (the caller retries the whole ending later)."""
         try:
-            return streams.marks_of(self.redis, job_id)
+            return write.marks_of(self.redis, job_id)
         except transient.REDIS:
             if strict:
                 raise
@@ -268,7 +269,7 @@ class Lifecycle:
 
     def _deltas(self, job_id: str, strict: bool = False) -> list[Delta]:
         try:
-            evs = [decode(raw) for _, raw in streams.entries(self.redis, job_id)]
+            evs = [decode(raw) for _, raw in write.entries(self.redis, job_id)]
         except transient.REDIS:
             if strict:
                 raise

@@ -6,7 +6,7 @@ stores, admits and dispatches it as it does every chat completion (limits, fair 
 Idempotency-Keys, usage). The job's `chat` column carries what only the Responses API reads
 (core/protocol/responses.meta); the response id is the job id renamed (`resp_<hex>` <->
 `cmpl-<hex>`). Reading, deleting and listing a response read and write that row; its stream is the
-job's event stream (core/jobs/stream.py), rendered by core/protocol/responses.Events.
+job's event stream (core/jobs/follow.py), rendered by core/protocol/responses.Events.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.errors import DomainError, ErrorKind, invalid, not_found
 from core.generation.events import Event, TerminalRow, is_terminal, result_of
-from core.infra import streams, threads
+from core.infra import threads
 from core.infra.autocommit import one_statement_async
 from core.infra.orm import Job
+from core.infra.streams import read
 from core.infra.transient import DATABASE
 from core.jobs import transitions
+from core.jobs.follow import HEARTBEAT, Ended, follow_grouped, row_marks
 from core.jobs.service import Completions, Created, check_model, forgotten
-from core.jobs.stream import HEARTBEAT, Ended, follow_batches, row_marks
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponseChat, ResponsesRequest
@@ -58,7 +59,7 @@ _CHAIN = text(
     " SELECT j.id, j.state, j.model, j.created_at, j.chat::text AS chat, j.result::text AS result"
     " FROM chain c JOIN jobs j ON j.id = c.id ORDER BY c.depth"
 )
-# A live stream's batch of this many events or fewer is rendered on the loop (a token or a few); a
+# A live stream's group of this many events or fewer is rendered on the loop (a token or a few); a
 # backlog, or the end (the whole response object), on a prepare thread.
 _ON_LOOP_EVENTS = 16
 _NOT_ENDED = {JobState.queued: "queued", JobState.dispatched: "queued", JobState.running: "in_progress"}
@@ -67,7 +68,7 @@ _NOT_ENDED = {JobState.queued: "queued", JobState.dispatched: "queued", JobState
 @dataclass
 class Batch:
     """Stream events to send together; `heavy`: built off the loop, so framed off it too (the caller
-    holds the tenant's gate while it frames and sends them, when the batch was built inside it)."""
+    holds the tenant's gate while it frames and sends them, when the group was built inside it)."""
 
     events: list[dict[str, Any]]
     heavy: bool = False
@@ -267,13 +268,13 @@ class Responses(Completions):
 
     async def events(
         self,
-        reader: streams.Reader,
+        reader: read.Reader,
         job: Job,
         tenant_id: int,
         after: int | None = None,
         heavy: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
     ) -> AsyncIterator[Batch | object]:
-        """The response's stream events from the start, or those numbered after `after`, in batches;
+        """The response's stream events from the start, or those numbered after `after`, in groups;
         HEARTBEAT while the job is silent. The job's stream is rendered one entry at a time, so the
         numbering is the same for every reader; once the stream is gone, the row's text is cut as the
         stream's entries were (their marks), which numbers it alike. What scales with the response
@@ -301,16 +302,16 @@ class Responses(Completions):
                     yield Batch(rebuilt, heavy=True)
                     return
         following = (
-            follow_batches(reader, job.id, check, last_id="0-0", heavy=heavy)  # a backlog: inside the tenant's gate
+            follow_grouped(reader, job.id, check, last_id="0-0", heavy=heavy)  # a backlog: inside the tenant's gate
             if heavy is not None
-            else follow_batches(reader, job.id, check, last_id="0-0")
+            else follow_grouped(reader, job.id, check, last_id="0-0")
         )
-        async with contextlib.aclosing(following) as batches:
-            async for batch in batches:
-                if batch is HEARTBEAT:
+        async with contextlib.aclosing(following) as groups:
+            async for group in groups:
+                if group is HEARTBEAT:
                     yield HEARTBEAT
                     continue
-                items = cast(list[tuple[str | None, Event | Ended]], batch)
+                items = cast(list[tuple[str | None, Event | Ended]], group)
                 ended = next((n for n, (_, item) in enumerate(items) if isinstance(item, Ended)), None)
                 evs = [item for _, item in items[:ended] if not isinstance(item, Ended)]
                 if len(evs) > _ON_LOOP_EVENTS or any(is_terminal(ev) for ev in evs):
@@ -321,13 +322,13 @@ class Responses(Completions):
                     return
 
 
-async def _has_stream(reader: streams.Reader, job_id: str) -> bool:
+async def _has_stream(reader: read.Reader, job_id: str) -> bool:
     """Whether the job's stream still holds its entries (an ended job's is kept only minutes): its
     first entry, never the whole stream."""
     return bool(await reader.page(job_id, "0-0", 1))
 
 
-def _rebuilt(row: Any, marks: list[streams.Mark] | None) -> list[Event]:
+def _rebuilt(row: Any, marks: list[read.Mark] | None) -> list[Event]:
     """An ended job's events from its row, its text cut as its stream's entries were (`marks`; a
     cancelled job's: the text it had generated, which its row keeps). Blocking: on a prepare thread."""
     end = wire.terminal_of(row)

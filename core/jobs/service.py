@@ -25,20 +25,21 @@ from core.generation.params import GenerationParams
 from core.generation.prompt import Prompt
 from core.generation.tokenizer import Tokenizer
 from core.idempotency import Claim, Idempotency
-from core.infra import redis_keys, streams, threads
+from core.infra import redis_keys, threads
 from core.infra.autocommit import one_statement_async
 from core.infra.metrics import ADMITTED
 from core.infra.orm import Job
+from core.infra.streams import read
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.infra.transient import DATABASE
-from core.jobs import chat_store, tiers, transitions, workers
-from core.jobs.stream import HEARTBEAT, follow
+from core.jobs import chat_store, live_workers, tiers, transitions
+from core.jobs.follow import HEARTBEAT, follow
 from core.jobs.submit import Send, Submitter
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from core.protocol.translate import chat_to_generation, compile_constraint, reservation, to_generation
 from core.registry import chat_template_for, resolve, settings_for
 from core.states import JobState
-from core.tenancy import quota, ratelimit
+from core.tenancy import limits, quota
 from core.tenancy.admission import REQUEST_TAKEN, admit, precheck, refusal, take_request
 from core.tenancy.keys import Principal
 from core.tenancy.quota import Quotas
@@ -104,7 +105,7 @@ class Completions:
         tokenizers: Callable[[str], Tokenizer] = tokenizer_for,
     ) -> None:
         self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
-        self.submit = Submitter(sessions, send, self.capacity, lambda: workers.wake_dispatcher_async(rds))
+        self.submit = Submitter(sessions, send, self.capacity, lambda: live_workers.wake_dispatcher_async(rds))
         self.tokenizers = tokenizers
         self.quotas = Quotas(sessions, rds, settings)
         self._warm: set[str] = set()  # models whose tokenizer this process has loaded
@@ -113,13 +114,13 @@ class Completions:
 
     async def _live(self, model: str) -> bool:
         """Whether a worker serves `model`. A yes is kept for a second (a worker is taken for gone only
-        after `workers.LIVE_S` of silence anyway): one Redis round trip per model per second, not per
+        after `live_workers.LIVE_S` of silence anyway): one Redis round trip per model per second, not per
         request. A no is asked again each time, so a worker that comes back is seen at once."""
         now = time.monotonic()
         if self._live_until.get(model, 0.0) > now:
             return True
-        live = await workers.live_async(self.redis, model)
-        self._slots[model] = workers.slots(live)
+        live = await live_workers.live_async(self.redis, model)
+        self._slots[model] = live_workers.slots(live)
         if live:
             self._live_until[model] = now + LIVE_CACHE_S
             return True
@@ -222,7 +223,7 @@ class Completions:
                 job.params = params.model_copy(update={"grammar": grammar}).to_json()
             await self.submit(job, cap=tenant.max_concurrent, claim=claim)
         except BaseException:
-            await ratelimit.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
+            await limits.settle_async(rds, job.id, 0)  # nothing was stored: give the limits back
             raise
         ADMITTED.labels(str(tenant.id), body.model).inc()
         return Created(job, headers)
@@ -259,7 +260,7 @@ class Completions:
     async def admit_request(self, principal: Principal) -> dict[str, str]:
         """The request's place among its tenant's limits taken before work its body does not show (a
         chain of earlier responses to expand): its requests per minute (unless the edge took them,
-        api/ratelimit.py) and a look at its unfinished jobs. Returns the headers, or raises OpenAI's
+        api/request_gate.py) and a look at its unfinished jobs. Returns the headers, or raises OpenAI's
         429. Set them as `REQUEST_TAKEN` for `create`, whose admission then takes only the rest."""
         taken = REQUEST_TAKEN.get()
         headers = taken if taken is not None else await take_request(self.redis, principal)
@@ -269,10 +270,10 @@ class Completions:
                 redis_keys.tenant_limit(principal.tenant.id, "active"), time.time() * 1000, "+inf"
             )
             if live >= cap:
-                raise refusal(principal.tenant.id, ratelimit.Decision(False, "queued_jobs", 1.0, headers))
+                raise refusal(principal.tenant.id, limits.Decision(False, "queued_jobs", 1.0, headers))
         return headers
 
-    async def wait(self, reader: streams.Reader, job: Job, tenant_id: int, timeout_s: float) -> Job | None:
+    async def wait(self, reader: read.Reader, job: Job, tenant_id: int, timeout_s: float) -> Job | None:
         """`job` with its ending (state, result, usage, error and times) filled in once it has ended;
         None if it is still running after `timeout_s`. A small result comes in the `Done` event itself
         (state, attempt, result and usage set; the times are not read). Otherwise only the ending's

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 # Hands jobs to Celery (core/infra/broker.AsyncSender), each as (job id, attempt, model, kind), in one
 # round trip however many.
 Send = Callable[[Sequence[tuple[str, int, str, str]]], Awaitable[None]]
-# Wakes the dispatcher (core/jobs/workers.wake_dispatcher's pipeline, on the API's client): a job
+# Wakes the dispatcher (core/jobs/live_workers.wake_dispatcher's pipeline, on the API's client): a job
 # stored `queued` is picked within milliseconds rather than at its next tick.
 Wake = Callable[[], Awaitable[None]]
 # At most this many new jobs in one INSERT (a burst's worth; the rest go in the next one).

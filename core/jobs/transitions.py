@@ -445,7 +445,7 @@ def keep_cancelled(row: Job, usage: dict[str, Any], result: dict[str, Any] | Non
 
 
 def keep_marks(row: Job, marks: str | None) -> None:
-    """The marks of a job's stream (core/infra/streams.py `marks_of`) kept on the row an ending
+    """The marks of a job's stream (core/infra/streams/write.py `marks_of`) kept on the row an ending
     returned (`cancel`, `fail_lapsed`), in its session: written with the ending's transaction. Not a
     state change."""
     if marks is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from core.errors import DomainError, ErrorKind
 from core.infra.metrics import REFUSED
-from core.tenancy import ratelimit
+from core.tenancy import limits
 from core.tenancy.keys import Principal
 
 _MESSAGES = {
@@ -21,13 +21,13 @@ _MESSAGES = {
 }
 
 # The x-ratelimit-*-requests headers of a request whose requests-per-minute the API's gate already
-# took before reading its body (api/ratelimit.py): admission then takes only the other limits.
+# took before reading its body (api/request_gate.py): admission then takes only the other limits.
 REQUEST_TAKEN: ContextVar[dict[str, str] | None] = ContextVar("spool_request_taken", default=None)
 
 
-def limits_of(p: Principal) -> ratelimit.Limits:
+def limits_of(p: Principal) -> limits.Limits:
     t, k = p.tenant, p.key
-    return ratelimit.Limits(
+    return limits.Limits(
         rpm=t.rpm or 0,
         tpm=t.tpm or 0,
         tpd=t.tpd or 0,
@@ -37,7 +37,7 @@ def limits_of(p: Principal) -> ratelimit.Limits:
     )
 
 
-def refusal(tenant_id: int, d: ratelimit.Decision, cost: int = 0) -> DomainError:
+def refusal(tenant_id: int, d: limits.Decision, cost: int = 0) -> DomainError:
     """OpenAI's 429 for a refused decision, naming the limit."""
     REFUSED.labels(str(tenant_id), d.refused).inc()
     headers = dict(d.headers)
@@ -58,11 +58,11 @@ def refusal(tenant_id: int, d: ratelimit.Decision, cost: int = 0) -> DomainError
 
 async def admit(rds, principal: Principal, job_id: str, cost: int) -> dict[str, str]:
     """Take every limit for this job or raise OpenAI's 429. Returns the x-ratelimit-* headers."""
-    limits = limits_of(principal)
+    caps = limits_of(principal)
     taken = REQUEST_TAKEN.get()
     if taken is not None:
-        limits = replace(limits, rpm=0, key_rpm=0)
-    d = await ratelimit.admit(rds, principal.tenant.id, principal.key.id, job_id, limits, cost)
+        caps = replace(caps, rpm=0, key_rpm=0)
+    d = await limits.admit(rds, principal.tenant.id, principal.key.id, job_id, caps, cost)
     if d.allowed:
         return {**(taken or {}), **d.headers}
     raise refusal(principal.tenant.id, d, cost)
@@ -71,10 +71,10 @@ async def admit(rds, principal: Principal, job_id: str, cost: int) -> dict[str, 
 async def precheck(rds, principal: Principal, floor: int) -> None:
     """OpenAI's 429 now if a job of at least `floor` tokens could not be admitted (tokens per minute,
     per day, queued jobs), before the work of counting its prompt exactly; nothing is taken."""
-    limits = limits_of(principal)
-    if not (limits.tpm or limits.key_tpm or limits.tpd or limits.max_queued):
+    caps = limits_of(principal)
+    if not (caps.tpm or caps.key_tpm or caps.tpd or caps.max_queued):
         return
-    d = await ratelimit.peek(rds, principal.tenant.id, principal.key.id, limits, floor)
+    d = await limits.peek(rds, principal.tenant.id, principal.key.id, caps, floor)
     if not d.allowed:
         raise refusal(principal.tenant.id, d, floor)
 
@@ -84,7 +84,7 @@ async def take_request(rds, principal: Principal) -> dict[str, str]:
     t, k = principal.tenant, principal.key
     if not (t.rpm or k.rpm):
         return {}
-    d = await ratelimit.take_request(rds, t.id, k.id, t.rpm or 0, k.rpm or 0)
+    d = await limits.take_request(rds, t.id, k.id, t.rpm or 0, k.rpm or 0)
     if d.allowed:
         return d.headers
     raise refusal(t.id, d)
@@ -94,7 +94,7 @@ async def take_read(rds, principal: Principal, per_minute: int) -> None:
     """One read from the tenant's reads per minute (every key of it together), or OpenAI's 429."""
     if per_minute <= 0:
         return
-    d = await ratelimit.take_read(rds, principal.tenant.id, per_minute)
+    d = await limits.take_read(rds, principal.tenant.id, per_minute)
     if not d.allowed:
         raise refusal(principal.tenant.id, d)
 
@@ -120,12 +120,9 @@ def admit_lines(rds: Any, lines: list[Line]) -> tuple[set[str], dict[str, str]]:
     limited = [x for x in lines if x.tpd > 0 or x.max_queued > 0]
     if not limited:
         return set(), {}
-    decisions = ratelimit.admit_many(
+    decisions = limits.admit_many(
         rds,
-        [
-            (x.tenant_id, x.key_id, x.job_id, ratelimit.Limits(tpd=x.tpd, max_queued=x.max_queued), x.cost)
-            for x in limited
-        ],
+        [(x.tenant_id, x.key_id, x.job_id, limits.Limits(tpd=x.tpd, max_queued=x.max_queued), x.cost) for x in limited],
     )
     wait: set[str] = set()
     over: dict[str, str] = {}

@@ -14,9 +14,10 @@ from typing import Any, cast
 from sqlalchemy import BigInteger, Select, Table, Update, bindparam, func, literal, select
 from sqlalchemy.dialects.postgresql import Insert, insert
 
-from core.infra import redis_keys, streams
+from core.infra import redis_keys
 from core.infra.metrics import REQUESTS, SECONDS, TIERS, TOKENS
 from core.infra.orm import UsageDaily
+from core.infra.streams import write
 from core.states import Ending
 
 _TABLE = cast(Table, UsageDaily.__table__)
@@ -124,7 +125,7 @@ def record(
 
 
 # -- Redis bytes: what each tenant's ended jobs hold there --------------------------------------------
-# Counted as each job ends (core/infra/streams.py `_SEAL`: MEMORY USAGE of its stream, marks and fence, added
+# Counted as each job ends (core/infra/streams/write.py `_SEAL`: MEMORY USAGE of its stream, marks and fence, added
 # to the tenant's field of that window's hash). What a job leaves lives `ended_events_ttl_s`, so the
 # current window's count plus the previous one's covers everything still there: an upper bound, never
 # under what is held, at most one window's worth of expired bytes over. A running job's stream is
@@ -132,7 +133,7 @@ def record(
 
 
 def _windows(ended_ttl_s: int) -> tuple[str, str]:
-    w = streams.stored_window(ended_ttl_s)
+    w = write.stored_window(ended_ttl_s)
     return redis_keys.stored_bytes(w), redis_keys.stored_bytes(w - 1)
 
 

@@ -15,7 +15,7 @@ tenant of its own, every transaction a new job id; prepared statements, as psyco
 repeated ones). Per level: jobs a second and Postgres's CPU
 (every backend of that database and the server's own background processes) in cores.
 
-**Redis**: the per-token write, Spool's fenced-append script (`core/infra/streams.append_many`) with
+**Redis**: the per-token write, Spool's fenced-append script (`core/infra/streams/write.append_many`) with
 64 jobs' entries per call, what the worker's stream pump sends each decode step at 64 streams; N
 Python processes, fresh job ids each round, on a private redis-server (no persistence). Per level:
 stream entries a second and Redis's CPU in cores. The API's reads (one shared XREAD per process)
@@ -184,22 +184,22 @@ def postgres_levels(db_url: str, redis_url: str, levels: list[int], seconds: flo
 def _redis_driver(redis_url: str, seconds: float, counter: Any) -> None:
     import redis
 
-    from core.infra import streams
+    from core.infra.streams import keys, write
 
     r = redis.Redis.from_url(redis_url)
     payload = json.dumps({"k": "token", "t": " word", "i": 0})
     deadline, done, n = time.monotonic() + seconds, 0, 0
     tag = uuid.uuid4().hex[:8]
     jobs = [f"ceil-{tag}-{i}" for i in range(JOBS_PER_CALL)]
-    streams.raise_fences(r, [(job, 1) for job in jobs], 600)  # as each attempt does after its claim
+    write.raise_fences(r, [(job, 1) for job in jobs], 600)  # as each attempt does after its claim
     while time.monotonic() < deadline:
-        appends = [streams.Append(job, 1, [payload], 600, n % 256 + 1) for job in jobs]
-        got = streams.append_many(r, appends)
+        appends = [write.Append(job, 1, [payload], 600, n % 256 + 1) for job in jobs]
+        got = write.append_many(r, appends)
         assert all(isinstance(g, list) for g in got), got[:2]
         done += len(appends)
         n += 1
         if n % 256 == 0:  # a stream per job no longer than a long answer, then new ones, as new requests
-            r.delete(*(streams.stream_key(job) for job in jobs))
+            r.delete(*(keys.stream_key(job) for job in jobs))
     with counter.get_lock():
         counter.value += done
 

@@ -4,7 +4,7 @@ nothing to do, and each process's CPU seconds a minute over a window, with Postg
     python -m ops.bench.idle [--seconds 30] [--interval 0.5]
 
 `--interval` is SPOOL_DISPATCHER_INTERVAL_S (the tests run 0.5, deployments 1 by default). Uses the
-test lane's database and Redis db (SPOOL_TEST_LANE, ops/harness.py): run it with no suite running."""
+test shard's database and Redis db (SPOOL_TEST_SHARD, ops/harness.py): run it with no suite running."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ from workers.engine.base import SeqSpec, TokenEvent
 
 
 def _run(engine: llamacpp.LlamaCppEngine, tag: str, prompt: list[int], n: int, tokens: int) -> float:
-    for slot in engine._lane.slot_tokens:  # nothing cached from the other run
-        engine._lane.slot_tokens[slot] = []
+    for slot in engine._decoder.slot_tokens:  # nothing cached from the other run
+        engine._decoder.slot_tokens[slot] = []
     p = GenerationParams(max_tokens=tokens, temperature=0.9, ignore_eos=True)
     for c in range(n):
         engine.add(SeqSpec((tag, c), list(prompt), tokens, p, 1000 + c, interactive=True, cache_scope="t"))
@@ -43,7 +43,7 @@ def main(n: int = 16, prompt_tokens: int = 220, tokens: int = 24) -> None:
     words = "A long system prompt that every request of this tenant starts with, word for word. "
     prompt = (engine.tokenize(words * (prompt_tokens // 16 + 1)))[:prompt_tokens]
     on_s = _run(engine, "on", prompt, n, tokens)
-    copies = engine._lane.copies
+    copies = engine._decoder.copies
     threshold, llamacpp._COPY_MIN = llamacpp._COPY_MIN, 10**9
     try:
         off_s = _run(engine, "off", prompt, n, tokens)

@@ -1,4 +1,4 @@
-"""llama.cpp's token rate by thread count on this machine: why ops/test.sh gives each lane's engine one
+"""llama.cpp's token rate by thread count on this machine: why ops/test.sh gives each shard's engine one
 thread (two one-thread engines side by side generate more than one two-thread engine).
 
     python -m ops.bench.threads 2        # one engine, two threads

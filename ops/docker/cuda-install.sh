@@ -129,7 +129,7 @@ case "${1:-}" in
     target=$(mktemp -d)
     # fast-deps: each candidate's metadata read from its wheel by HTTP range requests. An index that
     # serves no PEP 658 metadata (as this machine's registry proxy) otherwise makes a dry run download
-    # every wheel whole: torch's 888 MB, ~4 GB a target, 62 CPU s of CI's lanes for both (2026-11-28).
+    # every wheel whole: torch's 888 MB, ~4 GB a target, 62 CPU s of CI's shards for both (2026-11-28).
     # Where the server refuses ranges, pip downloads the wheel as before. What is resolved is the same.
     dry() {
       python -m pip install --use-feature=fast-deps --dry-run --ignore-installed --target "$target" \

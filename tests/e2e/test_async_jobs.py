@@ -80,7 +80,7 @@ def test_cancel(stack, db, rds):
         # The worker let go: within its cancel poll (0.5 s) it drops the job's sequences (and says so)...
         import time
 
-        from core.infra import streams
+        from core.infra.streams import write
 
         ended = ("dropping its sequences", "lost its lease", "superseded", "let go")  # workers/: how an attempt stops
 
@@ -89,9 +89,9 @@ def test_cancel(stack, db, rds):
             return any(job_id in x and any(e in x for e in ended) for x in lines)
 
         wait_for(let_go, 30, "the worker to let the job go")
-        before = len(streams.entries(rds, job_id))
+        before = len(write.entries(rds, job_id))
         time.sleep(2)  # ...and publishes nothing more: only time passing can show that
-        assert len(streams.entries(rds, job_id)) == before, "the worker kept generating a cancelled job"
+        assert len(write.entries(rds, job_id)) == before, "the worker kept generating a cancelled job"
         assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
 
 

@@ -18,8 +18,8 @@ import pytest
 
 from tests.conftest import MODEL
 
-# wallclock: each client reads through a 5 s SIGSTOP (42 s of wall, 22 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: each client reads through a 5 s SIGSTOP (42 s of wall, 22 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = pytest.mark.wallclock
 
 PAUSE_S = 5.0

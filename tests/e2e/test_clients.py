@@ -13,8 +13,8 @@ from core.infra.tokenizers import tokenizer_for
 from tests.conftest import MODEL, wait_for
 from tests.sse import collect
 
-# wallclock: waits for a stopped worker's heartbeat to lapse (26 s of wall, 12 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: waits for a stopped worker's heartbeat to lapse (26 s of wall, 12 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = pytest.mark.wallclock
 
 

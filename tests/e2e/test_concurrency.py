@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from core.infra import streams as events
+from core.infra.streams import keys
 from tests.conftest import MODEL
 
 
@@ -47,7 +47,7 @@ def test_sixteen_concurrent_streams(stack, rds, db):
     # written with every event). Sequential service would give disjoint spans.
     spans = []
     for job_id, text, _ in results:
-        entries = [json.loads(events.payload(f)) for _, f in rds.xrange(events.stream_key(job_id))]
+        entries = [json.loads(keys.payload(f)) for _, f in rds.xrange(keys.stream_key(job_id))]
         deltas = [e for e in entries if e["type"] == "delta"]
         assert "".join(e["text"] for e in deltas) == text
         spans.append((deltas[0]["t"], deltas[-1]["t"]))

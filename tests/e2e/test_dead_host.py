@@ -37,8 +37,8 @@ from ops.faults import OwnPostgres
 from ops.harness import free_port, wait_for
 
 pytestmark = [
-    # wallclock: the dead host's keepalives and idle bounds run out on the clock (25 s of wall, 2 s of CPU in a lane)
-    # ops/test.sh runs it beside the CPU-bound lanes.
+    # wallclock: the dead host's keepalives and idle bounds run out on the clock (25 s of wall, 2 s of CPU in a shard)
+    # ops/test.sh runs it beside the CPU-bound shards.
     pytest.mark.wallclock,
     pytest.mark.skipif(
         os.geteuid() != 0

@@ -22,11 +22,11 @@ pytestmark = [
         or (os.geteuid() == 0 and shutil.which("runuser") is None),
         reason="needs redis-server and PostgreSQL's server binaries",
     ),
-    # solo: its schedule is timed against a load of a fixed size, so it runs apart from the lanes (beside
+    # solo: its schedule is timed against a load of a fixed size, so it runs apart from the shards (beside
     # the lint, which holds one core).
-    # Beside them (the wallclock lane, 2026-11-28) it failed one fresh-clone run in four (no stream
+    # Beside them (the wallclock shard, 2026-11-28) it failed one fresh-clone run in four (no stream
     # mid-generation within 20 s when an API kill was due; kills now wait faults.KILL_WAIT_S), and where
-    # it passed it cost more than it saved: 181 s there, the lanes 2:00 longer, against 73 s alone.
+    # it passed it cost more than it saved: 181 s there, the shards 2:00 longer, against 73 s alone.
     pytest.mark.solo,
 ]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ops import hostile
 
 # The victims' inter-token gap p99 under attack: the hostile scenarios' acceptance (issue 49; alone
-# this scenario measured 0.054 s, docs/reliability.md), with room for a lane beside it on 2 cores.
+# this scenario measured 0.054 s, docs/reliability.md), with room for a shard beside it on 2 cores.
 GAP_P99_S = 1.0
 
 

@@ -23,8 +23,8 @@ from sqlalchemy import text
 from tests.conftest import MODEL, wait_for
 from tests.helpers import api_replica, tenant_rows
 
-# wallclock: waits out a held key's lock (16 s of wall, 9 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: waits out a held key's lock (16 s of wall, 9 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = pytest.mark.wallclock
 
 BODY = {"model": MODEL, "prompt": "Say hi.", "max_tokens": 2, "temperature": 0}
@@ -67,7 +67,7 @@ def _insert_waiting(db) -> bool:
             conn.scalar(
                 text(
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query ILIKE 'INSERT INTO jobs%' AND datname = current_database()"  # not another lane's
+                    "AND query ILIKE 'INSERT INTO jobs%' AND datname = current_database()"  # not another shard's
                 )
             )
         )

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ops/docker/cuda-install.sh"
 PINS = dict(re.findall(r"^([A-Z0-9_]+_VERSION)=(\S+)$", SCRIPT.read_text(), re.M))
-# wallclock: pip waits on the registry, so ops/test.sh runs it beside the CPU-bound lanes. Each dry run
+# wallclock: pip waits on the registry, so ops/test.sh runs it beside the CPU-bound shards. Each dry run
 # reads wheel metadata by range requests (fast-deps, cuda-install.sh): this registry serves no PEP 658
 # metadata, and the two replays downloaded ~8 GB of wheels whole, 51 CPU s, before (15 CPU s after).
 pytestmark = pytest.mark.wallclock

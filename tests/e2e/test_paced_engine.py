@@ -60,7 +60,7 @@ def test_every_stream_is_the_paced_engines_text(paced_stack):
 
 
 def test_streams_through_two_api_processes_are_the_paced_engines_text(paced_stack):
-    """`spool api --workers 2`: each process has its own shared reader (streams.Hub); streams on fresh
+    """`spool api --workers 2`: each process has its own shared reader (core/infra/streams/read.Hub); streams on fresh
     connections land on both and every one is whole and exact."""
     with two_process_api(paced_stack) as base:
         jobs = [(f"Two processes, item {i}.", 16, 100 + i) for i in range(8)]

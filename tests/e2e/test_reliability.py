@@ -11,22 +11,22 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.generation.params import GenerationParams
-from core.infra import streams as events
 from core.infra.broker import RUN_JOB, queue_for
 from core.infra.orm import Tenant
+from core.infra.streams import keys
 from core.infra.tokenizers import tokenizer_for
 from core.jobs import transitions as jobs
 from tests.conftest import MODEL, TEST_REDIS, job_row, wait_for
 from tests.helpers import submit_async
 from tests.sse import collect
 
-# wallclock: waits out a lease and the dispatcher's re-send (24 s of wall, 12 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: waits out a lease and the dispatcher's re-send (24 s of wall, 12 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = pytest.mark.wallclock
 
 
 def _deltas(rds, job_id):
-    evs = (json.loads(events.payload(f)) for _, f in rds.xrange(events.stream_key(job_id)))
+    evs = (json.loads(keys.payload(f)) for _, f in rds.xrange(keys.stream_key(job_id)))
     return [e for e in evs if e["type"] == "delta"]
 
 
@@ -75,7 +75,7 @@ def test_same_message_delivered_twice_yields_one_result(stack, db, rds):
     wait_for(lambda: stack.log(stack.worker_name).count(skipped) == 1, 20, "the duplicate to be skipped")
     row = job_row(db, job_id)
     assert row["usage"]["completion_tokens"] == 16
-    evs = [json.loads(events.payload(f)) for _, f in rds.xrange(events.stream_key(job_id))]
+    evs = [json.loads(keys.payload(f)) for _, f in rds.xrange(keys.stream_key(job_id))]
     assert [e["type"] for e in evs].count("done") == 1
     deltas = [e for e in evs if e["type"] == "delta"]
     assert sum(len(e["token_ids"]) for e in deltas) == 16

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import MODEL
 
 # Imported in the test, not here: the Agents SDK takes ~1.5 CPU s to import, and every pytest process
-# of a run (each lane's) collects this module; only one runs it.
+# of a run (each shard's) collects this module; only one runs it.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("agents") is None, reason="openai-agents is not installed")
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import openai
 from openai.types import Completion
 
-from core.infra import streams
+from core.infra.streams import keys
 from tests.conftest import MODEL, job_row
 from tests.sse import collect
 
-ROW_MS = 10**18  # core/infra/streams.ROW_MS: ids of an answer the row gave
+ROW_MS = 10**18  # core/infra/streams/read.ROW_MS: ids of an answer the row gave
 
 
 def _live(http) -> tuple[str, list[tuple[str | None, str]]]:
@@ -81,12 +81,12 @@ def test_a_resume_after_any_id_neither_repeats_nor_skips_from_the_stream_or_the_
         assert len(ids) > 5 and all(ids), ids  # every event (the usage chunk last) carries an id
 
         # The stream is there: an ended job's is kept only minutes (SPOOL_ENDED_EVENTS_TTL_S).
-        assert 0 < rds.ttl(streams.stream_key(job_id)) <= 300
+        assert 0 < rds.ttl(keys.stream_key(job_id)) <= 300
         for rest in _resumed_after_each_id(http, sdk, job_id, live, whole, "stream"):
             assert rest[-1].json["usage"]["completion_tokens"] == 40  # the ending once, at the end
 
         # The stream expires; the row answers, and every id the stream gave still places the resume.
-        rds.delete(streams.stream_key(job_id))
+        rds.delete(keys.stream_key(job_id))
         row_ids: list[str] = []
         for rest in _resumed_after_each_id(http, sdk, job_id, live, whole, "row"):
             assert all(int(e.id.split("-")[0]) >= ROW_MS for e in rest)  # the row's answer has ids too

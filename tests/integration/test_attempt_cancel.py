@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from core.infra import streams
+from core.infra.streams import write
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
 from ops import factories
@@ -18,8 +18,8 @@ from workers.engine.paced import PacedEngine
 from workers.outcome import Outcome
 from workers.runner import JobRunner
 
-# wallclock: waits for a cancel to be heard (8 s of wall, 1 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: waits for a cancel to be heard (8 s of wall, 1 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = pytest.mark.wallclock
 
 MODEL = "smollm2-135m-instruct"
@@ -36,7 +36,7 @@ def test_a_cancelled_job_stops_its_running_attempt(session, sessions, rds, it_se
     th = threading.Thread(target=lambda: out.append(runner.run(job.id, 1)))
     th.start()
     deadline = time.monotonic() + 20
-    while not streams.entries(rds, job.id):  # its first token is out
+    while not write.entries(rds, job.id):  # its first token is out
         assert time.monotonic() < deadline, "the attempt never streamed"
         time.sleep(0.05)
     assert Lifecycle(sessions, rds, it_settings).cancel(job.id, t.id) is not None

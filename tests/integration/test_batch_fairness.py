@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import func, select
 
 from core.batches import progress, webhooks
-from core.batches.status import cancel_requested
+from core.batches.transitions import cancel_requested
 from core.generation.events import ChoiceResult, JobResult, Usage
 from core.infra.orm import Batch, Job, Tenant
 from core.jobs.lifecycle import Lifecycle

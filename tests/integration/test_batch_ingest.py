@@ -1,7 +1,7 @@
 """A batch's lines become jobs through the one job-row builder (core/jobs/transitions.new_row): the
 validator's COPY (core/batches/ingest.validate) stores each line as the row `new_row` builds for it,
 with its batch columns, queued at attempt 1. Validated or rejected, the batch's lease is released and
-its counts start from the file's lines (core/batches/status.py)."""
+its counts start from the file's lines (core/batches/transitions.py)."""
 
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy import func, select
 
 from core.batches import progress
-from core.infra import streams
 from core.infra.orm import Batch, Job, UsageDaily
+from core.infra.streams import keys
 from core.jobs.lifecycle import Lifecycle
 from core.states import BatchStatus, JobState
-from core.tenancy import ratelimit
+from core.tenancy import limits
 from ops import factories
 
 LINES = 12
@@ -50,10 +50,10 @@ def test_ended_lines_each_count_once_settle_and_announce(
     tenant_id, batch_id, ids = _batch(session, status, key_id=77)
     # Two lines hold a reservation (dispatched once, then requeued when their worker was lost).
     held = ids[:2]
-    limits = ratelimit.Limits(tpd=10_000, max_queued=100)
-    assert all(d.allowed for d in ratelimit.admit_many(rds, [(tenant_id, 77, j, limits, 40) for j in held]))
-    tpd_key = rds.hget(ratelimit.reservation_key(held[0]), "tpd").decode()
-    active_key = rds.hget(ratelimit.reservation_key(held[0]), "active").decode()
+    caps = limits.Limits(tpd=10_000, max_queued=100)
+    assert all(d.allowed for d in limits.admit_many(rds, [(tenant_id, 77, j, caps, 40) for j in held]))
+    tpd_key = rds.hget(limits.reservation_key(held[0]), "tpd").decode()
+    active_key = rds.hget(limits.reservation_key(held[0]), "active").decode()
     assert int(rds.get(tpd_key)) == 80 and rds.zcard(active_key) == 2
     lifecycle = Lifecycle(sessions, rds, it_settings)
 
@@ -68,14 +68,14 @@ def test_ended_lines_each_count_once_settle_and_announce(
     for job_id in ids:
         row = session.get(Job, job_id, populate_existing=True)
         assert (row.state, row.error["code"]) == (state.value, code)
-        assert not rds.exists(streams.stream_key(job_id), streams.marks_key(job_id)), job_id
+        assert not rds.exists(keys.stream_key(job_id), keys.marks_key(job_id)), job_id
     # Reservations released (and the concurrency set with them).
     for job_id in held:
-        assert not rds.exists(ratelimit.reservation_key(job_id))
+        assert not rds.exists(limits.reservation_key(job_id))
     assert int(rds.get(tpd_key)) == 0 and rds.zcard(active_key) == 0  # nothing ran: nothing spent
     # Exactly once: more passes end nothing again.
     progress.advance(sessions, lifecycle, slice_rows=5)
     assert _usage(session, tenant_id) == (LINES, LINES, 1)
-    assert not any(rds.exists(streams.stream_key(j)) for j in ids)
+    assert not any(rds.exists(keys.stream_key(j)) for j in ids)
     states = session.execute(select(Job.state, func.count()).where(Job.batch_id == batch_id).group_by(Job.state))
     assert dict(states.all()) == {final.value: LINES}

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from core.batches import ingest
-from core.batches.status import cancel_requested
+from core.batches.transitions import cancel_requested
 from core.generation import constraints
 from core.infra.orm import Batch, Job
 from core.states import BatchStatus

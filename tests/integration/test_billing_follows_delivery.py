@@ -7,11 +7,11 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from core.generation.events import Delta, ErrorInfo, Failed, decode
-from core.infra import streams
 from core.infra.orm import UsageDaily
+from core.infra.streams import write
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
-from core.tenancy import ratelimit
+from core.tenancy import limits
 from ops import factories
 
 PROMPT = [{"ids": [5, 6, 7, 8], "text": None}]
@@ -19,7 +19,7 @@ PROMPT = [{"ids": [5, 6, 7, 8], "text": None}]
 
 def _streamed(rds, job, lifecycle: Lifecycle) -> None:
     """The job's attempt streamed five tokens, the last delta ending with an end-of-sequence token."""
-    streams.raise_fence(rds, job.id, job.attempt, 60)
+    write.raise_fence(rds, job.id, job.attempt, 60)
     lifecycle.publish_deltas(
         job.id, job.attempt, [Delta(attempt=job.attempt, choice=0, text="a b", token_ids=[1, 2])], start=1
     )
@@ -31,9 +31,9 @@ def _streamed(rds, job, lifecycle: Lifecycle) -> None:
 def _reserved(rds, job, tenant_id: int) -> str:
     """Admission's reservation for the job (prompt + max_tokens against the daily quota); returns the
     daily counter's key."""
-    (d,) = ratelimit.admit_many(rds, [(tenant_id, 0, job.id, ratelimit.Limits(tpd=10_000), 100)])
+    (d,) = limits.admit_many(rds, [(tenant_id, 0, job.id, limits.Limits(tpd=10_000), 100)])
     assert d.allowed
-    return rds.hget(ratelimit.reservation_key(job.id), "tpd").decode()
+    return rds.hget(limits.reservation_key(job.id), "tpd").decode()
 
 
 def _usage(session, tenant_id: int) -> tuple[int, int, int, int]:
@@ -73,7 +73,7 @@ def test_a_job_that_streamed_then_lost_its_last_worker_bills_what_it_streamed(se
 
     assert _usage(session, t.id) == (1, 1, 4, 5)
     assert int(rds.get(tpd)) == 9
-    end = decode(streams.entries(rds, job.id)[-1][1])
+    end = decode(write.entries(rds, job.id)[-1][1])
     assert isinstance(end, Failed) and end.error.code == "worker_lost"
 
 

@@ -7,7 +7,7 @@ import socket
 
 import redis as redis_lib
 
-from core.infra import streams
+from core.infra.streams import keys
 from tests.integration.conftest import IT_REDIS
 from workers.cancels import CancelWatch
 
@@ -21,7 +21,7 @@ def test_one_round_flags_exactly_the_cancelled_jobs(rds):
     watch.check()
     assert seen == [] and watch.rounds == 1
 
-    rds.set(streams.cancel_key("cw-b"), 1, ex=60)
+    rds.set(keys.cancel_key("cw-b"), 1, ex=60)
     watch.check()
     assert seen == ["cw-b"] and watch.rounds == 2  # three jobs, one round trip
 
@@ -31,7 +31,7 @@ def test_one_round_flags_exactly_the_cancelled_jobs(rds):
     newer = lambda: seen.append("cw-a again")  # noqa: E731
     watch.watch("cw-a", newer)
     watch.unwatch("cw-a", callbacks["cw-a"])
-    rds.set(streams.cancel_key("cw-a"), 1, ex=60)
+    rds.set(keys.cancel_key("cw-a"), 1, ex=60)
     watch.check()
     assert seen == ["cw-b", "cw-a again"]
 
@@ -53,7 +53,7 @@ def test_the_watch_thread_calls_back_within_its_period(rds):
     watch = CancelWatch(redis_lib.Redis.from_url(IT_REDIS), every=0.05)
     hit = threading.Event()
     watch.watch("cw-thread", hit.set)
-    rds.set(streams.cancel_key("cw-thread"), 1, ex=60)
+    rds.set(keys.cancel_key("cw-thread"), 1, ex=60)
     assert hit.wait(10), "the watch thread never saw the cancel"
 
 
@@ -73,5 +73,5 @@ def test_the_thread_ends_when_nothing_is_watched_and_comes_back_on_the_next_watc
 
     hit = threading.Event()
     watch.watch("cw-again", hit.set)
-    rds.set(streams.cancel_key("cw-again"), 1, ex=60)
+    rds.set(keys.cancel_key("cw-again"), 1, ex=60)
     assert hit.wait(10), "a watch after the thread ended was never checked"

@@ -35,7 +35,7 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def loop() -> EngineLoop:
-    # The test stack's engine: its context and slots (ops/harness.py), one thread per lane.
+    # The test stack's engine: its context and slots (ops/harness.py), one thread per shard.
     engine = LlamaCppEngine(
         MODEL, smollm2_gguf(), n_ctx=1024, max_batch=16, interactive_slots=4, n_threads=ENGINE_THREADS
     )

@@ -20,7 +20,7 @@ from core.errors import DomainError, ErrorKind
 from core.idempotency import Idempotency
 from core.infra import redis_keys
 from core.infra.orm import IdempotencyKey, Job
-from core.jobs import workers
+from core.jobs import live_workers
 from core.jobs.service import Completions
 from core.protocol.schemas import CompletionRequest
 from core.states import JobKind, JobState
@@ -96,7 +96,7 @@ def caller(session, rds) -> Principal:
     worker for the model."""
     t = factories.tenant(session, tpm=100_000)
     _, k = factories.api_key(session, t)
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     return Principal(tenant=t, key=k)
 
 
@@ -147,7 +147,7 @@ def test_a_tenant_at_its_cap_is_stored_queued_and_not_sent(it_settings, session,
     t = factories.tenant(session, max_concurrent=1)
     _, k = factories.api_key(session, t)
     factories.job(session, t, state=JobState.running)  # its one concurrent job
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     broker = Broker()
     created = _run(it_settings, broker, lambda s: s.create(Principal(tenant=t, key=k), _request()))
 
@@ -168,7 +168,7 @@ def test_a_failed_send_leaves_the_job_queued_for_the_dispatcher(it_settings, ses
 def test_a_refused_request_stores_nothing_and_frees_its_key(it_settings, session, rds):
     t = factories.tenant(session, tpm=5)  # less than the prompt alone
     _, k = factories.api_key(session, t)
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     broker = Broker()
 
     with pytest.raises(DomainError) as err:
@@ -217,7 +217,7 @@ def test_a_live_worker_is_asked_once_a_second_and_its_absence_every_time(it_sett
             seen.append(await s._live(MODEL))  # within the second: the yes is kept
             monkey["now"] += service.LIVE_CACHE_S + 0.01
             seen.append(await s._live(MODEL))  # asked again: no worker now
-            workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+            live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
             seen.append(await s._live(MODEL))  # a no is not kept: back at once
             return seen
         finally:
@@ -287,7 +287,7 @@ def test_a_burst_keeps_the_tenants_concurrency_cap(it_settings, session, rds):
     """Jobs of one tenant stored by one statement do not see each other: each counts those ahead of it."""
     t = factories.tenant(session, max_concurrent=3)
     _, k = factories.api_key(session, t)
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     who = Principal(tenant=t, key=k)
     broker = Broker()
     _burst(it_settings, broker, [(who, _request()) for _ in range(9)])
@@ -322,7 +322,7 @@ def test_a_tenant_over_its_quota_is_refused_before_its_grammar_is_compiled(it_se
     monkeypatch.setattr(service_module, "compile_constraint", lambda *a: compiled.append(a) or "never")
     t = factories.tenant(session, tpm=5)  # less than the prompt alone
     _, k = factories.api_key(session, t)
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     body = _request(guided_choice=[f"choice number {i}" for i in range(1_500)])
     with pytest.raises(DomainError) as err:
         _run(it_settings, Broker(), lambda s: s.create(Principal(tenant=t, key=k), body, None))
@@ -352,7 +352,7 @@ def test_a_tenant_out_of_tokens_is_refused_before_its_prompt_is_counted(it_setti
     admitted is a 429 before any tokenizing; the tenant's next request within its limit is counted."""
     t = factories.tenant(session, tpm=100)
     _, k = factories.api_key(session, t)
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     who = Principal(tenant=t, key=k)
     tok = CountingTokenizer()
 

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from core.dispatcher import Dispatcher
 from core.infra.orm import Job
-from core.jobs import workers
+from core.jobs import live_workers
 from core.states import JobState
 from ops import factories
 
@@ -27,7 +27,7 @@ def test_a_woken_pass_waits_for_a_messages_worth_of_free_slots(session, sessions
         j = factories.job(session, t, kind="batch", model=MODEL)
         j.batch_id, j.line_no, j.custom_id = b.id, i + 1, f"r{i}"
     session.commit()
-    workers.beat(rds, MODEL, "refill-worker", batch_slots=5, interactive_slots=0)
+    live_workers.beat(rds, MODEL, "refill-worker", batch_slots=5, interactive_slots=0)
     d = Dispatcher(sessions, rds, rds, settings)
     assert d.refill_at == 3  # min(batch_group, batch_prefetch)
     sent: list[str] = []
@@ -57,4 +57,4 @@ def test_a_woken_pass_waits_for_a_messages_worth_of_free_slots(session, sessions
     end(1)  # one free; a pass after a quiet interval fills it all the same
     assert d.tick(woken=True)["sent"] == 0
     assert d.tick()["sent"] == 1 and in_flight() == 5
-    workers.gone(rds, MODEL, "refill-worker")
+    live_workers.gone(rds, MODEL, "refill-worker")

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from core.generation.events import Delta, decode, encode
-from core.infra import streams
 from core.infra.orm import Job
+from core.infra.streams import write
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
 from ops import factories
@@ -54,7 +54,7 @@ def test_the_end_of_sequence_token_is_counted_and_marked_on_the_last_delta(
     assert JobRunner(loop, it_settings, rds, sessions, "w-eos").run(job.id, 1) == "succeeded"
     row = session.get(Job, job.id, populate_existing=True)
     assert row.usage["completion_tokens"] == 3  # two words and the end of sequence
-    deltas = [e for _, raw in streams.entries(rds, job.id) if isinstance(e := decode(raw), Delta)]
+    deltas = [e for _, raw in write.entries(rds, job.id) if isinstance(e := decode(raw), Delta)]
     assert deltas[-1].eos is True and deltas[-1].finish_reason == "stop"
     if logprobs is not None:
         assert len(row.result["choices"][0]["scores"]) == 3  # as many scores as completion tokens
@@ -64,10 +64,10 @@ def test_a_resumed_attempt_keeps_counting_an_end_an_earlier_one_streamed(session
     t = factories.tenant(session)
     job = factories.job(session, t, state=JobState.dispatched, attempt=2, params=factories.params(max_tokens=8))
     # Attempt 1 streamed the whole choice, its end included, and died before recording the result.
-    streams.raise_fence(rds, job.id, 1, 60)
+    write.raise_fence(rds, job.id, 1, 60)
     words = EndingEngine(MODEL, n_ctx=512, max_batch=1)._words[:2]
     ended = Delta(attempt=1, choice=0, text="x", token_ids=words, finish_reason="stop", eos=True)
-    streams.append_fenced(rds, job.id, 1, [encode(ended)], 60, start=1)
+    write.append_fenced(rds, job.id, 1, [encode(ended)], 60, start=1)
     assert JobRunner(loop, it_settings, rds, sessions, "w-eos").run(job.id, 2) == "succeeded"
     row = session.get(Job, job.id, populate_existing=True)
     assert row.usage["completion_tokens"] == 3
@@ -76,8 +76,8 @@ def test_a_resumed_attempt_keeps_counting_an_end_an_earlier_one_streamed(session
 def test_a_job_that_ends_early_bills_a_streamed_end_of_sequence(session, sessions, rds, it_settings):
     t = factories.tenant(session)
     job = factories.job(session, t, state=JobState.running, params=factories.params(n=2, max_tokens=8))
-    streams.raise_fence(rds, job.id, 1, 60)
+    write.raise_fence(rds, job.id, 1, 60)
     done = Delta(attempt=1, choice=0, text="ab", token_ids=[10, 11], finish_reason="stop", eos=True)
     going = Delta(attempt=1, choice=1, text="c", token_ids=[12])
-    streams.append_fenced(rds, job.id, 1, [encode(done), encode(going)], 60, start=1)
+    write.append_fenced(rds, job.id, 1, [encode(done), encode(going)], 60, start=1)
     assert Lifecycle(sessions, rds, it_settings).produced(job).completion_tokens == 4

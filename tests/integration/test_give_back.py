@@ -19,8 +19,8 @@ from workers.engine.null import NullEngine
 from workers.outcome import Outcome
 from workers.runner import CLAIM_RETRY_S, JobRunner
 
-# wallclock: waits out give-back windows (6 s of wall, 0.4 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: waits out give-back windows (6 s of wall, 0.4 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = pytest.mark.wallclock
 
 MODEL = "give-back-model"

@@ -5,17 +5,17 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from core.generation.events import Cancelled, ChoiceResult, Delta, Done, ErrorInfo, Failed, JobResult, Usage, decode
-from core.infra import streams
 from core.infra.orm import Job, UsageDaily
+from core.infra.streams import keys, write
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
-from core.tenancy import ratelimit
+from core.tenancy import limits
 from ops import factories
 
 
 def _events(rds, job_id: str) -> list:
-    return [decode(raw) for _, raw in streams.entries(rds, job_id)]
+    return [decode(raw) for _, raw in write.entries(rds, job_id)]
 
 
 def _streamed(life: Lifecycle, job: Job) -> None:
@@ -56,7 +56,7 @@ def test_cancel_wins_over_a_late_worker_and_is_idempotent(session, sessions, rds
     assert life.cancel(job.id, t.id).state == "cancelled"
     assert life.cancel(job.id, t.id).state == "cancelled"  # second cancel: same row, nothing more
     assert life.succeed(job, _result(), Usage(completion_tokens=5), 1.0) is False  # the late worker loses
-    assert rds.exists(streams.cancel_key(job.id))  # the worker polls this and drops the job
+    assert rds.exists(keys.cancel_key(job.id))  # the worker polls this and drops the job
     usage = _usage(session, t.id)
     assert (usage.requests, usage.failed, usage.completion_tokens) == (1, 1, 1)  # billed what it streamed
     assert [type(e) for e in _events(rds, job.id)] == [Delta, Cancelled]
@@ -97,17 +97,17 @@ def test_fail_releases_the_rate_limit_reservation(session, sessions, rds, it_set
 
     async def reserve() -> None:
         r = aioredis.Redis.from_url(it_settings.redis_url)
-        limits = ratelimit.Limits(rpm=0, tpm=1000, tpd=0, max_queued=0, key_rpm=0, key_tpm=0)
-        assert (await ratelimit.admit(r, t.id, 0, job.id, limits, 500)).allowed
+        caps = limits.Limits(rpm=0, tpm=1000, tpd=0, max_queued=0, key_rpm=0, key_tpm=0)
+        assert (await limits.admit(r, t.id, 0, job.id, caps, 500)).allowed
         await r.aclose()
 
     asyncio.run(reserve())
-    assert rds.exists(ratelimit.reservation_key(job.id))
+    assert rds.exists(limits.reservation_key(job.id))
     err = ErrorInfo(message="Generation failed: x", code="engine_error")
     life = Lifecycle(sessions, rds, it_settings)
     _streamed(life, job)
     assert life.fail(job, err) is True
-    assert not rds.exists(ratelimit.reservation_key(job.id))  # settled: the tokens are given back
+    assert not rds.exists(limits.reservation_key(job.id))  # settled: the tokens are given back
     (_, ev) = _events(rds, job.id)
     assert isinstance(ev, Failed) and ev.error.code == "engine_error"
 

@@ -7,7 +7,7 @@ import secrets
 
 import redis.asyncio as aioredis
 
-from core.tenancy import admission, ratelimit
+from core.tenancy import admission, limits
 from tests.integration.conftest import IT_REDIS
 
 
@@ -25,7 +25,7 @@ def test_lines_past_max_queued_wait_and_go_once_a_line_settles(rds):
     wait, over = admission.admit_lines(rds, lines)
     assert wait == {lines[2].job_id} and over == {}
     assert rds.zcard(f"rl:t{t}:active") == 2
-    ratelimit.settle(rds, lines[0].job_id, 5)  # a line ends: its place is free
+    limits.settle(rds, lines[0].job_id, 5)  # a line ends: its place is free
     wait, over = admission.admit_lines(rds, [lines[2]])
     assert wait == set() and over == {}
 
@@ -36,7 +36,7 @@ def test_lines_take_the_daily_quota_and_past_it_fail_naming_it(rds):
     wait, over = admission.admit_lines(rds, [a, b])
     assert wait == set() and list(over) == [b.job_id]
     assert "Daily token quota" in over[b.job_id] and "100" in over[b.job_id]
-    ratelimit.settle(rds, a.job_id, 20)  # settled to what it really used: 40 tokens back
+    limits.settle(rds, a.job_id, 20)  # settled to what it really used: 40 tokens back
     assert admission.admit_lines(rds, [b]) == (set(), {})
 
 
@@ -61,9 +61,9 @@ def test_the_request_check_takes_rpm_once_and_admission_does_not_take_it_again()
     async def go() -> None:
         r = aioredis.Redis.from_url(IT_REDIS)
         t = _tenant()
-        first = await ratelimit.take_request(r, t, t, 2, 0)
-        second = await ratelimit.take_request(r, t, t, 2, 0)
-        third = await ratelimit.take_request(r, t, t, 2, 0)
+        first = await limits.take_request(r, t, t, 2, 0)
+        second = await limits.take_request(r, t, t, 2, 0)
+        third = await limits.take_request(r, t, t, 2, 0)
         assert first.allowed and second.allowed and not third.allowed
         assert third.refused == "requests" and third.retry_after_s and third.retry_after_s > 0
         assert first.headers["x-ratelimit-limit-requests"] == "2"

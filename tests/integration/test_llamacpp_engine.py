@@ -111,8 +111,8 @@ def test_prompt_prefixes_are_reused_only_within_a_tenant(engine):
 
 def _fresh(engine) -> None:
     """No slot keeps anything: the next sequences find their prefixes only where this test puts them."""
-    for slot in engine._lane.slot_tokens:
-        engine._lane.slot_tokens[slot] = []
+    for slot in engine._decoder.slot_tokens:
+        engine._decoder.slot_tokens[slot] = []
 
 
 def _seq(key, prompt: list[int], n: int, seed: int, scope) -> SeqSpec:
@@ -142,20 +142,20 @@ def test_the_choices_of_one_prompt_prefill_it_once(engine):
     sequence copies nothing, and neither does one sent with `cache_prompt: false`."""
     prompt = engine.tokenize(SHARED)
     _fresh(engine)
-    before = engine._lane.copies
+    before = engine._decoder.copies
     for c in range(3):
         engine.add(_seq(("n", c), prompt, 6, 40 + c, "t1"))
     _, cached = _drain(engine)
     # The module's engine has 2 slots: choice 1 copied choice 0's prompt; choice 2 found it in the
     # slot choice 0 left.
     assert cached[("n", 0)] == 0 and cached[("n", 1)] == len(prompt) - 1 == cached[("n", 2)], cached
-    assert engine._lane.copies == before + 1
+    assert engine._decoder.copies == before + 1
     engine.add(_seq(("other", 0), prompt, 6, 1, "t2"))
     cold = GenerationParams(max_tokens=6, temperature=0.9, ignore_eos=True, cache_prompt=False)
     engine.add(SeqSpec(("cold", 0), list(prompt), 6, cold, 1, interactive=True, cache_scope="t1"))
     _, cached = _drain(engine)
     assert cached[("other", 0)] == 0 and cached[("cold", 0)] == 0
-    assert engine._lane.copies == before + 1
+    assert engine._decoder.copies == before + 1
 
 
 def test_a_copied_prefix_is_the_one_its_slot_held(engine):
@@ -166,17 +166,17 @@ def test_a_copied_prefix_is_the_one_its_slot_held(engine):
     # A live sequence holds the prompt; the next one takes the other slot and copies it from there.
     engine.add(_seq(("holder", 0), prompt, 30, 5, "t1"))
     _drain(engine, until=lambda tokens: tokens.get(("holder", 0)))
-    copies = engine._lane.copies
+    copies = engine._decoder.copies
     engine.add(_seq(("copied", 0), prompt, 12, 7, "t1"))
     copied, cached = _drain(engine)
-    assert engine._lane.copies == copies + 1 and cached[("copied", 0)] == len(prompt) - 1
+    assert engine._decoder.copies == copies + 1 and cached[("copied", 0)] == len(prompt) - 1
     # Again, with the prefix in the sequence's own slot: a first run leaves it there, alone.
     _fresh(engine)
     engine.add(_seq(("holder", 1), prompt, 30, 5, "t1"))
     _drain(engine)
     engine.add(_seq(("own", 0), prompt, 12, 7, "t1"))
     own, cached = _drain(engine)
-    assert engine._lane.copies == copies + 1 and cached[("own", 0)] == len(prompt) - 1
+    assert engine._decoder.copies == copies + 1 and cached[("own", 0)] == len(prompt) - 1
     assert copied[("copied", 0)] == own[("own", 0)]
 
 
@@ -244,7 +244,7 @@ def _scoring_run(engine, specs: list[SeqSpec], scored: list[bool] | None = None)
             elif ev.token_id is not None:
                 first.setdefault(ev.key, step)
         if scored is not None:
-            scored.append(engine._lane.scored_last)
+            scored.append(engine._decoder.scored_last)
         step += 1
     return entries, prompt_at, first
 
@@ -311,7 +311,7 @@ def test_a_long_prompt_beside_a_generating_sequence_goes_in_a_little_a_step(engi
     gen_tokens = 0
     while True:
         events = engine.step()
-        sizes.append(engine._lane.batch.n_tokens)
+        sizes.append(engine._decoder.batch.n_tokens)
         gen_tokens += sum(1 for ev in events if isinstance(ev, TokenEvent) and ev.key == "gen")
         if any(isinstance(ev, TokenEvent) and ev.key == "long" for ev in events):
             break  # its prompt is in: its first token came
@@ -340,7 +340,7 @@ def test_a_scoring_chunk_over_the_prefill_budget_still_goes_in_beside_generation
         if any(isinstance(ev, TokenEvent) and ev.key == "scored" and ev.token_id is not None for ev in events):
             scored_first = step
             break
-        gen_left = "gen2" in engine._lane.live
+        gen_left = "gen2" in engine._decoder.live
     while engine.has_work():
         engine.step()
     assert scored_first is not None and scored_first <= 3 and gen_left, (scored_first, gen_left)

@@ -7,14 +7,14 @@ import asyncio
 import time
 
 from core.infra import kv
-from core.tenancy import ratelimit
+from core.tenancy import limits
 from tests.integration.conftest import IT_REDIS
 
 ECHO = kv.Lua("return {KEYS[1], ARGV[1]}")
 
 
 # On a redis-server of its own: it counts EVAL calls in INFO commandstats, which are the whole
-# server's, so another lane's scripts on the shared Redis moved the count (a fresh-clone run,
+# server's, so another shard's scripts on the shared Redis moved the count (a fresh-clone run,
 # 2026-11-28), and its SCRIPT FLUSH would be theirs too.
 def test_a_script_runs_by_digest_and_is_loaded_again_after_a_flush():
     import redis
@@ -37,19 +37,19 @@ def _script_by_digest(rds) -> None:
 
 def test_admission_after_redis_forgot_its_scripts(rds):
     rds.script_flush()
-    limits = ratelimit.Limits(rpm=5, tpm=0, tpd=0, max_queued=0, key_rpm=0, key_tpm=0)
+    caps = limits.Limits(rpm=5, tpm=0, tpd=0, max_queued=0, key_rpm=0, key_tpm=0)
     job = f"lua-{time.time_ns()}"
 
     async def main():
         client = kv.async_client(IT_REDIS)
         try:
-            taken = await ratelimit.take_request(client, 987654, 1, 5, 0)
-            admitted = await ratelimit.admit(client, 987654, 1, job, limits, 10)
-            await ratelimit.settle_async(client, job, 3)
+            taken = await limits.take_request(client, 987654, 1, 5, 0)
+            admitted = await limits.admit(client, 987654, 1, job, caps, 10)
+            await limits.settle_async(client, job, 3)
             return taken, admitted
         finally:
             await client.aclose()
 
     taken, admitted = asyncio.run(main())
     assert taken.allowed and admitted.allowed
-    assert not rds.exists(ratelimit.reservation_key(job))  # settled: the reservation record is gone
+    assert not rds.exists(limits.reservation_key(job))  # settled: the reservation record is gone

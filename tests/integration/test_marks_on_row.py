@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.generation.events import ChoiceResult, Delta, JobResult, Usage
-from core.infra import streams
 from core.infra.orm import Job, Tenant
+from core.infra.streams import keys, read, write
 from core.jobs.lifecycle import Lifecycle
 from core.protocol import render
 from core.states import JobState
@@ -44,7 +44,7 @@ def _streamed_and_ended(lc: Lifecycle, sessions: sessionmaker[Session], tenant_i
     append, then `succeed`."""
     with sessions() as s:
         j = factories.job(s, s.get_one(Tenant, tenant_id), state=JobState.running, lease_s=60, **kw)
-    streams.raise_fence(lc.redis, j.id, 1, lc.settings.events_ttl_s)
+    write.raise_fence(lc.redis, j.id, 1, lc.settings.events_ttl_s)
     last = len(WORDS) - 1
     deltas = [
         Delta(attempt=1, choice=0, text=w, token_ids=[i], finish_reason="stop" if i == last else None)
@@ -58,10 +58,10 @@ def _streamed_and_ended(lc: Lifecycle, sessions: sessionmaker[Session], tenant_i
 
 def _expire(rds: Any, job_id: str) -> None:
     """What `ended_events_ttl_s` does to an ended job's keys (and did to its marks in Redis)."""
-    keys = (streams.stream_key(job_id), streams.marks_key(job_id), streams.fence_key(job_id))
-    rds.delete(*keys)
+    held = (keys.stream_key(job_id), keys.marks_key(job_id), keys.fence_key(job_id))
+    rds.delete(*held)
     # Nothing else of it there to place a resume (a cancel's flag stays its hour, and is no place).
-    assert {k.decode() for k in rds.scan_iter(match=f"*{job_id}*", count=1000)} <= {streams.cancel_key(job_id)}
+    assert {k.decode() for k in rds.scan_iter(match=f"*{job_id}*", count=1000)} <= {keys.cancel_key(job_id)}
 
 
 def _sse(http: httpx.Client, path: str, **kw: Any) -> list[tuple[str | None, str]]:
@@ -103,7 +103,7 @@ def test_a_jobs_events_resume_exactly_from_the_middle_after_its_stream_expired(
     assert live == after  # while the stream is there: read from it
     with sessions() as s:
         kept = s.get_one(Job, j.id).marks
-    assert [m[2] for m in streams.parse_marks(kept)] == [len(w) for w in WORDS]
+    assert [m[2] for m in read.parse_marks(kept)] == [len(w) for w in WORDS]
 
     _expire(rds, j.id)
     text, chunks = _resumed(http, j.id, middle)
@@ -153,7 +153,7 @@ def _streamed(lc: Lifecycle, sessions: sessionmaker[Session], tenant_id: int, at
     """A running job (at `attempt`) that has streamed every word but the last, not yet ended."""
     with sessions() as s:
         j = factories.job(s, s.get_one(Tenant, tenant_id), state=JobState.running, attempt=attempt, **kw)
-    streams.raise_fence(lc.redis, j.id, attempt, lc.settings.events_ttl_s)
+    write.raise_fence(lc.redis, j.id, attempt, lc.settings.events_ttl_s)
     deltas = [Delta(attempt=attempt, choice=0, text=w, token_ids=[i]) for i, w in enumerate(WORDS[:-1])]
     lc.publish_deltas(j.id, attempt, deltas, start=1)
     return j
@@ -177,7 +177,7 @@ def test_every_ending_that_streamed_keeps_its_marks_on_its_row(
     with sessions() as s:
         row = s.get_one(Job, j.id)
         assert row.state == ("cancelled" if how == "cancel" else "failed")
-        assert [m[2] for m in streams.parse_marks(row.marks)] == [len(w) for w in WORDS[:-1]]
+        assert [m[2] for m in read.parse_marks(row.marks)] == [len(w) for w in WORDS[:-1]]
 
     _expire(rds, j.id)
     text, chunks = _resumed(http, j.id, f"0-{MIDDLE}")

@@ -12,11 +12,12 @@ import time
 import pytest
 
 from core.generation.events import Cancelled, ChoiceResult, Delta, ErrorInfo, Failed, JobResult, Usage
-from core.infra import kv, streams
+from core.infra import kv
 from core.infra.orm import Job
+from core.infra.streams import keys, read, write
 from core.jobs import transitions
+from core.jobs.follow import HEARTBEAT, follow_grouped
 from core.jobs.lifecycle import Lifecycle
-from core.jobs.stream import HEARTBEAT, follow_batches
 from core.states import JobState
 from core.tenancy import usage
 from ops import factories
@@ -45,7 +46,7 @@ def _fail_at_dispatch(lc: Lifecycle, session, t) -> Job:
 def _fail_before_any_token(lc: Lifecycle, session, t) -> Job:
     """Claimed by a worker (its fence raised), failed before it streamed anything."""
     j = factories.job(session, t, state=JobState.running, lease_s=60)
-    streams.raise_fence(lc.redis, j.id, 1, 86400)
+    write.raise_fence(lc.redis, j.id, 1, 86400)
     assert lc.fail(j, ERR)
     return j
 
@@ -60,7 +61,7 @@ def test_a_job_that_never_ran_leaves_nothing_in_redis(session, sessions, rds, it
     # The old code left `job:<id>:events` (5 min) and `job:<id>:marks` (a day) behind for each.
     # A claimed job's fence alone stays, as briefly as an ended stream would.
     left = _left(rds, j.id)
-    assert left in ([], [streams.fence_key(j.id).encode()]), left
+    assert left in ([], [keys.fence_key(j.id).encode()]), left
     if left:
         assert 0 < rds.ttl(left[0]) <= it_settings.ended_events_ttl_s
     assert usage.redis_bytes(rds, it_settings.ended_events_ttl_s).get(t.id, 0) == 0
@@ -69,7 +70,7 @@ def test_a_job_that_never_ran_leaves_nothing_in_redis(session, sessions, rds, it
 def _streamed_and_succeeded(lc: Lifecycle, session, t, words: list[str]) -> Job:
     """A job as a worker runs it: claimed (fence), its deltas by the fenced append, then `succeed`."""
     j = factories.job(session, t, state=JobState.running, lease_s=60)
-    streams.raise_fence(lc.redis, j.id, 1, lc.settings.events_ttl_s)
+    write.raise_fence(lc.redis, j.id, 1, lc.settings.events_ttl_s)
     deltas = [
         Delta(attempt=1, choice=0, text=w, token_ids=[i], finish_reason="stop" if i == len(words) - 1 else None)
         for i, w in enumerate(words)
@@ -85,23 +86,23 @@ def test_a_streamed_jobs_keys_live_as_long_as_its_stream_and_count_to_its_tenant
     t, other = factories.tenant(session), factories.tenant(session)
     lc = Lifecycle(sessions, rds, it_settings)
     j = _streamed_and_succeeded(lc, session, t, [" one", " two", " three"])
-    keys = [streams.stream_key(j.id), streams.fence_key(j.id)]
+    kept = [keys.stream_key(j.id), keys.fence_key(j.id)]
     # The marks were kept a day, then as long as the stream: now on the job's row, nothing in Redis.
-    assert _left(rds, j.id) == sorted(k.encode() for k in keys)
-    for k in keys:  # the fence was kept a day too
+    assert _left(rds, j.id) == sorted(k.encode() for k in kept)
+    for k in kept:  # the fence was kept a day too
         assert 0 < rds.ttl(k) <= ttl, k
     session.expire_all()
     marks = session.get(Job, j.id).marks
-    assert [(m[0], m[2], m[5]) for m in streams.parse_marks(marks)] == [(1, 4, False), (2, 4, False), (3, 6, True)]
+    assert [(m[0], m[2], m[5]) for m in read.parse_marks(marks)] == [(1, 4, False), (2, 4, False), (3, 6, True)]
 
-    held = sum(int(rds.memory_usage(k)) for k in keys)
+    held = sum(int(rds.memory_usage(k)) for k in kept)
     counted = usage.redis_bytes(rds, ttl)
     assert counted[t.id] == held and held > 4096  # the stream's first listpack is most of it
     assert other.id not in counted
 
     # An end sent again (its answer lost on the way) counts nothing twice.
     pipe = rds.pipeline(transaction=False)
-    streams.queue_end(pipe, j.id, t.id, ['{"type":"done"}'], ttl)
+    write.queue_end(pipe, j.id, t.id, ['{"type":"done"}'], ttl)
     pipe.execute()
     assert usage.redis_bytes(rds, ttl)[t.id] == held
 
@@ -110,7 +111,7 @@ def test_a_streamed_jobs_keys_live_as_long_as_its_stream_and_count_to_its_tenant
     counted = usage.redis_bytes(rds, ttl)
     assert counted[t.id] == held and counted[other.id] > 0
     assert asyncio.run(_one(other.id, ttl)) == counted[other.id]
-    rds.delete(*keys, streams.stream_key(j2.id), streams.fence_key(j2.id))
+    rds.delete(*kept, keys.stream_key(j2.id), keys.fence_key(j2.id))
 
 
 async def _one(tenant_id: int, ttl: int) -> int:
@@ -127,7 +128,7 @@ def test_a_reader_of_an_ended_job_without_a_stream_hears_its_row_at_once(session
     t = factories.tenant(session)
     lc = Lifecycle(sessions, rds, it_settings)
     j = _cancel_queued(lc, session, t)
-    assert not rds.exists(streams.stream_key(j.id))
+    assert not rds.exists(keys.stream_key(j.id))
     session.expire_all()
     row = session.get(Job, j.id)
     assert transitions.is_terminal(row.state)
@@ -135,16 +136,16 @@ def test_a_reader_of_an_ended_job_without_a_stream_hears_its_row_at_once(session
     async def check():
         return row
 
-    async def read() -> tuple[list, float]:
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=10_000)
+    async def follow_it() -> tuple[list, float]:
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=10_000)
         started = time.monotonic()
         try:
-            got = [b async for b in follow_batches(hub, j.id, check, block_ms=10_000, ended=True)]
+            got = [b async for b in follow_grouped(hub, j.id, check, block_ms=10_000, ended=True)]
             return got, time.monotonic() - started
         finally:
             await hub.aclose()
 
-    batches, took = asyncio.run(read())
-    evs = [ev for b in batches if b is not HEARTBEAT for _, ev in b]
+    groups, took = asyncio.run(follow_it())
+    evs = [ev for b in groups if b is not HEARTBEAT for _, ev in b]
     assert len(evs) == 1 and isinstance(evs[0], (Cancelled, Failed)), evs
     assert took < 5, took

@@ -30,13 +30,14 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
 from api import costs, errors
-from api.ratelimit import RequestRateGate
+from api.request_gate import RequestRateGate
 from api.routes import completions
 from core.idempotency import Idempotency
-from core.infra import kv, redis_keys, streams
+from core.infra import kv, redis_keys
 from core.infra.orm import Job
+from core.infra.streams import keys, write
 from core.infra.transient import TRANSIENT, is_transient
-from core.jobs import workers
+from core.jobs import live_workers
 from core.jobs.service import Completions
 from core.protocol import render
 from core.tenancy.keys import Principal
@@ -46,8 +47,8 @@ from tests.integration.conftest import IT_DB
 from tests.integration.test_create_completion import MODEL, Broker, CharTokenizer
 from workers import retry
 
-# wallclock: Redis refuses writes for seconds at a time (9 s of wall, 1 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: Redis refuses writes for seconds at a time (9 s of wall, 1 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = [
     pytest.mark.wallclock,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
@@ -157,13 +158,13 @@ def test_what_the_server_answers_is_transient(own_redis, name):
     rds = kv.client(own_redis.url)
     with refusing(own_redis, name):
         refused: list[BaseException] = []
-        for write in (
+        for call in (
             lambda: rds.set("k", "v"),
             lambda: rds.pipeline(transaction=False).set("k", "v").incr("n").execute(),
             lambda: kv.Lua("return redis.call('SET', KEYS[1], ARGV[1])")(rds, ["k"], "v"),
         ):
             with pytest.raises(TRANSIENT) as caught:
-                write()
+                call()
             refused.append(caught.value)
         for exc in refused:
             assert is_transient(exc), repr(exc)
@@ -177,11 +178,11 @@ def test_a_refused_group_append_is_raised_for_all_not_blamed_on_each_job(own_red
     """The pump's one script call for many jobs' events: a refusal is an outage it waits out (raised
     for all), not a script error isolated to each job in turn."""
     rds = kv.client(own_redis.url)
-    appends = [streams.Append(f"j{i}", 1, ['{"seq": 1}'], 60, 1) for i in range(3)]
+    appends = [write.Append(f"j{i}", 1, ['{"seq": 1}'], 60, 1) for i in range(3)]
     with refusing(own_redis, name), pytest.raises(TRANSIENT):
-        streams.append_many(rds, appends)
-    assert all(isinstance(r, list) and len(r) == 1 for r in streams.append_many(rds, appends))  # once lifted
-    rds.delete(*(streams.stream_key(a.job_id) for a in appends))
+        write.append_many(rds, appends)
+    assert all(isinstance(r, list) and len(r) == 1 for r in write.append_many(rds, appends))  # once lifted
+    rds.delete(*(keys.stream_key(a.job_id) for a in appends))
     rds.close()
 
 
@@ -253,7 +254,7 @@ def caller(session, own_redis) -> Principal:
     t = factories.tenant(session, tpm=100_000, rpm=1000)
     _, k = factories.api_key(session, t)
     healthy = redis_lib.Redis.from_url(own_redis.url)
-    workers.beat(healthy, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(healthy, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     healthy.close()
     return Principal(tenant=t, key=k)
 

@@ -11,13 +11,14 @@ import json
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
-from api import streaming
+from api import sse
 from api.bodies import encode as encode_body
 from api.routes import jobs as job_routes
 from core.generation.events import Delta, TokenScore, TopToken, encode
 from core.generation.params import GenerationParams
-from core.infra import kv, redis_keys, streams
-from core.jobs.stream import coalesce
+from core.infra import kv, redis_keys
+from core.infra.streams import keys, read, write
+from core.jobs.follow import coalesce
 from core.protocol import render
 from core.protocol.render import CompletionChunks
 from core.protocol.schemas import JobObject
@@ -53,23 +54,23 @@ def test_a_lapsed_reader_lease_never_leaves_a_negative_count(rds):
     -1, the next reader counted 0 while it followed (its job cancellable from under it) and -1 after
     it left, and -1 reads as "someone follows": no disconnect cancelled the job ever again."""
     job_id = "readers-lapse"
-    rds.delete(streams.stream_key(job_id), redis_keys.readers(job_id))
-    streams.raise_fence(rds, job_id, 1, 60)
-    streams.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text=" a", token_ids=[1]))], 60, 1)
+    rds.delete(keys.stream_key(job_id), redis_keys.readers(job_id))
+    write.raise_fence(rds, job_id, 1, 60)
+    write.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text=" a", token_ids=[1]))], 60, 1)
 
     async def scenario() -> None:
         arc = kv.async_client(IT_REDIS)
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
 
         async def count_is(n: int) -> None:
             for _ in range(100):  # a reader is uncounted by a task of its own: give it its turn
-                if await streaming.readers(arc, job_id) == n:
+                if await sse.readers(arc, job_id) == n:
                     return
                 await asyncio.sleep(0.02)
-            raise AssertionError(f"readers {await streaming.readers(arc, job_id)}, expected {n}")
+            raise AssertionError(f"readers {await sse.readers(arc, job_id)}, expected {n}")
 
         def reader():
-            return streaming.sse_chunks(
+            return sse.sse_chunks(
                 _record(job_id), 1, arc, hub, lookup=_unstored, include_usage=False, fingerprint="fp", heavy_cap=8
             )
 
@@ -95,32 +96,32 @@ def test_a_replay_of_an_ended_job_is_not_counted_as_a_reader(rds):
     """Readers are counted so that a live job is not cancelled under someone who follows it. An
     ended job has nothing to cancel: 200 replays of one cost 400 Redis round trips for nothing."""
     job_id = "readers-ended"
-    rds.delete(streams.stream_key(job_id), redis_keys.readers(job_id))
-    streams.raise_fence(rds, job_id, 1, 60)
-    streams.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text=" a", token_ids=[1]))], 60, 1)
+    rds.delete(keys.stream_key(job_id), redis_keys.readers(job_id))
+    write.raise_fence(rds, job_id, 1, 60)
+    write.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text=" a", token_ids=[1]))], 60, 1)
     ended = _record(job_id)
     ended.state = JobState.succeeded.value
 
     async def scenario() -> None:
         arc = kv.async_client(IT_REDIS)
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
         try:
-            live = streaming.sse_chunks(
+            live = sse.sse_chunks(
                 _record(job_id), 1, arc, hub, lookup=_unstored, include_usage=False, fingerprint="fp", heavy_cap=8
             )
             assert b" a" in await anext(live)
-            assert await streaming.readers(arc, job_id) == 1  # the same stream, followed while live, counts
+            assert await sse.readers(arc, job_id) == 1  # the same stream, followed while live, counts
             await live.aclose()
             for _ in range(100):  # uncounted by a task of its own
-                if await streaming.readers(arc, job_id) == 0:
+                if await sse.readers(arc, job_id) == 0:
                     break
                 await asyncio.sleep(0.02)
-            replay = streaming.sse_chunks(
+            replay = sse.sse_chunks(
                 ended, 1, arc, hub, lookup=_unstored, include_usage=False, fingerprint="fp", heavy_cap=8
             )
             assert b" a" in await anext(replay)
             await asyncio.sleep(0.1)  # a count in flight would have landed
-            assert await streaming.readers(arc, job_id) == 0
+            assert await sse.readers(arc, job_id) == 0
             await replay.aclose()
         finally:
             await hub.aclose()
@@ -160,7 +161,7 @@ def test_a_backlog_of_16k_scored_deltas_is_one_exact_chunk_under_its_last_id(rds
     assert merged.text == "".join(f" w{i}" for i in range(16_000))
     assert merged.token_ids == list(range(16_000))
     assert [s.id for s in merged.scores or []] == list(range(16_000))
-    body = streaming.frame(CompletionChunks(_record("j16k", logprobs=3), False, "fp"), batch)  # type: ignore[arg-type]
+    body = sse.frame(CompletionChunks(_record("j16k", logprobs=3), False, "fp"), batch)  # type: ignore[arg-type]
     events = [block for block in body.decode().split("\n\n") if block]
     assert len(events) == 1
     fields = dict(line.split(": ", 1) for line in events[0].split("\n"))
@@ -191,13 +192,13 @@ def test_one_tenants_heavy_replays_take_turns_and_never_hold_another_tenants(rds
     once, each still gets the whole backlog; tenant 2's replay is framed while tenant 1's three places
     are all held (its builds are blocked on a gate the test opens only after tenant 2 is done)."""
     job_id = "heavy-turns"
-    rds.delete(streams.stream_key(job_id))
-    streams.raise_fence(rds, job_id, 1, 60)
+    rds.delete(keys.stream_key(job_id))
+    write.raise_fence(rds, job_id, 1, 60)
     deltas = [encode(d) for _, d in _scored_deltas(400)]
-    streams.append_fenced(rds, job_id, 1, deltas, 60, 1)
-    gate = streaming.TenantGate()
-    monkeypatch.setattr(streaming, "HEAVY", gate)
-    real_frame = streaming.frame
+    write.append_fenced(rds, job_id, 1, deltas, 60, 1)
+    gate = sse.TenantGate()
+    monkeypatch.setattr(sse, "HEAVY", gate)
+    real_frame = sse.frame
     release = asyncio.Event()
     loop_box: list[asyncio.AbstractEventLoop] = []
 
@@ -207,12 +208,12 @@ def test_one_tenants_heavy_replays_take_turns_and_never_hold_another_tenants(rds
         return real_frame(chunks, batch)
 
     chunks_tenant: dict[int, int] = {}
-    real_chunks_for = streaming.chunks_for
+    real_chunks_for = sse.chunks_for
 
     async def scenario() -> None:
         loop_box.append(asyncio.get_running_loop())
         arc = kv.async_client(IT_REDIS)
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
 
         async def replay(tenant: int) -> bytes:
             def chunks_for(*a, **k):
@@ -220,8 +221,8 @@ def test_one_tenants_heavy_replays_take_turns_and_never_hold_another_tenants(rds
                 chunks_tenant[id(c)] = tenant
                 return c
 
-            monkeypatch.setattr(streaming, "chunks_for", chunks_for)
-            gen = streaming.sse_chunks(
+            monkeypatch.setattr(sse, "chunks_for", chunks_for)
+            gen = sse.sse_chunks(
                 _record(job_id, logprobs=3),
                 tenant,
                 arc,
@@ -249,7 +250,7 @@ def test_one_tenants_heavy_replays_take_turns_and_never_hold_another_tenants(rds
         finally:
             await hub.aclose()
 
-    monkeypatch.setattr(streaming, "frame", frame)
+    monkeypatch.setattr(sse, "frame", frame)
     asyncio.run(scenario())
 
 
@@ -259,15 +260,15 @@ def test_a_replay_waiting_for_its_turn_holds_nothing_of_its_last_page(rds, monke
     bytes). Now, between pages, none of its decoded events are alive."""
     import gc
 
-    from core.jobs import stream as job_stream
+    from core.jobs import follow as job_follow
 
     job_id = "replay-holds-nothing"
-    rds.delete(streams.stream_key(job_id))
-    streams.raise_fence(rds, job_id, 1, 60)
-    streams.append_fenced(rds, job_id, 1, [encode(d) for _, d in _scored_deltas(400)], 60, 1)
-    monkeypatch.setattr(job_stream, "PAGE", 100)
-    gate = streaming.TenantGate()
-    monkeypatch.setattr(streaming, "HEAVY", gate)
+    rds.delete(keys.stream_key(job_id))
+    write.raise_fence(rds, job_id, 1, 60)
+    write.append_fenced(rds, job_id, 1, [encode(d) for _, d in _scored_deltas(400)], 60, 1)
+    monkeypatch.setattr(job_follow, "PAGE", 100)
+    gate = sse.TenantGate()
+    monkeypatch.setattr(sse, "HEAVY", gate)
 
     def alive() -> int:
         gc.collect()
@@ -275,9 +276,9 @@ def test_a_replay_waiting_for_its_turn_holds_nothing_of_its_last_page(rds, monke
 
     async def scenario() -> None:
         arc = kv.async_client(IT_REDIS)
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
         before = alive()
-        gen = streaming.sse_chunks(
+        gen = sse.sse_chunks(
             _record(job_id, logprobs=3),
             1,
             arc,

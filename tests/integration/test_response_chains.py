@@ -21,14 +21,14 @@ from core.config import Settings
 from core.errors import DomainError, ErrorKind
 from core.idempotency import Idempotency
 from core.infra.orm import Job
-from core.jobs import workers
+from core.jobs import live_workers
 from core.jobs.responses import Responses
 from core.jobs.service import Created
 from core.protocol import render
 from core.protocol import responses as wire
 from core.protocol.responses import ResponsesRequest
 from core.states import JobState
-from core.tenancy import ratelimit
+from core.tenancy import limits
 from core.tenancy.keys import Principal
 from ops import factories
 from tests.integration.conftest import IT_DB, IT_REDIS
@@ -94,7 +94,7 @@ def _run(settings: Settings, use: Callable[[Responses], Awaitable[T]]) -> tuple[
 def caller(session, rds) -> Principal:
     t = factories.tenant(session)
     _, k = factories.api_key(session, t)
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     return Principal(tenant=t, key=k)
 
 
@@ -172,9 +172,9 @@ def test_the_tenants_limits_take_the_request_before_its_chain_is_expanded(it_set
     session.commit()
     head = _chain(session, t, 3)[-1]
     if limit == "rpm":
-        taken = ratelimit.take_request  # the minute's one request, taken as the edge takes it
+        taken = limits.take_request  # the minute's one request, taken as the edge takes it
 
-        async def first() -> ratelimit.Decision:
+        async def first() -> limits.Decision:
             aio = aioredis.Redis.from_url(IT_REDIS)
             try:
                 return await taken(aio, t.id, caller.key.id, 1, 0)
@@ -183,9 +183,7 @@ def test_the_tenants_limits_take_the_request_before_its_chain_is_expanded(it_set
 
         assert asyncio.run(first()).allowed
     else:  # one unfinished job holds the tenant's only place
-        assert ratelimit.admit_many(rds, [(t.id, caller.key.id, "cmpl-live", ratelimit.Limits(max_queued=1), 1)])[
-            0
-        ].allowed
+        assert limits.admit_many(rds, [(t.id, caller.key.id, "cmpl-live", limits.Limits(max_queued=1), 1)])[0].allowed
     got, run = _run(it_settings, lambda s: s.create_response(caller, _next(head), small=True))
 
     assert isinstance(got, DomainError) and got.kind == ErrorKind.rate_limited, got

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.streaming import HEAVY
-from core.infra import streams
+from api.sse import HEAVY
 from core.infra.orm import Job, Tenant
+from core.infra.streams import read
 from core.protocol import render
 from core.protocol import responses as wire
 from core.states import JobState
@@ -97,15 +97,15 @@ def test_a_response_is_retrieved_cancelled_and_listed_off_the_loop_in_its_tenant
 def test_a_rejoin_tests_the_stream_from_its_first_entry_and_builds_off_the_loop(
     api: Api, sessions: sessionmaker[Session], monkeypatch
 ):
-    whole = _threads_of(monkeypatch, streams.Hub, "entries_upto")  # XRANGE - + : the stream read whole
+    whole = _threads_of(monkeypatch, read.Hub, "entries_upto")  # XRANGE - + : the stream read whole
     firsts: list[int] = []
-    real_page = streams.Hub.page
+    real_page = read.Hub.page
 
-    async def page(self: streams.Hub, job_id: str, after: str, count: int) -> list[tuple[str, str]]:
+    async def page(self: read.Hub, job_id: str, after: str, count: int) -> list[tuple[str, str]]:
         firsts.append(count)  # a spy: the sizes asked for, then the real read
         return await real_page(self, job_id, after, count)
 
-    monkeypatch.setattr(streams.Hub, "page", page)
+    monkeypatch.setattr(read.Hub, "page", page)
     started = _threads_of(monkeypatch, wire.Events, "start")
     rid = _response(sessions, api.tenant_id)
 

@@ -1,4 +1,4 @@
-"""Every route takes its class's per-minute limit before any work (api/costs.py, api/ratelimit.py;
+"""Every route takes its class's per-minute limit before any work (api/costs.py, api/request_gate.py;
 issue 49): the sweep walks the application's own route table, so a route added tomorrow is swept
 too. A tenant whose requests and reads per minute are spent gets OpenAI's 429 from each of them,
 before its body is read, a row is looked up or an object built, while another tenant is served.

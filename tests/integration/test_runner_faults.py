@@ -10,8 +10,8 @@ import time
 import pytest
 
 from core.generation.events import Delta, encode
-from core.infra import streams
 from core.infra.orm import Job
+from core.infra.streams import keys, read, write
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
@@ -26,15 +26,15 @@ MODEL = "smollm2-135m-instruct"
 
 def test_a_superseded_attempt_cannot_write_the_stream(rds, it_settings):
     job_id = "job-fence-" + str(time.time_ns())
-    assert streams.raise_fence(rds, job_id, 2, 60) == 2
-    assert streams.raise_fence(rds, job_id, 1, 60) == 2  # never lowered
+    assert write.raise_fence(rds, job_id, 2, 60) == 2
+    assert write.raise_fence(rds, job_id, 1, 60) == 2  # never lowered
     late = encode(Delta(attempt=1, choice=0, text="stale", token_ids=[1]))
-    with pytest.raises(streams.Fenced):
-        streams.append_fenced(rds, job_id, 1, [late], 60, start=1)
-    assert streams.entries(rds, job_id) == []
+    with pytest.raises(write.Fenced):
+        write.append_fenced(rds, job_id, 1, [late], 60, start=1)
+    assert write.entries(rds, job_id) == []
     ok = encode(Delta(attempt=2, choice=0, text="fresh", token_ids=[2]))
-    assert len(streams.append_fenced(rds, job_id, 2, [ok], 60, start=1)) == 1
-    assert [p for _, p in streams.entries(rds, job_id)] == [ok]
+    assert len(write.append_fenced(rds, job_id, 2, [ok], 60, start=1)) == 1
+    assert [p for _, p in write.entries(rds, job_id)] == [ok]
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,10 @@ def engine_loop():
 def test_an_attempt_that_was_superseded_stops_and_writes_nothing(session, sessions, rds, it_settings, engine_loop):
     t = factories.tenant(session)
     job = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8))
-    streams.raise_fence(rds, job.id, 2, 60)  # attempt 2 claimed it meanwhile (its lease lapsed, say)
+    write.raise_fence(rds, job.id, 2, 60)  # attempt 2 claimed it meanwhile (its lease lapsed, say)
     runner = JobRunner(engine_loop, it_settings, rds, sessions, "w-test")
     assert runner.run(job.id, 1) == "lost"
-    assert streams.entries(rds, job.id) == []
+    assert write.entries(rds, job.id) == []
 
 
 class WedgingEngine(NullEngine):
@@ -90,33 +90,31 @@ def test_a_retried_append_writes_nothing_twice_and_a_lost_stream_keeps_its_ids(r
     time-based ids, and a client whose Last-Event-ID was one of the lost entries received those
     tokens a second time (its text had a phrase twice). Entries are positional now."""
     job_id = "job-pos-" + str(time.time_ns())
-    streams.raise_fence(rds, job_id, 1, 60)
+    write.raise_fence(rds, job_id, 1, 60)
     evs = [encode(Delta(attempt=1, choice=0, text=f" t{i}", token_ids=[i])) for i in range(1, 6)]
-    first = streams.append_fenced(rds, job_id, 1, evs[:3], 60, start=1)
+    first = write.append_fenced(rds, job_id, 1, evs[:3], 60, start=1)
     # The answer to this append is lost; the attempt sends it again.
-    again = streams.append_fenced(rds, job_id, 1, evs[:3], 60, start=1)
-    assert again == first and [p for _, p in streams.entries(rds, job_id)] == evs[:3]
+    again = write.append_fenced(rds, job_id, 1, evs[:3], 60, start=1)
+    assert again == first and [p for _, p in write.entries(rds, job_id)] == evs[:3]
     client_saw = first[-1]  # a reader's Last-Event-ID
     # Redis comes back empty: the attempt rebuilds what it had logged (the first entry only: the
     # others' answer was lost), then sends the rest again, from where its log ends.
-    rds.delete(streams.stream_key(job_id))
-    streams.rebuild(rds, job_id, [(first[0], evs[0])], 60)
-    streams.raise_fence(rds, job_id, 1, 60)
-    streams.append_fenced(rds, job_id, 1, evs[1:], 60, start=2)
-    after = [p for i, p in streams.entries(rds, job_id) if streams._order(i) > streams._order(client_saw)]
+    rds.delete(keys.stream_key(job_id))
+    write.rebuild(rds, job_id, [(first[0], evs[0])], 60)
+    write.raise_fence(rds, job_id, 1, 60)
+    write.append_fenced(rds, job_id, 1, evs[1:], 60, start=2)
+    after = [p for i, p in write.entries(rds, job_id) if read._order(i) > read._order(client_saw)]
     assert after == evs[3:]  # what the reader had not seen yet, once
-    assert [p for _, p in streams.entries(rds, job_id)] == evs
+    assert [p for _, p in write.entries(rds, job_id)] == evs
 
 
 def test_nothing_is_appended_after_a_terminal_event(rds):
     job_id = "job-pos-end-" + str(time.time_ns())
-    streams.raise_fence(rds, job_id, 1, 60)
-    streams.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text="a", token_ids=[1]))], 60, start=1)
-    rds.xadd(streams.stream_key(job_id), {streams.FIELD: "{}"})  # a cancel's terminal event (time-based id)
-    with pytest.raises(streams.Fenced):
-        streams.append_fenced(
-            rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text="b", token_ids=[2]))], 60, start=2
-        )
+    write.raise_fence(rds, job_id, 1, 60)
+    write.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text="a", token_ids=[1]))], 60, start=1)
+    rds.xadd(keys.stream_key(job_id), {keys.FIELD: "{}"})  # a cancel's terminal event (time-based id)
+    with pytest.raises(write.Fenced):
+        write.append_fenced(rds, job_id, 1, [encode(Delta(attempt=1, choice=0, text="b", token_ids=[2]))], 60, start=2)
 
 
 def test_a_group_is_fenced_together_and_each_attempt_keeps_its_own_outcome(
@@ -130,13 +128,11 @@ def test_a_group_is_fenced_together_and_each_attempt_keeps_its_own_outcome(
         factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8)) for _ in range(3)
     ]
     stale = factories.job(session, t, state=JobState.dispatched, params=factories.params(max_tokens=8))
-    streams.raise_fence(rds, stale.id, 2, 60)  # attempt 2 owns its stream already
+    write.raise_fence(rds, stale.id, 2, 60)  # attempt 2 owns its stream already
     cut = factories.job(session, t, state=JobState.dispatched, attempt=2, params=factories.params(max_tokens=8))
     for i in range(2):  # attempt 1 streamed two entries, and one was trimmed away: no exact resume
-        rds.xadd(
-            streams.stream_key(cut.id), {streams.FIELD: encode(Delta(attempt=1, choice=0, text="x", token_ids=[i]))}
-        )
-    rds.xtrim(streams.stream_key(cut.id), maxlen=1, approximate=False)
+        rds.xadd(keys.stream_key(cut.id), {keys.FIELD: encode(Delta(attempt=1, choice=0, text="x", token_ids=[i]))})
+    rds.xtrim(keys.stream_key(cut.id), maxlen=1, approximate=False)
 
     jobs = [*fresh, stale, cut]
     outcomes = JobRunner(engine_loop, it_settings, rds, sessions, "w-group").run_group(
@@ -147,17 +143,17 @@ def test_a_group_is_fenced_together_and_each_attempt_keeps_its_own_outcome(
     for j in fresh:
         row = session.get(Job, j.id, populate_existing=True)
         assert row.state == "succeeded" and row.usage["completion_tokens"] == 8
-        assert int(rds.get(streams.fence_key(j.id))) == 1
-        assert streams.entries(rds, j.id)
-    assert streams.entries(rds, stale.id) == []
-    assert int(rds.get(streams.fence_key(stale.id))) == 2  # raised together with the others, never lowered
+        assert int(rds.get(keys.fence_key(j.id))) == 1
+        assert write.entries(rds, j.id)
+    assert write.entries(rds, stale.id) == []
+    assert int(rds.get(keys.fence_key(stale.id))) == 2  # raised together with the others, never lowered
     failed = session.get(Job, cut.id, populate_existing=True)
     assert failed.state == "failed" and failed.error["code"] == "resume_impossible"
 
 
 def test_fences_raised_together_are_each_never_lowered(rds):
     a, b = "job-fences-a-" + str(time.time_ns()), "job-fences-b-" + str(time.time_ns())
-    streams.raise_fence(rds, b, 3, 60)
-    assert streams.raise_fences(rds, [(a, 1), (b, 2)], 60) == [1, 3]
-    assert (int(rds.get(streams.fence_key(a))), int(rds.get(streams.fence_key(b)))) == (1, 3)
-    assert 0 < rds.ttl(streams.fence_key(a)) <= 60
+    write.raise_fence(rds, b, 3, 60)
+    assert write.raise_fences(rds, [(a, 1), (b, 2)], 60) == [1, 3]
+    assert (int(rds.get(keys.fence_key(a))), int(rds.get(keys.fence_key(b)))) == (1, 3)
+    assert 0 < rds.ttl(keys.fence_key(a)) <= 60

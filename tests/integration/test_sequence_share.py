@@ -20,8 +20,8 @@ import pytest
 
 from core.generation import constraints
 from core.generation.events import Delta, decode
-from core.infra import streams
 from core.infra.orm import Job
+from core.infra.streams import write
 from core.jobs.lifecycle import Lifecycle
 from core.registry import smollm2_gguf
 from core.states import JobState
@@ -75,7 +75,7 @@ def _prompt(engine, text: str) -> list[dict[str, Any]]:
 
 def _texts(rds, job_id: str) -> dict[int, str]:
     out: dict[int, str] = {}
-    for _, raw in streams.entries(rds, job_id):
+    for _, raw in write.entries(rds, job_id):
         ev = decode(raw)
         if isinstance(ev, Delta):
             out[ev.choice] = out.get(ev.choice, "") + ev.text
@@ -153,7 +153,7 @@ def test_a_wide_job_leaves_slots_for_another_tenant(session, sessions, rds, sett
         assert runner.run(small.id, 1) == "succeeded"
         # The other tenant's request did not wait for the N sequences ahead of it: most of them had
         # not even started when it ended.
-        ended = sum(1 for _, raw in streams.entries(rds, big.id) if getattr(decode(raw), "finish_reason", None))
+        ended = sum(1 for _, raw in write.entries(rds, big.id) if getattr(decode(raw), "finish_reason", None))
         assert ended < N // 2, f"{ended} of the big job's {N} sequences ended before the other tenant's one"
     finally:
         worker.join(120)

@@ -7,8 +7,9 @@ import asyncio
 from types import SimpleNamespace
 
 from core.generation.events import Delta, Done, Failed, TokenScore, Usage, encode
-from core.infra import kv, streams
-from core.jobs.stream import ENDED, HEARTBEAT, coalesce, follow_batches
+from core.infra import kv
+from core.infra.streams import keys, read, write
+from core.jobs.follow import ENDED, HEARTBEAT, coalesce, follow_grouped
 from tests.integration.conftest import IT_REDIS
 
 
@@ -17,18 +18,18 @@ async def _no_row():
 
 
 def _deltas(job_id: str, rds, n: int, choices: int = 1) -> list[str]:
-    streams.raise_fence(rds, job_id, 1, 60)
+    write.raise_fence(rds, job_id, 1, 60)
     evs = [encode(Delta(attempt=1, choice=i % choices, text=f" w{i}", token_ids=[i])) for i in range(n)]
     end = encode(Done(attempt=1, usage=Usage(prompt_tokens=1, completion_tokens=n)))
-    ids = streams.append_fenced(rds, job_id, 1, evs, 60, start=1)
-    return [*ids, rds.xadd(streams.stream_key(job_id), {streams.FIELD: end}).decode()]
+    ids = write.append_fenced(rds, job_id, 1, evs, 60, start=1)
+    return [*ids, rds.xadd(keys.stream_key(job_id), {keys.FIELD: end}).decode()]
 
 
 def _read(job_id: str, last_id: str = "0-0") -> list[list]:
     async def go() -> list[list]:
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
         try:
-            return [b async for b in follow_batches(hub, job_id, _no_row, last_id=last_id)]  # type: ignore[misc]
+            return [b async for b in follow_grouped(hub, job_id, _no_row, last_id=last_id)]  # type: ignore[misc]
         finally:
             await hub.aclose()
 
@@ -37,7 +38,7 @@ def _read(job_id: str, last_id: str = "0-0") -> list[list]:
 
 def test_a_backlog_of_one_choice_is_one_chunk_under_its_last_id(rds):
     job_id = "coal-one"
-    rds.delete(streams.stream_key(job_id))
+    rds.delete(keys.stream_key(job_id))
     ids = _deltas(job_id, rds, 12)
     batches = _read(job_id)
     assert len(batches) == 1 and len(batches[0]) == 13  # all there when the reader asked
@@ -51,7 +52,7 @@ def test_a_backlog_of_one_choice_is_one_chunk_under_its_last_id(rds):
 
 def test_interleaved_choices_merge_only_consecutive_runs_and_every_id_resumes_exactly(rds):
     job_id = "coal-two"
-    rds.delete(streams.stream_key(job_id))
+    rds.delete(keys.stream_key(job_id))
     ids = _deltas(job_id, rds, 8, choices=2)  # choices alternate: nothing is consecutive
     out = coalesce(_read(job_id)[0])
     assert [e for e, _ in out] == ids  # nothing merged, every id kept in order
@@ -77,9 +78,9 @@ def _job(rds, job_id: str, choices: int = 1, scored: bool = False) -> tuple[Simp
     finish_reason) and ended as the worker and Lifecycle end it: deltas by the fenced append, its
     marks read for its row (`marks_of`), the terminal event by `queue_end`. Returns its row and the
     ids its stream gave."""
-    for key in (streams.stream_key(job_id), streams.marks_key(job_id)):
+    for key in (keys.stream_key(job_id), keys.marks_key(job_id)):
         rds.delete(key)
-    streams.raise_fence(rds, job_id, 1, 60)
+    write.raise_fence(rds, job_id, 1, 60)
     evs, texts, scores = [], {c: "" for c in range(choices)}, {c: [] for c in range(choices)}
     for i, w in enumerate(WORDS):
         for c in range(choices):
@@ -90,11 +91,11 @@ def _job(rds, job_id: str, choices: int = 1, scored: bool = False) -> tuple[Simp
             )
             texts[c] += w
             scores[c] += sc or []
-    ids = streams.append_fenced(rds, job_id, 1, [encode(e) for e in evs], 3600, start=1)
+    ids = write.append_fenced(rds, job_id, 1, [encode(e) for e in evs], 3600, start=1)
     usage = Usage(prompt_tokens=2, completion_tokens=len(evs))
-    marks = streams.marks_of(rds, job_id)
+    marks = write.marks_of(rds, job_id)
     pipe = rds.pipeline(transaction=False)
-    streams.queue_end(pipe, job_id, 1, [encode(Done(attempt=1, usage=usage))], ENDED_TTL_S)
+    write.queue_end(pipe, job_id, 1, [encode(Done(attempt=1, usage=usage))], ENDED_TTL_S)
     ids.append(pipe.execute()[-1][0].decode())
     result = {
         "choices": [
@@ -117,10 +118,10 @@ def _read_all(job_id: str, row, last_id: str = "0-0") -> list[tuple[str | None, 
 
     async def go() -> list:
         # A short shared read: closing the hub waits for the read in flight.
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=200)
         try:
             out = []
-            async for b in follow_batches(hub, job_id, check, last_id=last_id, block_ms=300):
+            async for b in follow_grouped(hub, job_id, check, last_id=last_id, block_ms=300):
                 if b is not HEARTBEAT:
                     out += b  # type: ignore[operator]
             return out
@@ -171,11 +172,11 @@ def test_a_resume_after_the_last_id_gives_only_the_end_while_the_stream_is_there
 
 def test_the_end_shortens_the_stream_and_its_marks_are_for_the_row(rds):
     row, _ = _job(rds, "resume-ttl")
-    assert 0 < rds.ttl(streams.stream_key("resume-ttl")) <= ENDED_TTL_S
+    assert 0 < rds.ttl(keys.stream_key("resume-ttl")) <= ENDED_TTL_S
     # Issue 49: the marks were kept in Redis a day, then as long as the stream: now on the row only.
-    assert not rds.exists(streams.marks_key("resume-ttl"))
-    assert streams.marks_of(rds, "resume-ttl") == row.marks  # the terminal event has no mark
-    marks = streams.parse_marks(row.marks)
+    assert not rds.exists(keys.marks_key("resume-ttl"))
+    assert write.marks_of(rds, "resume-ttl") == row.marks  # the terminal event has no mark
+    marks = read.parse_marks(row.marks)
     # Characters as Python counts them (" 日本" is 3, " 🎉!" is 3), the last with its finish.
     assert [(m[0], m[2], m[5]) for m in marks] == [(i + 1, len(w), i == len(WORDS) - 1) for i, w in enumerate(WORDS)]
 
@@ -183,7 +184,7 @@ def test_the_end_shortens_the_stream_and_its_marks_are_for_the_row(rds):
 def test_every_stream_id_resumes_exactly_from_the_row_once_the_stream_has_expired(rds):
     row, ids = _job(rds, "resume-row", choices=2, scored=True)
     full = _read_all("resume-row", row)
-    rds.delete(streams.stream_key("resume-row"))  # what its (shortened) TTL does
+    rds.delete(keys.stream_key("resume-row"))  # what its (shortened) TTL does
     whole = {c["index"]: c["text"] for c in row.result["choices"]}
     for k, resume_at in enumerate(ids):
         seen, rest = full[: k + 1], _read_all("resume-row", row, resume_at)
@@ -201,12 +202,12 @@ def test_every_stream_id_resumes_exactly_from_the_row_once_the_stream_has_expire
     # The row's own answer carries ids, and a resume from each of them is exact too.
     _check_every_resume("resume-row", row, 2)
     from_row = _read_all("resume-row", row, ids[3])
-    assert all(i is not None and int(i.split("-")[0]) == streams.ROW_MS + 4 for i, _ in from_row)
+    assert all(i is not None and int(i.split("-")[0]) == read.ROW_MS + 4 for i, _ in from_row)
 
 
 def test_a_place_no_longer_known_is_an_error_not_a_repeat(rds):
     row, ids = _job(rds, "resume-lost")
-    rds.delete(streams.stream_key("resume-lost"))
+    rds.delete(keys.stream_key("resume-lost"))
     row.marks = None  # a row that kept none (its end could not read the stream)
     rest = _read_all("resume-lost", row, ids[2])
     assert len(rest) == 1 and isinstance(rest[0][1], Failed) and rest[0][1].error.code == "resume_expired"

@@ -31,9 +31,10 @@ from core.dispatcher import Dispatcher
 from core.files import storage
 from core.generation.events import ChoiceResult, Delta, JobResult, Usage
 from core.idempotency import Idempotency
-from core.infra import kv, streams
+from core.infra import kv
 from core.infra.orm import Batch, File, Job, Tenant, TenantStored
-from core.jobs import transitions, workers
+from core.infra.streams import write
+from core.jobs import live_workers, transitions
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.responses import Responses
 from core.protocol import render
@@ -173,7 +174,7 @@ class Api:
 def caller(session, rds) -> Iterator[Principal]:
     t = factories.tenant(session, max_stored_bytes=64_000)
     _, k = factories.api_key(session, t)
-    workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "it-worker", batch_slots=4, interactive_slots=4)
     yield Principal(tenant=t, key=k)
 
 
@@ -223,7 +224,7 @@ def test_a_response_with_large_instructions_past_the_quota_is_a_413(session, it_
 def _streamed(lc: Lifecycle, session, t, words: list[str]) -> Job:
     """A job as a worker runs it and ends it: its stream and marks stay, counted to its tenant."""
     j = factories.job(session, t, state=JobState.running, lease_s=60)
-    streams.raise_fence(lc.redis, j.id, 1, lc.settings.events_ttl_s)
+    write.raise_fence(lc.redis, j.id, 1, lc.settings.events_ttl_s)
     deltas = [Delta(attempt=1, choice=0, text=w, token_ids=[i], finish_reason=None) for i, w in enumerate(words)]
     lc.publish_deltas(j.id, 1, deltas, start=1)
     result = JobResult(choices=[ChoiceResult(index=0, text="".join(words), finish_reason="stop")])

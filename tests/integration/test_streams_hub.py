@@ -1,11 +1,12 @@
-"""The API's shared stream reader (core/infra/streams.Hub) against a real Redis: every follower gets
+"""The API's shared stream reader (core/infra/streams/read.Hub) against a real Redis: every follower gets
 exactly the entries after its own position, once, whenever it joins."""
 
 from __future__ import annotations
 
 import asyncio
 
-from core.infra import kv, streams
+from core.infra import kv
+from core.infra.streams import keys, read, write
 from tests.integration.conftest import IT_REDIS
 
 # The shared read blocks far longer than a follower waits for news: a follower that joined while it
@@ -20,13 +21,13 @@ async def _take(it, n: int) -> list:
 
 def _append(rds, job_id: str, *payloads: str) -> list[str]:
     pipe = rds.pipeline(transaction=False)
-    streams.queue_append(pipe, job_id, payloads, 60)
+    write.queue_append(pipe, job_id, payloads, 60)
     return [i.decode() for i in pipe.execute()[:-1]]
 
 
 def test_followers_of_one_hub_each_get_their_own_entries_once(rds):
     async def scenario() -> None:
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=HUB_BLOCK_MS)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=HUB_BLOCK_MS)
         try:
             a_ids = _append(rds, "hub-a", "a1", "a2")
             from_start = hub.read("hub-a", "0-0", FOLLOWER_WAIT_MS)
@@ -46,7 +47,7 @@ def test_followers_of_one_hub_each_get_their_own_entries_once(rds):
             assert await _take(reattached, 1) == [(more[0], "a3")]
 
             # An entry that is not Spool's (no payload field) is skipped, not fatal to the shared read.
-            rds.xadd(streams.stream_key("hub-b"), {"other": "x"})
+            rds.xadd(keys.stream_key("hub-b"), {"other": "x"})
             after = _append(rds, "hub-b", "b2")
             assert await _take(other_job, 1) == [(after[0], "b2")]
 
@@ -69,7 +70,7 @@ def test_a_bad_resume_id_fails_its_follower_alone(rds):
     to reach the one shared XREAD and break it for every stream of the process."""
 
     async def scenario() -> None:
-        hub = streams.Hub(
+        hub = read.Hub(
             kv.async_client(IT_REDIS, decode_responses=True), block_ms=2000
         )  # short: closing waits out a blocked read
         try:
@@ -89,7 +90,7 @@ def test_a_bad_resume_id_fails_its_follower_alone(rds):
                 try:
                     await anext(poisoned)
                     raise AssertionError(f"{bad!r} was accepted")
-                except streams.InvalidStreamId:
+                except read.InvalidStreamId:
                     pass
                 # The steady follower still gets each entry as it is written, one read each.
                 ids = _append(rds, "hub-steady", f"after {bad}")
@@ -97,7 +98,7 @@ def test_a_bad_resume_id_fails_its_follower_alone(rds):
 
             # A stream Redis refuses for another reason (its key is not a stream) fails its own
             # followers, and the others keep reading.
-            rds.set(streams.stream_key("hub-wrongtype"), "x")
+            rds.set(keys.stream_key("hub-wrongtype"), "x")
             wrong = hub.read("hub-wrongtype", "0-0", FOLLOWER_WAIT_MS)
             try:
                 await anext(wrong)
@@ -108,7 +109,7 @@ def test_a_bad_resume_id_fails_its_follower_alone(rds):
             assert await _take(steady, 1) == [(ids[0], "last")]
             await steady.aclose()
         finally:
-            rds.delete(streams.stream_key("hub-wrongtype"))
+            rds.delete(keys.stream_key("hub-wrongtype"))
             await hub.aclose()
             await hub.redis.aclose()
 
@@ -116,11 +117,11 @@ def test_a_bad_resume_id_fails_its_follower_alone(rds):
 
 
 def test_parse_id_takes_only_what_redis_takes():
-    assert streams.parse_id("0") == "0-0"
-    assert streams.parse_id("1700000000000-5") == "1700000000000-5"
-    assert streams.parse_id("18446744073709551615-18446744073709551615") == "18446744073709551615-18446744073709551615"
+    assert read.parse_id("0") == "0-0"
+    assert read.parse_id("1700000000000-5") == "1700000000000-5"
+    assert read.parse_id("18446744073709551615-18446744073709551615") == "18446744073709551615-18446744073709551615"
     for bad in ("18446744073709551616-0", "1-18446744073709551616", "²", "\u0661", "1-", "-1", "1\n", "+1", "1" * 21):
-        assert streams.parse_id(bad) is None, bad
+        assert read.parse_id(bad) is None, bad
 
 
 def test_a_follower_fed_steadily_hears_no_silence_and_a_quiet_one_hears_it_each_period(rds):
@@ -128,7 +129,7 @@ def test_a_follower_fed_steadily_hears_no_silence_and_a_quiet_one_hears_it_each_
     often than `block_ms` never yields None; a quiet follower gets None once per `block_ms`."""
 
     async def scenario() -> None:
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=2000)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=2000)
         try:
             busy = hub.read("hub-busy", "0-0", 300)
             quiet = hub.read("hub-quiet", "0-0", 300)
@@ -159,7 +160,7 @@ def test_followers_joining_during_one_blocked_read_share_one_wake(rds):
     and an EXPIRE per new stream: one per short job). One wake per blocked read serves them all."""
 
     async def scenario() -> None:
-        hub = streams.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=HUB_BLOCK_MS)
+        hub = read.Hub(kv.async_client(IT_REDIS, decode_responses=True), block_ms=HUB_BLOCK_MS)
         try:
             first = hub.read("hub-w0", "0-0", FOLLOWER_WAIT_MS)
             ids = _append(rds, "hub-w0", "x")
@@ -205,7 +206,7 @@ class _JoinsDuringRead:
 def test_a_follower_joining_while_a_read_is_answered_misses_nothing(rds):
     async def scenario() -> None:
         client = _JoinsDuringRead(kv.async_client(IT_REDIS, decode_responses=True))
-        hub = streams.Hub(client, block_ms=HUB_BLOCK_MS)
+        hub = read.Hub(client, block_ms=HUB_BLOCK_MS)
         late = hub.read("hub-late", "0-0", FOLLOWER_WAIT_MS)
         first_of_late: list[asyncio.Task] = []
         try:
@@ -229,5 +230,5 @@ def test_a_follower_joining_while_a_read_is_answered_misses_nothing(rds):
             await hub.aclose()
             await client.real.aclose()
 
-    rds.delete(streams.stream_key("hub-late"))
+    rds.delete(keys.stream_key("hub-late"))
     asyncio.run(scenario())

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from core.generation.events import Delta, decode
-from core.infra import streams
+from core.infra.streams import keys, write
 from core.jobs import transitions
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
@@ -43,13 +43,13 @@ def _started(session, sessions, rds, it_settings, engine_loop, lease_s: float) -
     runner = JobRunner(engine_loop, it_settings, rds, sessions, "w-old")
     runner.lifecycle.appender = None  # this test's appends go straight to Redis
     a = Attempt(runner, claimed)
-    streams.raise_fence(rds, job.id, 1, 60)
+    write.raise_fence(rds, job.id, 1, 60)
     a._emit([Delta(attempt=1, choice=0, text="first", token_ids=[11])])
     return a
 
 
 def _redis_lost_everything(rds, job_id: str) -> None:
-    rds.delete(streams.stream_key(job_id), streams.fence_key(job_id))
+    rds.delete(keys.stream_key(job_id), keys.fence_key(job_id))
 
 
 def test_a_superseded_attempt_does_not_rebuild_a_lost_stream_nor_set_the_fence(
@@ -66,12 +66,12 @@ def test_a_superseded_attempt_does_not_rebuild_a_lost_stream_nor_set_the_fence(
     _claim(sessions, job_id, 2, "w-new", 60)
     _redis_lost_everything(rds, job_id)  # Redis restarted empty before attempt 2 raised its fence
 
-    with pytest.raises(streams.Fenced):
+    with pytest.raises(write.Fenced):
         a._emit([Delta(attempt=1, choice=0, text=" stale", token_ids=[12])])
-    assert not rds.exists(streams.stream_key(job_id))  # not rebuilt, and nothing of attempt 1 written
-    assert rds.get(streams.fence_key(job_id)) is None  # the fence was not set to the old attempt
+    assert not rds.exists(keys.stream_key(job_id))  # not rebuilt, and nothing of attempt 1 written
+    assert rds.get(keys.fence_key(job_id)) is None  # the fence was not set to the old attempt
     # Attempt 2 raises its fence and finds nothing of the superseded attempt in its way.
-    assert streams.raise_fence(rds, job_id, 2, 60) == 2
+    assert write.raise_fence(rds, job_id, 2, 60) == 2
 
 
 def test_the_owning_attempt_rebuilds_its_lost_stream_with_the_same_ids(
@@ -79,14 +79,14 @@ def test_the_owning_attempt_rebuilds_its_lost_stream_with_the_same_ids(
 ):
     a = _started(session, sessions, rds, it_settings, engine_loop, lease_s=60)
     job_id = a.job.id
-    before = streams.entries(rds, job_id)
+    before = write.entries(rds, job_id)
     _redis_lost_everything(rds, job_id)
 
     a._emit([Delta(attempt=1, choice=0, text=" second", token_ids=[12])])
-    after = streams.entries(rds, job_id)
+    after = write.entries(rds, job_id)
     assert after[:1] == before  # the same entry id: a reader's Last-Event-ID still points into it
     assert [decode(p).text for _, p in after] == ["first", " second"]
-    assert int(rds.get(streams.fence_key(job_id))) == 1
+    assert int(rds.get(keys.fence_key(job_id))) == 1
 
 
 def test_the_pump_finds_a_lost_stream_by_appending_and_rebuilds_it(session, sessions, rds, it_settings, engine_loop):
@@ -97,12 +97,12 @@ def test_the_pump_finds_a_lost_stream_by_appending_and_rebuilds_it(session, sess
 
     a = _started(session, sessions, rds, it_settings, engine_loop, lease_s=60)
     job_id = a.job.id
-    before = streams.entries(rds, job_id)
+    before = write.entries(rds, job_id)
     _redis_lost_everything(rds, job_id)
     pump = StreamPump(rds, it_settings)
     pump._publish([(a, [Delta(attempt=1, choice=0, text=" second", token_ids=[12])])])
     assert not a.stopped
-    after = streams.entries(rds, job_id)
+    after = write.entries(rds, job_id)
     assert after[:1] == before
     assert [decode(p).text for _, p in after] == ["first", " second"]
     assert pump.flushes == 2  # the refused append, then the one after the rebuild

@@ -21,7 +21,7 @@ from core.dispatcher import Dispatcher
 from core.infra import kv
 from core.infra.orm import Job
 from core.infra.transient import TRANSIENT
-from core.jobs import workers
+from core.jobs import live_workers
 from core.states import JobState
 from ops import factories
 from ops.bench.paced import private_redis
@@ -59,7 +59,7 @@ def _readonly(rds: redis_lib.Redis) -> Callable[[], None]:
 
 
 def _beat(rds: redis_lib.Redis, model: str) -> None:
-    workers.beat(rds, model, WORKER, batch_slots=1, interactive_slots=1)
+    live_workers.beat(rds, model, WORKER, batch_slots=1, interactive_slots=1)
 
 
 @pytest.mark.parametrize("refuse", [_oom, _readonly])
@@ -103,4 +103,4 @@ def test_no_running_jobs_attempt_is_raised_while_redis_refuses_writes(session, s
     assert d._revoke_unheard(session) == 3
     session.expire_all()
     assert {session.get(Job, j.id).attempt for j in jobs} == {2}
-    workers.gone(own, model, WORKER)
+    live_workers.gone(own, model, WORKER)

@@ -20,12 +20,12 @@ import redis as redis_lib
 from core.dispatcher import Dispatcher
 from core.infra import redis_keys
 from core.infra.orm import Job
-from core.jobs import workers
+from core.jobs import live_workers
 from core.states import JobState
 from ops import factories
 
-# wallclock: waits until a worker is unheard (5 s of wall, 0.3 s of CPU in a lane)
-# ops/test.sh runs it beside the CPU-bound lanes.
+# wallclock: waits until a worker is unheard (5 s of wall, 0.3 s of CPU in a shard)
+# ops/test.sh runs it beside the CPU-bound shards.
 pytestmark = pytest.mark.wallclock
 
 
@@ -56,19 +56,19 @@ def _upkeep(d: Dispatcher) -> dict[str, int]:
 def test_a_worker_redis_stopped_hearing_loses_its_jobs_to_others(session, sessions, rds, it_settings, model):
     t = factories.tenant(session)
     cut, fine = _held(session, t, "cut-host:1", model), _held(session, t, "fine-host:2", model)
-    workers.beat(rds, model, "fine-host:2", batch_slots=1, interactive_slots=1)  # Redis hears this one
+    live_workers.beat(rds, model, "fine-host:2", batch_slots=1, interactive_slots=1)  # Redis hears this one
     d = _dispatcher(sessions, rds, it_settings, model)
     try:
         assert "revoked" not in _upkeep(d)  # silent, but not yet for its unheard window
         time.sleep(0.6)
-        workers.beat(rds, model, "fine-host:2", batch_slots=1, interactive_slots=1)
+        live_workers.beat(rds, model, "fine-host:2", batch_slots=1, interactive_slots=1)
         assert _upkeep(d)["revoked"] == 1
         session.expire_all()
         # Re-queued with the next attempt, and sent on in the same pass: another worker resumes it.
         assert cut.attempt == 2 and cut.state in (JobState.queued.value, JobState.dispatched.value)
         assert (fine.state, fine.attempt) == (JobState.running.value, 1)
     finally:
-        workers.gone(rds, model, "fine-host:2")
+        live_workers.gone(rds, model, "fine-host:2")
 
 
 def test_a_worker_that_beats_again_in_time_is_never_judged(session, sessions, rds, it_settings, model):
@@ -78,13 +78,13 @@ def test_a_worker_that_beats_again_in_time_is_never_judged(session, sessions, rd
     d = _dispatcher(sessions, rds, it_settings, model)
     try:
         _upkeep(d)  # missing: its silence starts being counted
-        workers.beat(rds, model, "slow-host:3", batch_slots=1, interactive_slots=1)
+        live_workers.beat(rds, model, "slow-host:3", batch_slots=1, interactive_slots=1)
         time.sleep(0.6)
         assert "revoked" not in _upkeep(d)
         session.expire_all()
         assert (j.state, j.attempt) == (JobState.running.value, 1)
     finally:
-        workers.gone(rds, model, "slow-host:3")
+        live_workers.gone(rds, model, "slow-host:3")
 
 
 def test_a_worker_whose_clock_runs_behind_is_heard_all_the_same(session, sessions, rds, it_settings, model):
@@ -105,7 +105,7 @@ def test_a_worker_whose_clock_runs_behind_is_heard_all_the_same(session, session
         session.expire_all()
         assert (j.state, j.attempt) == (JobState.running.value, 1)
     finally:
-        workers.gone(rds, model, "behind-host:5")
+        live_workers.gone(rds, model, "behind-host:5")
 
 
 def test_nobody_is_judged_while_the_dispatcher_cannot_read_redis(session, sessions, it_settings, model):

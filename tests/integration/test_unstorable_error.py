@@ -4,8 +4,8 @@ job still fails with it, instead of the failure itself failing and the job being
 from __future__ import annotations
 
 from core.generation.events import Delta, ErrorInfo, Failed, Usage, decode
-from core.infra import streams
 from core.infra.orm import Job
+from core.infra.streams import write
 from core.jobs.lifecycle import Lifecycle
 from core.states import JobState
 from ops import factories
@@ -22,5 +22,5 @@ def test_a_failure_whose_message_quotes_a_nul_is_stored(session, sessions, rds, 
     assert row.state == JobState.failed.value
     assert row.error["message"] == "Generation failed: bad piece 'a\ufffdb?'"
     assert row.error["code"] == "engine_error"
-    end = decode(streams.entries(rds, job.id)[-1][1])
+    end = decode(write.entries(rds, job.id)[-1][1])
     assert isinstance(end, Failed) and end.error.message == row.error["message"]

@@ -14,8 +14,8 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
 from core.idempotency import Idempotency
-from core.infra import streams
 from core.infra.orm import Job
+from core.infra.streams import read
 from core.jobs.service import Completions
 from core.protocol import render
 from core.states import JobState
@@ -46,7 +46,7 @@ def test_the_answer_comes_from_the_done_event_when_small(session, sessions, rds,
         sent: list[str] = []
         event.listen(engine.sync_engine, "before_cursor_execute", lambda *a: sent.append(a[2]))
         aio = aioredis.Redis.from_url(IT_REDIS, decode_responses=True)
-        hub = streams.Hub(aio)
+        hub = read.Hub(aio)
         service = Completions(
             async_sessionmaker(engine, expire_on_commit=False),
             aio,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from core.jobs import workers
+from core.jobs import live_workers
 from core.registry import smollm2_gguf
 from ops.harness import ENGINE_THREADS
 from tests.conftest import ROOT
@@ -79,8 +79,8 @@ def test_a_worker_that_cannot_generate_exits_nonzero_and_says_so_on_ready(rds, i
     assert out.returncode == 78, out.stderr[-3000:]
     assert "could not start" in out.stderr and "no kernel image is available" in out.stderr
     # Never counted as live; its reason is where /ready and the status page read it.
-    assert workers.live(rds, MODEL) == []
-    (failure,) = workers.failures(rds, MODEL)
+    assert live_workers.live(rds, MODEL) == []
+    (failure,) = live_workers.failures(rds, MODEL)
     assert failure.error.startswith("WarmupFailed: ") and "no kernel image is available" in failure.error
     assert time.time() - failure.at < 120
     rds.delete(redis_keys.live_workers(MODEL))

@@ -88,8 +88,10 @@ def test_script_variables_are_read_by_the_scripts():
 
 
 # Read by the test harness and the proof kit (ops/harness.py, ops/test.sh, tests/costs.py, ops/gpu_proof/).
-TEST_VARS = {"SPOOL_SERIAL", "SPOOL_TEST_LANE", "SPOOL_TEST_LANES", "SPOOL_TEST_DATABASE_URL", "SPOOL_TEST_REDIS_URL"}
+TEST_VARS = {"SPOOL_SERIAL", "SPOOL_TEST_SHARD", "SPOOL_TEST_SHARDS", "SPOOL_TEST_DATABASE_URL", "SPOOL_TEST_REDIS_URL"}
 TEST_VARS |= {"SPOOL_GPU_PROOF_DRY"}
+# SPOOL_TEST_SHARD's name before issue 52, still read (ops/harness.py), and named by dated commands.
+TEST_VARS |= {"SPOOL_TEST_LANE"}
 
 
 def test_test_variables_are_read_by_the_harness():

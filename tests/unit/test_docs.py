@@ -62,7 +62,7 @@ _NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 # `core/jobs/lifecycle.py: Lifecycle._end`, `core/infra/db.py:Listener`,
 # tests/unit/test_docs.py::test_a_planted… (…: a prefix)
 _PY_NAME = re.compile(rf"(?<![\w./-])({_PATH})\.py(::|: ?)({_NAME})(…)?")
-# core/infra/streams.Hub: a module by its path, then one of its names
+# core/infra/streams/read.Hub: a module by its path, then one of its names
 _MOD_NAME = re.compile(rf"(?<![\w./-])({_PATH})\.({_NAME})")
 # `render.Fingerprints`, `core.errors.DomainError`, `JobRunner.run_group()`: a name in backticks
 _TICKED = re.compile(rf"`({_NAME})(?:\(\))?`")
@@ -81,7 +81,7 @@ KNOWN_STALE: dict[str, str] = {}
 
 
 def _named_paths(text: str) -> set[str]:
-    """Repository paths a text names: `core/jobs/lifecycle.py`, `core/infra/streams.Hub` (a module
+    """Repository paths a text names: `core/jobs/lifecycle.py`, `core/infra/streams/read.Hub` (a module
     and one of its names), `tests/e2e/`..."""
     return set(re.findall(rf"(?<![\w./-])({_PATH})", text))
 
@@ -90,7 +90,7 @@ def _exists(root: Path, named: str) -> bool:
     path = named.split(":")[0]
     if (root / path).exists() or (root / f"{path}.py").exists():  # a package, or a module by its name
         return True
-    parts = path.split(".")  # core/infra/streams.Hub, core/idempotency.Idempotency.held -> the module's file
+    parts = path.split(".")  # core/infra/streams/read.Hub, core/idempotency.Idempotency.held -> the module's file
     return any((root / f"{'.'.join(parts[:n])}.py").exists() for n in range(1, len(parts)))
 
 
@@ -267,9 +267,9 @@ def test_every_name_after_a_path_in_docs_and_docstrings_exists():
 
 PLANTED_DOC = """
 Jobs end in `core/jobs/lifecycle.py: Lifecycle._end` and `core/jobs/lifecycle.py: Lifecycle._finish_twice`.
-Streams are read by core/infra/streams.Hub, not by core/infra/streams.Pump (`core/infra/streams.py:Hub`).
+Streams are read by core/infra/streams/read.Hub, not by core/infra/streams/read.Pump (`core/infra/streams/read.py:Hub`).
 A service is built as `core.jobs.lifecycle.Lifecycle` is, never as `core.jobs.lifecycle.Lifecycler`.
-`render.Fingerprints` knows `render.fingerprint_of`; `transitions.cancel` does not need `transitions.cancel_all`.
+`render.Fingerprints` knows `render.fingerprint_of`; `admission.admit` does not need `admission.admit_all`.
 `Lifecycle.cancel`, `Lifecycle.cancel_everything`; `jobs.state` is a column; `text.format` a field.
 Shown by tests/unit/test_docs.py::test_every_name_after_a_path_in_docs_and_docstrings_exists and
 test_docs.py::test_every_name_after… but not by tests/unit/test_docs.py::test_nothing_like_this.
@@ -281,10 +281,10 @@ def test_a_planted_missing_name_is_found():
     assert sorted(got) == sorted(
         [
             "core/jobs/lifecycle.py: Lifecycle._finish_twice",
-            "core/infra/streams.Pump",
+            "core/infra/streams/read.Pump",
             "`core.jobs.lifecycle.Lifecycler`",
             "`render.fingerprint_of`",
-            "`transitions.cancel_all`",
+            "`admission.admit_all`",
             "`Lifecycle.cancel_everything`",
             "tests/unit/test_docs.py::test_nothing_like_this",
         ]

@@ -3,7 +3,7 @@ download: the device command's length, the carry limit (an oversize kit refused,
 tree leaving the kit its share), the bundle assembled from a local index of stand-in wheels, and the
 GPU half run end to end under SPOOL_GPU_PROOF_DRY=1 (steps stub what needs CUDA: ops/gpu_proof/steps.py)
 with its real sequencing, time boxes and report, passing and failing. The kit is built once per machine
-for each content of its inputs (`_kit_key`), shared by the lanes of a run and the runs after it.
+for each content of its inputs (`_kit_key`), shared by the shards of a run and the runs after it.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def _kit_key(index: Path) -> str:
 def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A kit built by bundle.assemble from a local index: stand-in wheels (one needing another and
     one left out as NOT_IMPORTED), the two libraries' stand-in source wheels, SmolLM2's real tokenizer.
-    Built once for its inputs (`_kit_key`), under a lock, in a folder of this machine's that the lanes
-    share (each lane built its own: 3.5 CPU s, most of them reading the GGUF's vocabulary); the tests
+    Built once for its inputs (`_kit_key`), under a lock, in a folder of this machine's that the shards
+    share (each shard built its own: 3.5 CPU s, most of them reading the GGUF's vocabulary); the tests
     only read it."""
     index = tmp_path_factory.mktemp("index")
     _wheel(index, "fakepkg", "1.0", ("fakedep>=1", "huggingface-hub", 'winonly; sys_platform == "win32"'))
@@ -86,7 +86,7 @@ def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     key = _kit_key(index)
     folder = cache / key / "gpu_kit"
     with (cache / f"{key}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a lane that finds the kit building waits for it
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a shard that finds the kit building waits for it
         if not (folder / "manifest.json").is_file():
             building = cache / f"{key}.building"
             shutil.rmtree(building, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The "only here" rules of CONTRIBUTING.md about names and shapes, read from the source of api/,
 core/, workers/ and ops/:
 
-- Redis key literals live in core/infra/ (core/infra/redis_keys.py, and core/infra/streams.py for
+- Redis key literals live in core/infra/ (core/infra/redis_keys.py, and core/infra/streams/keys.py for
   the event stream's own keys): a string that starts with one of Spool's key namespaces anywhere
   else fails. Everyone else calls the functions there, so a key is spelled once.
 - Celery task and queue names (`spool.run_job`, `spool.model.<m>.interactive`, ...) are spelled in

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from openai._streaming import SSEDecoder
 
-from api.streaming import sse, sse_comment
+from api.sse import sse, sse_comment
 
 
 def test_keep_alives_after_an_event_id_are_no_events_for_the_openai_sdk():
@@ -56,7 +56,7 @@ def test_a_browser_eventsource_gets_every_event_and_id_and_no_keep_alive():
 
 def test_coalesce_keeps_echo_finish_and_scores_boundaries():
     from core.generation.events import Delta, TokenScore
-    from core.jobs.stream import coalesce
+    from core.jobs.follow import coalesce
 
     s = TokenScore(id=1, text="a", logprob=-1.0)
     echo = Delta(choice=0, text="Hi a", token_ids=[1], prefix_len=2, scores=[s])

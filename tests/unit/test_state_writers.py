@@ -1,4 +1,4 @@
-"""core/jobs/transitions.py is the only writer of `jobs.state`, core/batches/status.py the only writer
+"""core/jobs/transitions.py is the only writer of `jobs.state`, core/batches/transitions.py the only writer
 of `batches.status` (CONTRIBUTING.md, docs/architecture.md).
 
 Read from the source, not run: every module of api/, core/, workers/ and ops/ is parsed, and any of
@@ -147,14 +147,14 @@ def test_transitions_is_found_writing():
     assert len(state_writes((ROOT / HOME).read_text())) >= 5
 
 
-# -- batches.status: core/batches/status.py is its only writer ---------------------------------------
+# -- batches.status: core/batches/transitions.py is its only writer ---------------------------------------
 
-BATCH_HOME = "core/batches/status.py"
+BATCH_HOME = "core/batches/transitions.py"
 _BATCH_SQL = re.compile(r"\bUPDATE\s+batches\b[^;]*\bstatus\b", re.IGNORECASE | re.DOTALL)
 
 
 def _batch_status_values() -> set[str]:
-    from core.batches.status import BatchStatus
+    from core.batches.transitions import BatchStatus
 
     return {s.value for s in BatchStatus}
 

@@ -31,7 +31,7 @@ def test_full_upload_and_default_pools_leave_preparation_its_threads():
 
 
 def test_one_tenant_holds_at_most_its_share_of_the_prepare_threads():
-    """A tenant named in SHARE (api/ratelimit.py names it for every request) runs at most its share of
+    """A tenant named in SHARE (api/request_gate.py names it for every request) runs at most its share of
     prepare work at once; another tenant's work still finds threads while the first one's waits."""
     share = threads.share_size()
     release = threading.Event()

@@ -115,7 +115,7 @@ def _build_chain(plan: Plan, vocab: Any, n_vocab: int) -> tuple[Any, dict[str, A
 @dataclass
 class _Seq:
     spec: SeqSpec
-    lane: _Lane
+    decoder: _Decoder
     slot: int
     chain: Any
     pending: list[int]  # prompt tokens not yet decoded
@@ -144,10 +144,10 @@ class _Seq:
         return self.fed + ([self.last] if self.last is not None else [])
 
 
-# The shortest cached prefix worth opening a new run of slots for (see `_Lane.pick_slot`).
+# The shortest cached prefix worth opening a new run of slots for (see `_Decoder.pick_slot`).
 _FAR_PREFIX = 256
 # The fewest prompt tokens worth copying from another slot's cache rather than prefilling (see
-# `_Lane.pick_slot`). A copy moves a whole KV stream (llama.cpp copies across streams only whole:
+# `_Decoder.pick_slot`). A copy moves a whole KV stream (llama.cpp copies across streams only whole:
 # ~23 MB for SmolLM2 at 1,024 tokens, milliseconds), while each prefilled token is a forward pass
 # of the model: 32 tokens of SmolLM2 cost ~0.2 s of one core.
 _COPY_MIN = 32
@@ -172,14 +172,14 @@ PREFILL_BESIDE_DECODE = 64
 SCORE_CHUNK = 64
 
 
-class _Lane:
+class _Decoder:
     """The llama.cpp context (its KV cache and slots) that decodes every live sequence together.
 
     Each slot is its own KV stream (`kv_unified = false`), as in llama-server: a sequence's
     arithmetic is then independent of what else is cached or batched, so a seed replays bit for bit,
     and one `llama_decode` still covers every sequence as long as the batch lists them by slot and
     live slots stay packed (see `pick_slot`). A shared KV buffer measured slower at 16 sequences on
-    2 cores and let sampled text drift between identical requests, so there is no second lane.
+    2 cores and let sampled text drift between identical requests, so there is one context.
     """
 
     def __init__(
@@ -352,8 +352,8 @@ class LlamaCppEngine(VocabEngine):
         self.n_vocab = self.vocab.n_vocab
         self._eog = np.array(sorted(self.vocab.eog_tokens), dtype=np.int64)
         threads = n_threads or os.cpu_count() or 1
-        lane = dict(n_ctx=self.n_ctx, max_batch=max_batch, reserved=interactive_slots, n_batch=n_batch, threads=threads)
-        self._lane = _Lane(self._model, **lane)
+        opts = dict(n_ctx=self.n_ctx, max_batch=max_batch, reserved=interactive_slots, n_batch=n_batch, threads=threads)
+        self._decoder = _Decoder(self._model, **opts)
         self._ll_tokenizer: Any = None
         log.info(
             "llama.cpp engine: %s, ctx %d/seq, batch %d seqs, %d threads", path.name, self.n_ctx, max_batch, threads
@@ -371,87 +371,87 @@ class LlamaCppEngine(VocabEngine):
     # -- sequences --------------------------------------------------------------------------
     def add(self, spec: SeqSpec) -> None:
         check_spec(spec, self.n_ctx, self.n_vocab)
-        self._lane.waiting.append(spec)
+        self._decoder.waiting.append(spec)
 
     def cancel(self, key: Hashable) -> None:
-        lane = self._lane
-        seq = lane.live.get(key) or next((p for p in lane.paused if p.spec.key == key), None)
+        decoder = self._decoder
+        seq = decoder.live.get(key) or next((p for p in decoder.paused if p.spec.key == key), None)
         if seq is not None:
-            lane.release(seq)
+            decoder.release(seq)
             return
-        lane.waiting = collections.deque(s for s in lane.waiting if s.key != key)
+        decoder.waiting = collections.deque(s for s in decoder.waiting if s.key != key)
 
     def has_work(self) -> bool:
-        lane = self._lane
-        return bool(lane.live or lane.waiting or lane.paused)
+        decoder = self._decoder
+        return bool(decoder.live or decoder.waiting or decoder.paused)
 
     def waiting_count(self) -> int:
         """Sequences waiting for a slot (never started, or displaced by interactive work)."""
-        return len(self._lane.waiting) + len(self._lane.paused)
+        return len(self._decoder.waiting) + len(self._decoder.paused)
 
     def waiting_keys(self) -> set[Hashable]:
         """The sequences `waiting_count` counts (the loop's watchdog does not take a wait for a stall)."""
-        lane = self._lane
-        return {s.key for s in lane.waiting} | {p.spec.key for p in lane.paused}
+        decoder = self._decoder
+        return {s.key for s in decoder.waiting} | {p.spec.key for p in decoder.paused}
 
     @property
     def preemptions(self) -> int:
-        return self._lane.preemptions
+        return self._decoder.preemptions
 
-    def _admit(self, lane: _Lane) -> list[TokenEvent]:
+    def _admit(self, decoder: _Decoder) -> list[TokenEvent]:
         """Move waiting sequences into free slots, interactive first: an interactive sequence takes a
         free slot, or displaces a batch sequence when none is free. Then displaced batch sequences
         continue, then new ones start, while the batch share is not full. A sequence that cannot
         start fails alone."""
         failed: list[TokenEvent] = []
-        later: set[Hashable] = set()  # waiting for a live sequence's prefill to copy (`_Lane.coming`)
+        later: set[Hashable] = set()  # waiting for a live sequence's prefill to copy (`_Decoder.coming`)
         while True:
-            spec = next((w for w in lane.waiting if w.interactive and w.key not in later), None)
-            if spec is not None and self._copies_later(lane, spec):
+            spec = next((w for w in decoder.waiting if w.interactive and w.key not in later), None)
+            if spec is not None and self._copies_later(decoder, spec):
                 later.add(spec.key)
                 continue
             if spec is not None:
-                if not lane.free:
-                    victim = lane.victim()
+                if not decoder.free:
+                    victim = decoder.victim()
                     if victim is None:
                         break  # every slot holds interactive work: wait for one to end
-                    lane.preempt(victim)
-            elif lane.free and lane.batch_live() < lane.batch_cap and lane.paused:
-                self._resume(lane, lane.paused.popleft())
+                    decoder.preempt(victim)
+            elif decoder.free and decoder.batch_live() < decoder.batch_cap and decoder.paused:
+                self._resume(decoder, decoder.paused.popleft())
                 continue
-            elif lane.free and lane.batch_live() < lane.batch_cap and lane.waiting:
-                spec = next((w for w in lane.waiting if w.key not in later), None)
+            elif decoder.free and decoder.batch_live() < decoder.batch_cap and decoder.waiting:
+                spec = next((w for w in decoder.waiting if w.key not in later), None)
                 if spec is None:
                     break
-                if self._copies_later(lane, spec):
+                if self._copies_later(decoder, spec):
                     later.add(spec.key)
                     continue
             else:
                 break
-            lane.waiting.remove(spec)
+            decoder.waiting.remove(spec)
             try:
-                self._start(lane, spec)
+                self._start(decoder, spec)
             except Exception as exc:
                 log.exception("could not start sequence %s", spec.key)
                 failed.append(TokenEvent.failed(spec.key, str(exc), time.monotonic()))
         return failed
 
     @staticmethod
-    def _copies_later(lane: _Lane, spec: SeqSpec) -> bool:
+    def _copies_later(decoder: _Decoder, spec: SeqSpec) -> bool:
         reuse = spec.params.cache_prompt and not spec.prompt_logprobs
-        return reuse and lane.coming(spec.prompt_ids, spec.cache_scope)
+        return reuse and decoder.coming(spec.prompt_ids, spec.cache_scope)
 
-    def _resume(self, lane: _Lane, seq: _Seq) -> None:
+    def _resume(self, decoder: _Decoder, seq: _Seq) -> None:
         """A displaced sequence back on a slot: decode what it had (reusing any cached prefix), then
         sample on as if it had never left: same sampler chain, same grammar state, same count."""
         tokens = seq.unfed()
-        slot, keep = lane.pick_slot(tokens, reuse=True, scope=seq.spec.cache_scope)
-        llc.llama_memory_seq_rm(lane.mem, slot, keep, -1)
+        slot, keep = decoder.pick_slot(tokens, reuse=True, scope=seq.spec.cache_scope)
+        llc.llama_memory_seq_rm(decoder.mem, slot, keep, -1)
         seq.slot, seq.pos, seq.fed, seq.pending = slot, keep, list(tokens[:keep]), list(tokens[keep:])
         seq.replay = min(len(seq.pending), seq.spec.prior + seq.generated)
-        lane.live[seq.spec.key] = seq
+        decoder.live[seq.spec.key] = seq
 
-    def _start(self, lane: _Lane, spec: SeqSpec) -> None:
+    def _start(self, decoder: _Decoder, spec: SeqSpec) -> None:
         p = spec.params
         plan = sampler_plan(p, spec.seed, self.n_vocab, self.n_ctx)
         chain, history = _build_chain(plan, self.vocab.vocab, self.n_vocab)  # first: it is what can fail
@@ -460,13 +460,13 @@ class LlamaCppEngine(VocabEngine):
             tokens = spec.prompt_ids if name in SEES_PROMPT else spec.prompt_ids[generated_before:]
             for t in tokens:
                 llc.llama_sampler_accept(smp, t)
-        slot, keep = lane.pick_slot(
+        slot, keep = decoder.pick_slot(
             spec.prompt_ids, reuse=p.cache_prompt and not spec.prompt_logprobs, scope=spec.cache_scope
         )
-        llc.llama_memory_seq_rm(lane.mem, slot, keep, -1)
+        llc.llama_memory_seq_rm(decoder.mem, slot, keep, -1)
         seq = _Seq(
             spec=spec,
-            lane=lane,
+            decoder=decoder,
             slot=slot,
             chain=chain,
             pending=list(spec.prompt_ids[keep:]),
@@ -482,24 +482,24 @@ class LlamaCppEngine(VocabEngine):
             seq.grammar = GrammarMask(spec.matcher, self.n_vocab)
         if spec.prompt_logprobs is not None:
             seq.prompt_lp = [(None, None, None)]
-        lane.live[spec.key] = seq
+        decoder.live[spec.key] = seq
 
     # -- one decode step --------------------------------------------------------------------
     def step(self) -> list[TokenEvent | PromptEvent]:
-        out: list[TokenEvent | PromptEvent] = list(self._admit(self._lane))
-        if self._lane.live:
-            out += self._step_lane(self._lane)
+        out: list[TokenEvent | PromptEvent] = list(self._admit(self._decoder))
+        if self._decoder.live:
+            out += self._step_decoder(self._decoder)
         return out
 
-    def _step_lane(self, lane: _Lane) -> list[TokenEvent | PromptEvent]:
-        b = lane.batch
+    def _step_decoder(self, decoder: _Decoder) -> list[TokenEvent | PromptEvent]:
+        b = decoder.batch
         n = 0
         samplers: list[tuple[_Seq, int]] = []  # sequences sampling this step, and their logits row
         scorers: list[tuple[_Seq, int, int]] = []  # (seq, row, prompt index the row predicts)
         # In slot order: llama.cpp runs a batch over per-sequence KV streams as one compute per run of
         # consecutive sequence ids in batch order (llama_batch_allocr::split_equal); unsorted or
-        # scattered ids cost one forward pass each, which made the exact lane flat in batch size.
-        ordered = sorted(lane.live.values(), key=lambda q: q.slot)
+        # scattered ids cost one forward pass each, which made a step's cost flat in batch size.
+        ordered = sorted(decoder.live.values(), key=lambda q: q.slot)
         for s in ordered:
             if s.pending:
                 continue
@@ -509,11 +509,11 @@ class LlamaCppEngine(VocabEngine):
             samplers.append((s, n))
             n += 1
         # One sequence's scoring chunk per step, and beside generating sequences every other step only.
-        scoring = bool(samplers) and lane.scored_last
+        scoring = bool(samplers) and decoder.scored_last
         scored_now = False
         # Beside generating sequences, a step prefills at most PREFILL_BESIDE_DECODE prompt tokens: a
         # step's time is its tokens', and a 512-token chunk held every other stream for seconds here.
-        budget = lane.n_batch - n if not samplers else min(lane.n_batch - n, PREFILL_BESIDE_DECODE)
+        budget = decoder.n_batch - n if not samplers else min(decoder.n_batch - n, PREFILL_BESIDE_DECODE)
         for s in ordered:  # prompt chunks fill the rest of the batch
             if not s.pending or budget <= 0:
                 continue
@@ -522,13 +522,13 @@ class LlamaCppEngine(VocabEngine):
             # (replay) one per step, exactly as they were decoded the first time.
             take = min(prompt_left, budget) if prompt_left > 0 else 1
             if 0 < prompt_left - take < PREFILL_BESIDE_DECODE:  # no tail under 64 rows: it goes with this chunk
-                take = min(prompt_left, lane.n_batch - n)
+                take = min(prompt_left, decoder.n_batch - n)
             if s.prompt_lp is not None and (scored := max(0, s.spec.prompt_logprobs_len - 1 - s.pos)):
                 # its positions still to score lead its chunk: a whole scoring chunk, or wait a step
                 want = scored if scored < 2 * SCORE_CHUNK else SCORE_CHUNK
                 # (a scoring chunk is bounded on its own, SCORE_CHUNK, and may pass the prefill budget:
                 # held to it, one of up to 127 rows never went in beside generating sequences)
-                if scoring or lane.n_batch - n < want:
+                if scoring or decoder.n_batch - n < want:
                     continue
                 scoring = scored_now = True
                 # the whole scoring chunk (scores must not come from a piece under 64 rows), and no more
@@ -546,18 +546,18 @@ class LlamaCppEngine(VocabEngine):
                 s.pos += 1
                 n += 1
             budget -= take
-        lane.scored_last = scored_now
+        decoder.scored_last = scored_now
         if n == 0:
             return []
         b.n_tokens = n
-        rc = llc.llama_decode(lane.ctx, b)
+        rc = llc.llama_decode(decoder.ctx, b)
         if rc != 0:
-            lane.forget_all()
+            decoder.forget_all()
             raise RuntimeError(f"llama_decode returned {rc}")
         now = time.monotonic()
         out: list[TokenEvent | PromptEvent] = []
         for s, row, target in scorers:
-            logp = log_softmax(self._row(lane, row))
+            logp = log_softmax(self._row(decoder, row))
             lp = float(logp[s.spec.prompt_ids[target]])
             rank = int((logp > lp).sum()) + 1
             s.prompt_lp.append((lp, rank, top_logprobs(logp, s.spec.prompt_logprobs or 0)))
@@ -566,21 +566,21 @@ class LlamaCppEngine(VocabEngine):
                 out.append(PromptEvent(s.spec.key, s.cached, s.prompt_lp))
                 if s.spec.max_new_tokens == 0:
                     out.append(TokenEvent(s.spec.key, None, None, "length", t=now))
-                    lane.release(s)
+                    decoder.release(s)
                     continue
             try:
                 out.append(self._sample(s, row, now))
             except Exception as exc:  # this sequence's sampling (its grammar, its params) alone fails
                 log.exception("sampling failed for sequence %s", s.spec.key)
-                lane.release(s)
+                decoder.release(s)
                 out.append(TokenEvent.failed(s.spec.key, f"sampling failed: {type(exc).__name__}", t=now))
         return out
 
-    def _row(self, lane: _Lane, row: int) -> np.ndarray:
-        return np.ctypeslib.as_array(llc.llama_get_logits_ith(lane.ctx, row), shape=(self.n_vocab,))
+    def _row(self, decoder: _Decoder, row: int) -> np.ndarray:
+        return np.ctypeslib.as_array(llc.llama_get_logits_ith(decoder.ctx, row), shape=(self.n_vocab,))
 
     def _sample(self, s: _Seq, row: int, now: float) -> TokenEvent:
-        logits = self._row(s.lane, row)  # a view of llama.cpp's buffer: edits are seen by the sampler chain
+        logits = self._row(s.decoder, row)  # a view of llama.cpp's buffer: edits are seen by the sampler chain
         logp = log_softmax(logits) if s.want_logprobs else None
         p = s.spec.params
         grammar_ending = s.grammar is not None and s.grammar.accepting
@@ -593,7 +593,7 @@ class LlamaCppEngine(VocabEngine):
                 return TokenEvent(s.spec.key, None, None, "stop", t=now)
         # llama.cpp's greedy sampler copies the whole row into a candidate array first; argmax over
         # the row in place picks the same token (the first maximum) for a fraction of the time.
-        tok = int(np.argmax(logits)) if s.argmax else int(llc.llama_sampler_sample(s.chain, s.lane.ctx, row))
+        tok = int(np.argmax(logits)) if s.argmax else int(llc.llama_sampler_sample(s.chain, s.decoder.ctx, row))
         lp = float(logp[tok]) if logp is not None else None
         top = top_logprobs(logp, s.top_k) if logp is not None and s.top_k else None
         if self.vocab.is_eog(tok):
@@ -618,7 +618,7 @@ class LlamaCppEngine(VocabEngine):
         return TokenEvent(s.spec.key, tok, lp, finish, top, now)
 
     def _finish(self, s: _Seq) -> None:
-        s.lane.release(s)
+        s.decoder.release(s)
 
     @staticmethod
     def _put(b: llc.llama_batch, i: int, tok: int | None, pos: int, slot: int, logits: bool) -> None:

@@ -2,11 +2,11 @@
 
 Every id a reader is given names a place it can resume from (`Last-Event-ID`), whichever answered:
 
-- `0-<n>`: the stream's n-th entry (a delta; core/infra/streams.py numbers them). After it comes
+- `0-<n>`: the stream's n-th entry (a delta; core/infra/streams/write.py numbers them). After it comes
   what the stream holds after it; once the stream is gone (an ended job's lives only minutes), what
   the job row holds after the text its first n entries carried, found from the marks its row kept
-  when the job ended (`Job.marks`, `streams.marks_of`), or from the stream itself while it is there.
-- `<ms>-<s>` with 0 < ms < `streams.ROW_MS`: a terminal event's (time-based, above every position).
+  when the job ended (`Job.marks`, `write.marks_of`), or from the stream itself while it is there.
+- `<ms>-<s>` with 0 < ms < `read.ROW_MS`: a terminal event's (time-based, above every position).
   Only the end (`[DONE]`) is left after it.
 - `<ROW_MS + n>-<k>`: an answer the row gave after the stream's first n entries, through its k-th
   event (the events `from_row` rebuilds, in order: each choice's text, then the ending). After it
@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 
 from core.generation.events import Delta, ErrorInfo, Event, Failed, TerminalRow, decode, from_row, is_terminal
-from core.infra import streams
+from core.infra.streams import read
 from core.infra.transient import TRANSIENT
 
 RowCheck = Callable[[], Awaitable[TerminalRow | None]]
@@ -66,17 +66,17 @@ def _split(entry_id: str) -> tuple[int, int]:
 
 
 async def follow(
-    reader: streams.Reader, job_id: str, check_row: RowCheck, last_id: str = "0-0", block_ms: int = 2000
+    reader: read.Reader, job_id: str, check_row: RowCheck, last_id: str = "0-0", block_ms: int = 2000
 ) -> AsyncIterator[tuple[str | None, Event | Ended] | object]:
     """Yield (entry id, event) from `last_id` on until a terminal event (or ENDED). When the stream
     is silent, yield HEARTBEAT and consult Postgres, which answers if the stream expired or was never
     written (a job that failed before its worker started, say)."""
-    async with contextlib.aclosing(follow_batches(reader, job_id, check_row, last_id, block_ms)) as batches:
-        async for batch in batches:
-            if batch is HEARTBEAT:
+    async with contextlib.aclosing(follow_grouped(reader, job_id, check_row, last_id, block_ms)) as groups:
+        async for group in groups:
+            if group is HEARTBEAT:
                 yield HEARTBEAT
                 continue
-            for item in batch:  # type: ignore[union-attr]
+            for item in group:  # type: ignore[union-attr]
                 yield item
 
 
@@ -96,7 +96,7 @@ def _count(seen: Seen, ev: Delta) -> None:
     _add(seen, ev.choice, len(ev.text), len(ev.scores or []), ev.prefix_len is not None, ev.finish_reason is not None)
 
 
-# A batch of this many payload bytes (or OFF_LOOP_ENTRIES entries) is heavy: a replay's backlog.
+# A group of this many payload bytes (or OFF_LOOP_ENTRIES entries) is heavy: a replay's backlog.
 HEAVY_BYTES = 256 * 1024
 # Backlog entries a reader pulls in one page before it joins the shared read of live tails.
 PAGE = 500
@@ -106,8 +106,8 @@ def _no_gate() -> contextlib.AbstractAsyncContextManager[None]:
     return contextlib.nullcontext()
 
 
-async def follow_batches(
-    reader: streams.Reader,
+async def follow_grouped(
+    reader: read.Reader,
     job_id: str,
     check_row: RowCheck,
     last_id: str = "0-0",
@@ -117,8 +117,8 @@ async def follow_batches(
 ) -> AsyncGenerator[list[tuple[str | None, Event | Ended]] | object, None]:
     """`follow`, as lists of what had arrived when asked (more than one event: the caller is behind).
 
-    A heavy batch (a backlog, or an ended job's rest from its row) is decoded, and handed on, inside
-    `heavy()`: held until the caller asks for the next batch, so the caller's framing and sending of
+    A heavy group (a backlog, or an ended job's rest from its row) is decoded, and handed on, inside
+    `heavy()`: held until the caller asks for the next group, so the caller's framing and sending of
     it count too. The API passes its per-tenant gate, so one tenant's 200 replays of a long job decode
     and hold a few backlogs at a time, not 200 (on the loop's GIL and in memory).
 
@@ -129,7 +129,7 @@ async def follow_batches(
     at = last_id  # the last place it was given
     ms, seq = _split(last_id)
 
-    async def batch_of(entries: list[tuple[str, str]]) -> tuple[list[Any], bool]:
+    async def group_of(entries: list[tuple[str, str]]) -> tuple[list[Any], bool]:
         nonlocal at
         out: list[tuple[str | None, Event | Ended]] = []
         for (entry_id, _), ev in zip(entries, await decode_all([raw for _, raw in entries]), strict=True):
@@ -159,7 +159,7 @@ async def follow_batches(
                     page = []  # Redis away: the shared read below waits it out and tells the silence
                 full, pos = len(page) == PAGE, page[-1][0] if page else pos
                 if page:
-                    out, ended = await batch_of(page)
+                    out, ended = await group_of(page)
                     del page
                     yield out
                     del out
@@ -173,7 +173,7 @@ async def follow_batches(
     if row is None:
         if at != last_id:
             pos = at
-        async with contextlib.aclosing(reader.read_batches(job_id, pos, block_ms)) as reading:
+        async with contextlib.aclosing(reader.read_grouped(job_id, pos, block_ms)) as reading:
             async for entries in reading:
                 if entries is None:
                     row = await check_row()
@@ -183,7 +183,7 @@ async def follow_batches(
                     continue
                 big = len(entries) > OFF_LOOP_ENTRIES or sum(len(raw) for _, raw in entries) > HEAVY_BYTES
                 async with heavy() if big else _no_gate():
-                    out, ended = await batch_of(entries)
+                    out, ended = await group_of(entries)
                     del entries
                     yield out
                     del out
@@ -197,14 +197,14 @@ async def follow_batches(
 
 
 async def _rest(
-    reader: streams.Reader, job_id: str, row: TerminalRow, last_id: str, at: str, live: Seen
+    reader: read.Reader, job_id: str, row: TerminalRow, last_id: str, at: str, live: Seen
 ) -> list[tuple[str | None, Event | Ended]]:
     """What a reader that started after `last_id`, and was given `live` from the stream up to `at`,
     has not had of an ended job's row: each event under its row id (see the module's docstring)."""
     ms, seq = _split(last_id)
-    if 0 < ms < streams.ROW_MS:
+    if 0 < ms < read.ROW_MS:
         return [(None, ENDED)]
-    start, skip = (seq, 0) if ms == 0 else (ms - streams.ROW_MS, seq)
+    start, skip = (seq, 0) if ms == 0 else (ms - read.ROW_MS, seq)
     seen = await place(reader, job_id, start, row_marks(row) if start else None)
     if seen is None:
         return [(None, _unplaceable(last_id))]
@@ -215,17 +215,17 @@ async def _rest(
     rebuilt = [_unseen(ev, seen) for ev in from_row(row)]
     if skip >= len(rebuilt):  # its ending was delivered too
         return [(None, ENDED)]
-    return [(f"{streams.ROW_MS + after}-{k}", ev) for k, ev in enumerate(rebuilt, 1) if ev is not None and k > skip]
+    return [(f"{read.ROW_MS + after}-{k}", ev) for k, ev in enumerate(rebuilt, 1) if ev is not None and k > skip]
 
 
-def row_marks(row: Any) -> list[streams.Mark] | None:
+def row_marks(row: Any) -> list[read.Mark] | None:
     """The marks an ended job's row kept (`Job.marks`), None when it has none (it streamed nothing,
     or ended before rows kept them: an older Spool kept them in Redis, `Reader.marks`)."""
     raw = getattr(row, "marks", None)
-    return streams.parse_marks(raw) if raw else None
+    return read.parse_marks(raw) if raw else None
 
 
-async def place(reader: streams.Reader, job_id: str, n: int, kept: list[streams.Mark] | None = None) -> Seen | None:
+async def place(reader: read.Reader, job_id: str, n: int, kept: list[read.Mark] | None = None) -> Seen | None:
     """What the stream's first n entries carried, per choice; None when that is no longer known.
     `kept`: the row's marks (`row_marks`), asked before Redis."""
     if n == 0:
@@ -243,7 +243,7 @@ async def place(reader: streams.Reader, job_id: str, n: int, kept: list[streams.
     return seen
 
 
-def _from_marks(marks: Iterable[streams.Mark]) -> Seen:
+def _from_marks(marks: Iterable[read.Mark]) -> Seen:
     seen: Seen = {}
     for _, choice, chars, scores, prefix, finished in marks:
         _add(seen, choice, chars, scores, prefix, finished)
@@ -279,7 +279,7 @@ def _merged(run: list[Delta]) -> Delta:
     )
 
 
-def coalesce(batch: list[tuple[str | None, Event | Ended]]) -> list[tuple[str | None, Event | Ended]]:
+def coalesce(group: list[tuple[str | None, Event | Ended]]) -> list[tuple[str | None, Event | Ended]]:
     """Runs of consecutive deltas of one choice as one delta (text, token ids and scores joined),
     under the id of the run's last entry: a reader that fell behind gets one chunk per run instead
     of one per token. Only consecutive entries merge, so every id sent still marks a point before
@@ -288,7 +288,7 @@ def coalesce(batch: list[tuple[str | None, Event | Ended]]) -> list[tuple[str | 
     out: list[tuple[str | None, Event | Ended]] = []
     run: list[Delta] = []
     run_id: str | None = None
-    for entry_id, ev in batch:
+    for entry_id, ev in group:
         if run and _joins(run[-1], ev):
             run.append(ev)  # type: ignore[arg-type]
             run_id = entry_id if entry_id is not None else run_id

@@ -1,71 +1,27 @@
-"""Per-job event streams in Redis: `job:{id}:events`, one JSON payload per entry.
+"""The write side of the per-job event streams, what a worker (and a job's ending) uses: fenced
+appends, grouped per decode step; fences; a job's end sealed into its stream; the marks its ending
+keeps on the row; a lost stream rebuilt.
 
 A Redis stream (XADD, never trimmed while the job runs, with a TTL: see `queue_append`) rather
 than PUBLISH: a reader that attaches late, or reconnects with `Last-Event-ID` (the stream entry id),
-replays exactly what it has not seen. This module only moves payloads; what they mean is
+replays exactly what it has not seen (read.py). This module only moves payloads; what they mean is
 core/generation/events.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
-import logging
 import queue
-import re
 import threading
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
 from core.infra import redis_keys, transient
-from core.infra.backoff import Backoff
 from core.infra.kv import Lua
-
-log = logging.getLogger(__name__)
-
-FIELD = "e"
-
-
-def stream_key(job_id: str) -> str:
-    return f"job:{job_id}:events"
-
-
-def cancel_key(job_id: str) -> str:
-    """Set on cancel; the worker running the job polls it (~0.5 s) and drops the job."""
-    return f"job:{job_id}:cancel"
-
-
-def _text(v: Any) -> str:
-    return v if isinstance(v, str) else v.decode()
-
-
-def payload(fields: dict[Any, Any]) -> str:
-    raw = fields.get(FIELD) if FIELD in fields else fields.get(FIELD.encode())
-    return _text(raw)
-
-
-def _payload_or_none(fields: dict[Any, Any]) -> str | None:
-    """An entry that is not ours (written by hand, say) is skipped, not allowed to stop the shared read."""
-    try:
-        return payload(fields)
-    except (AttributeError, UnicodeDecodeError):
-        return None
-
-
-def marks_key(job_id: str) -> str:
-    """Where Spool once kept an ended job's marks in Redis (they are on its row now, `marks_of`):
-    read only as a fallback, for a job ended before that; nothing writes it any more."""
-    return f"job:{job_id}:marks"
-
-
-def fence_key(job_id: str) -> str:
-    """The newest attempt that claimed the job: older attempts may no longer write its stream."""
-    return f"job:{job_id}:fence"
+from core.infra.streams.keys import FIELD, fence_key, payload, stream_key, text
 
 
 def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) -> None:
@@ -84,7 +40,7 @@ def queue_append(pipe: Any, job_id: str, payloads: Iterable[str], ttl_s: int) ->
 # position), and the stream, which nobody appends to any more, given the short lifetime of an ended
 # job's (Postgres answers afterwards). A job that never wrote one (cancelled or expired while queued,
 # failed before its first token) gets none now: its readers hear its row at their next silence
-# (core/jobs/stream.py), and a 50k-line batch that expires puts nothing into Redis (a one-entry
+# (core/jobs/follow.py), and a 50k-line batch that expires puts nothing into Redis (a one-entry
 # stream was ~4.8 KB, Redis preallocating its first listpack). The job's fence goes with the stream
 # (a stale attempt that finds the stream gone asks Postgres whether it still owns the job:
 # workers/attempt.py). Its marks are not kept here: the ending wrote them on the job's row
@@ -135,7 +91,7 @@ def queue_end(pipe: Any, job_id: str, tenant_id: int, payloads: Sequence[str], e
 # Where each delta entry of a job's stream left its choice, read by the job's ending just before its
 # statement and kept on the job's row (`jobs.marks`, core/jobs/lifecycle.py): with them an entry id
 # still names a place in the row's text once the ended stream has expired, so a resume from it
-# neither repeats nor skips (core/jobs/stream.py), for as long as the row exists. One mark per delta:
+# neither repeats nor skips (core/jobs/follow.py), for as long as the row exists. One mark per delta:
 # `seq,choice,chars,scores,prefix,finish` (its position, its choice, how many characters and scores
 # it carried, whether it carried the echoed prompt, a finish_reason), `;`-separated, ~12-16 bytes a
 # delta. Computed here, in Redis, so the ending reads a few bytes a delta rather than the stream (most
@@ -171,29 +127,9 @@ _MARKS_OF = Lua(_MARKS)
 
 def marks_of(redis: Any, job_id: str) -> str | None:
     """The marks of the job's stream as it stands (sync client; see `_MARKS`), None when it holds no
-    delta (or is gone): what its ending keeps on its row. `parse_marks` reads them."""
+    delta (or is gone): what its ending keeps on its row. `read.parse_marks` reads them."""
     raw = _MARKS_OF(redis, [stream_key(job_id)])
-    return _text(raw) or None
-
-
-Mark = tuple[int, int, int, int, bool, bool]  # position, choice, characters, scores, echoed prompt, finish
-
-
-def parse_marks(raw: Any) -> list[Mark]:
-    """The marks `marks_of` read (the job row's, or an older Spool's in Redis), in stream order."""
-    out: list[Mark] = []
-    for part in _text(raw).split(";"):
-        if part:
-            seq, choice, chars, scores, pre, fin = part.split(",")
-            out.append((int(seq), int(choice), int(chars), int(scores), pre == "1", fin == "1"))
-    return out
-
-
-# Ids that name a place in an answer the job row gave (its stream gone): `<ROW_MS + n>-<k>`, the
-# first k events rebuilt from the row after the stream's first n entries (core/jobs/stream.py).
-# Above every time-based id Redis makes (ms since 1970) and within Redis's 64 bits: a shared read
-# from one returns nothing, ever.
-ROW_MS = 10**18
+    return text(raw) or None
 
 
 # Append only if no newer attempt has claimed the job (compare-and-append, atomic in Redis): a worker
@@ -325,7 +261,7 @@ def append_many(redis: Any, appends: Sequence[Append]) -> list[Appended]:
         if len(appends) == 1:
             return [exc]
         return [append_many(redis, [a])[0] for a in appends]
-    return [r if isinstance(r, int) else [_text(i) for i in r] for r in raw]
+    return [r if isinstance(r, int) else [text(i) for i in r] for r in raw]
 
 
 def append_fenced(redis: Any, job_id: str, attempt: int, payloads: list[str], ttl_s: int, start: int) -> list[str]:
@@ -343,10 +279,6 @@ def appended(result: Appended, job_id: str, attempt: int) -> list[str]:
         raise StreamLost(f"job {job_id}: its event stream is gone")
     assert isinstance(result, list)
     return result
-
-
-def text(v: Any) -> str:
-    return _text(v)
 
 
 class _Pending:
@@ -429,271 +361,4 @@ def rebuild(redis: Any, job_id: str, logged: list[tuple[str, str]], ttl_s: int) 
 
 def entries(redis: Any, job_id: str) -> list[tuple[str, str]]:
     """Every entry still in the stream (sync client): (entry id, payload)."""
-    return [(_text(i), payload(f)) for i, f in redis.xrange(stream_key(job_id))]
-
-
-class Reader(Protocol):
-    """What follows a job's stream (a `Hub`): entries after `last_id`, forever; None whenever
-    `block_ms` passes in silence."""
-
-    def read(self, job_id: str, last_id: str, block_ms: int) -> AsyncIterator[tuple[str, str] | None]: ...
-
-    def read_batches(
-        self, job_id: str, last_id: str, block_ms: int
-    ) -> AsyncGenerator[list[tuple[str, str]] | None, None]:
-        """The same entries, as lists of everything that had arrived when the caller asked again: a
-        caller that fell behind (a slow client) gets the backlog at once."""
-        ...
-
-    async def marks(self, job_id: str) -> list[Mark] | None:
-        """The marks an older Spool kept in Redis for an ended job (`marks_key`), None when there are
-        none: the job's row holds them now (`marks_of`), and is asked first."""
-        ...
-
-    async def entries_upto(self, job_id: str, last_id: str) -> list[tuple[str, str]]:
-        """The stream's entries up to `last_id` included, as far as it still holds them."""
-        ...
-
-    async def page(self, job_id: str, after: str, count: int) -> list[tuple[str, str]]:
-        """Up to `count` of the stream's entries after `after` (a backlog read by one follower alone)."""
-        ...
-
-    async def exists(self, job_id: str) -> bool:
-        """Whether the job's stream is there (a Redis outage counts as there: the stream is followed)."""
-        ...
-
-
-# A stream entry id as Redis reads it: ASCII digits only (str.isdigit also takes "²" and
-# Arabic-Indic digits), each part within 64 bits. Anything else makes XREAD fail for every stream
-# named in the same call.
-_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
-_U64 = 2**64 - 1
-
-
-class InvalidStreamId(ValueError):
-    """A client-supplied resume id that Redis would refuse."""
-
-
-def parse_id(value: str) -> str | None:
-    """The canonical `ms-seq` form of a client-supplied entry id, or None when Redis would refuse it."""
-    m = _ID.fullmatch(value)
-    if m is None:
-        return None
-    ms, seq = int(m[1]), int(m[2] or 0)
-    return f"{ms}-{seq}" if ms <= _U64 and seq <= _U64 else None
-
-
-def _order(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-class _Follower:
-    __slots__ = ("delivered", "fed_at", "inbox", "key", "timer")
-
-    def __init__(self, key: str, last_id: str, now: float) -> None:
-        self.key, self.delivered = key, last_id
-        # None in the inbox: `block_ms` passed with nothing for this follower (see Hub._silence).
-        self.inbox: asyncio.Queue[list[tuple[str, str]] | Exception | None] = asyncio.Queue()
-        self.fed_at = now  # loop time of the last thing put in the inbox
-        self.timer: asyncio.TimerHandle | None = None
-
-
-class Hub:
-    """Every stream one API process follows, read by one blocking XREAD over all of them (asyncio).
-
-    One stream per blocking XREAD cost a Redis connection per open stream and a round trip per
-    stream per event: about 40 % of the API's CPU per streamed token. Here one call returns the news
-    of every stream at once. A follower joins with the entry id it has seen; when the shared read is
-    already blocked, the follower wakes it (an XADD to this process's own wake stream, read from the
-    last wake it saw, so a wake is never missed) and the next read includes the new stream. Readers
-    of one job at different positions share the read from the earliest of them.
-    """
-
-    def __init__(self, redis: Any, block_ms: int = 5000, wake_ttl_s: int = 3600) -> None:
-        self.redis, self.block_ms, self.wake_ttl_s = redis, block_ms, wake_ttl_s
-        self._followers: dict[str, set[_Follower]] = {}
-        self._wake_key = f"spool:hub:{uuid.uuid4().hex}"
-        self._wake_last = "0-0"
-        self._blocked = False
-        self._woken = False  # a wake was sent during the read now blocked: later joiners need none
-        self._news = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._closed = False
-
-    async def read(self, job_id: str, last_id: str, block_ms: int) -> AsyncIterator[tuple[str, str] | None]:
-        """(entry id, payload) after `last_id`, forever; None whenever `block_ms` passes in silence
-        (Redis away included: the caller consults Postgres meanwhile). An id Redis would refuse
-        raises InvalidStreamId here, before it can reach the shared read."""
-        async with contextlib.aclosing(self.read_batches(job_id, last_id, block_ms)) as batches:
-            async for batch in batches:  # closed with this generator: the follower leaves at once
-                if batch is None:
-                    yield None
-                    continue
-                for item in batch:
-                    yield item
-
-    async def read_batches(
-        self, job_id: str, last_id: str, block_ms: int
-    ) -> AsyncGenerator[list[tuple[str, str]] | None, None]:
-        start = parse_id(last_id)
-        if start is None:
-            raise InvalidStreamId(f"invalid stream entry id {last_id!r}")
-        loop = asyncio.get_running_loop()
-        f = _Follower(stream_key(job_id), start, loop.time())
-        self._followers.setdefault(f.key, set()).add(f)
-        self._news.set()
-        # Silence is told by one timer per follower, re-armed when it fires, not by a timeout around
-        # every wait: that was a timer scheduled and cancelled per token (~6 % of the API's CPU per
-        # streamed token at 64 streams).
-        f.timer = loop.call_later(block_ms / 1000, self._silence, f, block_ms / 1000)
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run())
-        elif self._blocked and not self._woken:
-            self._woken = True  # set before the await: followers joining meanwhile share this wake
-            await self._wake()
-        try:
-            while True:
-                entries = await f.inbox.get()
-                if entries is None:
-                    f.fed_at = loop.time()  # the next None a whole `block_ms` after this one is taken
-                    yield None
-                    continue
-                if isinstance(entries, Exception):
-                    raise entries
-                batch = list(entries)
-                while not f.inbox.empty():  # whatever else arrived while the caller was busy
-                    more = f.inbox.get_nowait()
-                    if more is None:
-                        continue  # news came after all: not silent
-                    if isinstance(more, Exception):
-                        if batch:
-                            yield batch
-                        raise more
-                    batch += more
-                yield batch
-        finally:
-            if f.timer is not None:
-                f.timer.cancel()
-            peers = self._followers.get(f.key)
-            if peers is not None:
-                peers.discard(f)
-                if not peers:
-                    del self._followers[f.key]
-
-    def _silence(self, f: _Follower, every: float) -> None:
-        """Timer: `every` seconds with nothing put for `f` (and nothing unread) puts a None; re-armed
-        for `every` after the last thing put, so a silent follower hears None every `every` seconds."""
-        loop = asyncio.get_running_loop()
-        idle = loop.time() - f.fed_at
-        if idle >= every:
-            if f.inbox.empty():
-                f.inbox.put_nowait(None)
-            f.fed_at, idle = loop.time(), 0.0
-        f.timer = loop.call_later(every - idle, self._silence, f, every)
-
-    async def marks(self, job_id: str) -> list[Mark] | None:
-        raw = await self.redis.get(marks_key(job_id))
-        return None if raw is None else parse_marks(raw)
-
-    async def exists(self, job_id: str) -> bool:
-        try:
-            return bool(await self.redis.exists(stream_key(job_id)))
-        except transient.REDIS:
-            return True
-
-    async def entries_upto(self, job_id: str, last_id: str) -> list[tuple[str, str]]:
-        got = await self.redis.xrange(stream_key(job_id), "-", last_id)
-        return [(_text(i), p) for i, f in got if (p := _payload_or_none(f)) is not None]
-
-    async def page(self, job_id: str, after: str, count: int) -> list[tuple[str, str]]:
-        if parse_id(after) is None:
-            raise InvalidStreamId(f"invalid stream entry id {after!r}")
-        got = await self.redis.xrange(stream_key(job_id), f"({after}", "+", count=count)
-        return [(_text(i), p) for i, f in got if (p := _payload_or_none(f)) is not None]
-
-    async def _wake(self) -> None:
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self._wake_key, {"w": 1}, maxlen=10, approximate=True)
-            pipe.expire(self._wake_key, self.wake_ttl_s)
-            await pipe.execute()
-        except transient.REDIS:
-            pass  # Redis away: the shared read fails too, and includes this stream when it retries
-
-    async def _run(self) -> None:
-        backoff = Backoff()  # no deadline: the hub waits Redis out however long it is away
-        # A cancel that lands inside redis-py's blocked read can come back as a connection error
-        # (and be lost): the flag ends the loop anyway, after that read.
-        while not self._closed:
-            if not self._followers:
-                self._news.clear()
-                await self._news.wait()
-            try:
-                await self._read_once()
-                backoff.reset()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away or restarting: followers hear silence meanwhile
-                if not isinstance(exc, transient.REDIS):
-                    if await self._evict_culprits():
-                        continue  # the streams Redis refused are gone; the others read again at once
-                    log.exception("stream hub read failed; retrying")
-                await asyncio.sleep(backoff.step())
-
-    async def _read_once(self) -> None:
-        # Each stream from the earliest position any of its followers has been given.
-        wanted = {k: min((f.delivered for f in fs), key=_order) for k, fs in self._followers.items()}
-        wanted[self._wake_key] = self._wake_last
-        self._blocked = True
-        try:
-            resp = await self.redis.xread(wanted, block=self.block_ms, count=1000)
-        finally:
-            self._blocked = self._woken = False
-        now = asyncio.get_running_loop().time()
-        for raw_key, raw_entries in resp or []:
-            key = _text(raw_key)
-            if key == self._wake_key:
-                self._wake_last = _text(raw_entries[-1][0])
-                continue
-            entries = [(_text(i), p) for i, fields in raw_entries if (p := _payload_or_none(fields)) is not None]
-            began = _order(wanted[key]) if key in wanted else None
-            for f in self._followers.get(key, ()):
-                after = _order(f.delivered)
-                if began is None or after < began:
-                    # Joined while this read was in flight, from before where it began: these entries
-                    # would skip what lies between. The next read starts from this follower's place.
-                    continue
-                mine = [e for e in entries if _order(e[0]) > after]
-                if mine:
-                    f.delivered, f.fed_at = mine[-1][0], now
-                    f.inbox.put_nowait(mine)
-
-    async def _evict_culprits(self) -> bool:
-        """After a refused shared read, find the streams Redis refuses alone (a key of another type,
-        say) and fail their followers only; True when any was found."""
-        found = False
-        for key, fs in list(self._followers.items()):
-            start = min((f.delivered for f in fs), key=_order)
-            try:
-                await self.redis.xread({key: start}, count=1)
-            except transient.REDIS:
-                return found
-            except Exception as exc:
-                log.warning("stream hub: %s refused (%s); failing its followers alone", key, exc)
-                for f in fs:
-                    f.inbox.put_nowait(exc)
-                del self._followers[key]
-                found = True
-        return found
-
-    async def aclose(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            # redis-py can lose a cancel that lands in a blocked XREAD, which then waits out its whole
-            # block (30 s, twice): a wake returns the read at once, and the loop sees the flag.
-            if self._blocked:
-                await self._wake()
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+    return [(text(i), payload(f)) for i, f in redis.xrange(stream_key(job_id))]

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches.progress import counts as batch_counts
 from core.infra.orm import Batch, Job, Tenant
-from core.jobs import workers
+from core.jobs import live_workers
 from core.states import FINAL, JobState
 
 
@@ -62,9 +62,9 @@ def snapshot(sessions: sessionmaker[Session], rds: Any, model_ids: list[str], no
 
 
 def _read(session: Session, rds: Any, model_ids: list[str], now: datetime) -> Snapshot:
-    models = {m: ModelRow(m, len(workers.live(rds, m))) for m in model_ids}
+    models = {m: ModelRow(m, len(live_workers.live(rds, m))) for m in model_ids}
     for m, model_row in models.items():
-        failed = workers.failures(rds, m)
+        failed = live_workers.failures(rds, m)
         model_row.start_failure = f"{failed[0].name}: {failed[0].error}" if failed else None
     for model, kind, state, n, oldest in session.execute(
         select(Job.model, Job.kind, Job.state, func.count(), func.min(Job.created_at))

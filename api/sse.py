@@ -18,10 +18,11 @@ from fastapi.sse import format_sse_event
 
 from api.cache import SingleFlight
 from core.generation.events import TerminalRow
-from core.infra import redis_keys, streams
+from core.infra import redis_keys
+from core.infra.streams import read
 from core.infra.transient import DATABASE
 from core.jobs import transitions
-from core.jobs.stream import HEARTBEAT, Ended, coalesce, follow_batches
+from core.jobs.follow import HEARTBEAT, Ended, coalesce, follow_grouped
 from core.protocol.render import DONE, CompletionChunks, JobRecord, chunks_for
 
 
@@ -75,7 +76,7 @@ async def readers(rds: aioredis.Redis, job_id: str) -> int:
     return int(await rds.zcount(redis_keys.readers(job_id), time.time(), "+inf"))
 
 
-# A batch worth more than this (entries, plus scores: logprobs are most of a replay's bytes) is
+# A group worth more than this (entries, plus scores: logprobs are most of a replay's bytes) is
 # coalesced, rendered and framed on a worker thread: a replay's backlog of 16k deltas with logprobs,
 # or a choice rebuilt from the row with 200k of them, would hold the loop for seconds.
 OFF_LOOP_WEIGHT = 512
@@ -114,14 +115,14 @@ class TenantGate:
 HEAVY = TenantGate()
 
 
-def _weight(batch: list) -> int:
-    return sum(1 + len(getattr(ev, "scores", None) or ()) + len(getattr(ev, "text", "")) // 256 for _, ev in batch)
+def _weight(group: list) -> int:
+    return sum(1 + len(getattr(ev, "scores", None) or ()) + len(getattr(ev, "text", "")) // 256 for _, ev in group)
 
 
-def frame(chunks: CompletionChunks, batch: list) -> bytes:
-    """A batch of (id, event) as SSE bytes: each run of one choice's tokens as one chunk."""
+def frame(chunks: CompletionChunks, group: list) -> bytes:
+    """A group of (id, event) as SSE bytes: each run of one choice's tokens as one chunk."""
     out = bytearray()
-    for entry_id, ev in coalesce(batch):
+    for entry_id, ev in coalesce(group):
         if isinstance(ev, Ended):
             out += sse(DONE)
             continue
@@ -134,7 +135,7 @@ async def sse_chunks(
     job: JobRecord,
     tenant_id: int,
     rds: aioredis.Redis,
-    reader: streams.Reader,
+    reader: read.Reader,
     *,
     lookup: RowLookup,
     include_usage: bool,
@@ -143,7 +144,7 @@ async def sse_chunks(
     last_id: str = "0-0",
 ) -> AsyncIterator[bytes]:
     """A job's events as OpenAI completion chunks (SSE bytes), with keep-alive comments while the
-    stream is silent; ends after the terminal event. A heavy batch (a replay's backlog) is decoded and
+    stream is silent; ends after the terminal event. A heavy group (a replay's backlog) is decoded and
     framed on threads, at most `heavy_cap` of the tenant's at once (`HEAVY`, held from its decoding
     until it has been sent). `lookup` reads the job's row when the stream falls silent."""
     chunks = chunks_for(job, include_usage, fingerprint)
@@ -152,18 +153,18 @@ async def sse_chunks(
     ended = transitions.is_terminal(job.state)  # an ended job with no stream left is answered by its row at once
     async with (
         ReaderLease(rds, job.id, live=not ended) as lease,
-        contextlib.aclosing(follow_batches(reader, job.id, check, last_id=last_id, heavy=gate, ended=ended)) as batches,
+        contextlib.aclosing(follow_grouped(reader, job.id, check, last_id=last_id, heavy=gate, ended=ended)) as groups,
     ):
-        async for batch in batches:
+        async for group in groups:
             await lease.renew()
-            if batch is HEARTBEAT:
+            if group is HEARTBEAT:
                 yield sse_comment("keep-alive")
                 continue
             # Everything that arrived while this client was being written to goes out in one
-            # write, each run of one choice's tokens as one chunk (core/jobs/stream.coalesce).
-            items = cast(list, batch)
-            del batch  # neither the events nor their bytes are held while waiting for the next batch
-            if _weight(items) > OFF_LOOP_WEIGHT:  # a heavy batch: follow_batches holds its gate place
+            # write, each run of one choice's tokens as one chunk (core/jobs/follow.coalesce).
+            items = cast(list, group)
+            del group  # neither the events nor their bytes are held while waiting for the next group
+            if _weight(items) > OFF_LOOP_WEIGHT:  # a heavy group: follow_grouped holds its gate place
                 out = await anyio.to_thread.run_sync(frame, chunks, items)
             else:
                 out = frame(chunks, items)

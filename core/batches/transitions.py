@@ -1,4 +1,5 @@
-"""A batch's status transitions, each one compare-and-set UPDATE: the only writer of `batches.status`.
+"""A batch's status transitions, each one compare-and-set UPDATE: the only writer of `batches.status`, as
+core/jobs/transitions.py is of `jobs.state`.
 
 validating -> in_progress -> finalizing -> completed | expired | cancelled; validating -> failed;
 validating | in_progress -> cancelling -> (finalizing ->) cancelled. The only writer of `batches.status`

@@ -1,10 +1,10 @@
 """Per-tenant (and per-key) limits, enforced atomically in Redis so any number of API replicas
 share them.
 
-Why hand-written Lua: `slowapi` is synchronous and `limits` cannot refund, while tokens per minute
-must be reserved at admission (prompt + max_tokens) and settled to the real usage when the job
-ends. One script (`ADMIT`) checks every limit and commits all of them or none; one (`REQUESTS`) takes
-the requests/minute alone, before a body is read (api/ratelimit.py); another (`SETTLE`) settles a
+Why hand-written Lua: `slowapi` is synchronous and the `limits` package cannot refund, while tokens
+per minute must be reserved at admission (prompt + max_tokens) and settled to the real usage when the
+job ends. One script (`ADMIT`) checks every limit and commits all of them or none; one (`REQUESTS`) takes
+the requests/minute alone, before a body is read (api/request_gate.py); another (`SETTLE`) settles a
 job's reservation exactly once (the reservation record is deleted as it is settled).
 
 - requests/minute: GCRA (burst = the limit), per tenant and optionally per key
