@@ -285,6 +285,19 @@ class Settings(BaseSettings):
         ge=0,
         description="What one generated token costs: decoding a token takes a GPU step, a prompt token a share of one.",
     )
+    min_workers: int = Field(
+        1,
+        ge=0,
+        description="Workers a model always has. 0: it may have none (an autoscaler starts one on demand, "
+        "docs/scaling.md): its requests are then stored and held up to `cold_wait_s` for a worker rather than "
+        "refused; above 0, a request finding no live worker is a 503 at once (per model in the registry).",
+    )
+    cold_wait_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest a request of a model with `min_workers` 0 waits for a worker to come up; past it, "
+        "it fails with 503 `model_not_loaded` (per model in the registry).",
+    )
     flex_max_queued: int = Field(
         64,
         ge=1,
@@ -560,6 +573,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "fair_cached_weight",
         "fair_output_weight",
         "flex_max_queued",
+        "min_workers",
+        "cold_wait_s",
         "dispatch_timeout_s",
         "worker_unheard_s",
         "batch_group",

@@ -26,12 +26,13 @@ from core.generation.events import ErrorInfo
 from core.infra import heap, redis_keys, transient
 from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
 from core.infra.db import Listener
-from core.infra.metrics import LIVE_WORKERS, OLDEST, QUEUED, STORED, STORED_REDIS
+from core.infra.metrics import AWAITING_WORKER, LIVE_WORKERS, OLDEST, QUEUED, STORED, STORED_REDIS, WANTED_WORKERS
 from core.infra.orm import Job, Tenant
 from core.jobs import live_workers
 from core.jobs import transitions as jobs
 from core.jobs.lifecycle import Lifecycle
 from core.jobs.scheduler import FairScheduler, Weights
+from core.registry import settings_for
 from core.states import JobKind, JobState
 from core.tenancy import admission, quota
 
@@ -95,6 +96,9 @@ class Dispatcher:
                 waiting = set().union(*(queued_jobs(self.broker, m) for m in {row.model for row in stale}))
                 lost = [row for row in stale if (row.id, row.attempt) not in waiting]
                 sent = self._send(session, lost)
+                cold = self._fail_cold(session)
+                if cold:
+                    counts["cold"] = cold
 
             self.scheduler.settle(session)  # ended jobs' charges corrected to what they were served
             for model in s.model_ids:
@@ -122,6 +126,23 @@ class Dispatcher:
         if any(v for k, v in counts.items() if k != "sent"):
             log.info("dispatcher: %s", counts)
         return counts
+
+    def _fail_cold(self, session: Session) -> int:
+        """Requests of a model that may have no worker (`min_workers` 0), held for one longer than its
+        `cold_wait_s` while none came up: failed with 503 `model_not_loaded` (their clients were waiting
+        with keep-alives). Only while the model has no live worker: once one is, they are picked."""
+        ended = 0
+        for model in self.settings.model_ids:
+            ms = settings_for(model, self.settings)
+            if ms.min_workers != 0 or live_workers.live(self.rds, model):
+                continue
+            for job_id, attempt in session.execute(
+                jobs.held_past(model, ms.cold_wait_s, self.settings.dispatcher_batch)
+            ):
+                why = f"No worker came up for '{model}' within {ms.cold_wait_s:g} s; retry later."
+                error = ErrorInfo(message=why, type="service_unavailable", code="model_not_loaded")
+                ended += self.lifecycle.fail_queued(job_id, attempt, error)
+        return ended
 
     def _revoke_unheard(self, session: Session) -> int:
         """A worker cut from Redis but not from Postgres keeps renewing its leases, so its jobs'
@@ -309,7 +330,12 @@ class Dispatcher:
             QUEUED.labels(model, kind).set(n)
             OLDEST.labels(model, kind).set(now - oldest.timestamp() if oldest is not None else 0)
         for model in self.settings.model_ids:
-            LIVE_WORKERS.labels(model).set(len(live_workers.live(self.rds, model)))
+            live = len(live_workers.live(self.rds, model))
+            LIVE_WORKERS.labels(model).set(live)
+            waiting = seen[(model, JobKind.interactive.value)][0]
+            queued = waiting + seen[(model, JobKind.batch.value)][0]
+            WANTED_WORKERS.labels(model).set(max(settings_for(model, self.settings).min_workers, 1 if queued else 0))
+            AWAITING_WORKER.labels(model).set(0 if live else waiting)
 
     def stored_gauges(self, session: Session) -> None:
         """Each tenant's bytes per store: a few rows per tenant (core/tenancy/quota.py), never a scan of jobs."""

@@ -12,6 +12,8 @@ From a TOML file (`SPOOL_MODELS_FILE`; see `ops/models.example.toml`):
     chat_template = "/etc/spool/qwen3.jinja"  # optional: overrides the model's own
     n_ctx = 8192                    # optional: per-model SPOOL_N_CTX
     max_batch = 32                  # optional: per-model SPOOL_MAX_BATCH
+    min_workers = 0                 # optional: per-model SPOOL_MIN_WORKERS (0: scaled from zero)
+    cold_wait_s = 300               # optional: per-model SPOOL_COLD_WAIT_S
 
 Without a file, the environment describes one registry as before (`SPOOL_MODELS`, `SPOOL_ENGINE`,
 `SPOOL_MODEL_PATH`, `SPOOL_MODEL_ALIASES`, `SPOOL_CHAT_TEMPLATES`). The default CPU model,
@@ -46,6 +48,10 @@ class ModelSpec:
     n_ctx: int | None = None
     max_batch: int | None = None
     owned_by: str = "spool"
+    # 0: the model may have no worker (an autoscaler starts one on demand); its requests are then held
+    # in Postgres up to `cold_wait_s` rather than refused (core/jobs/service.py, core/dispatcher.py).
+    min_workers: int | None = None
+    cold_wait_s: float | None = None
 
 
 class RegistryError(ValueError):
@@ -114,6 +120,10 @@ def settings_for(model_id: str, settings: Settings) -> Settings:
         update["max_batch"] = s.max_batch
     if s.path:
         update["model_path"] = s.path
+    if s.min_workers is not None:
+        update["min_workers"] = s.min_workers
+    if s.cold_wait_s is not None:
+        update["cold_wait_s"] = s.cold_wait_s
     return settings.model_copy(update=update)
 
 

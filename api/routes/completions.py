@@ -41,7 +41,7 @@ router = APIRouter()
 
 # A stored job that did not succeed. Its own request's fault keeps a 400; anything else is a 422,
 # never a 5xx: the SDK retries 5xx, and a retry without an Idempotency-Key would be a second job.
-_ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409}
+_ERROR_STATUS = {"invalid_request_error": 400, "cancelled": 409, "service_unavailable": 503}
 
 # Bodies are decoded and validated on the prepare threads (api/bodies.py), not by FastAPI on the loop.
 _Completion = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]

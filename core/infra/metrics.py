@@ -55,6 +55,12 @@ WAITING = Gauge(
 QUEUED = Gauge("spool_queue_depth", "Jobs waiting in Postgres", ["model", "kind"])
 OLDEST = Gauge("spool_oldest_queued_job_age_seconds", "Age of the oldest job waiting in Postgres", ["model", "kind"])
 LIVE_WORKERS = Gauge("spool_live_workers", "Workers whose heartbeat is fresh", ["model"])
+WANTED_WORKERS = Gauge(
+    "spool_wanted_workers", "Workers a model wants: its min_workers, and one while it has queued jobs", ["model"]
+)
+AWAITING_WORKER = Gauge(
+    "spool_requests_awaiting_worker", "API requests held in Postgres because the model has no live worker", ["model"]
+)
 STORED_REDIS = Gauge(
     "spool_tenant_redis_bytes",
     "Bytes a tenant's ended jobs hold in Redis (streams and marks), counted as they end (an upper bound)",

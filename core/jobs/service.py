@@ -180,7 +180,9 @@ class Completions:
         tier = tiers.resolve(body.service_tier, tenant.allow_priority)
         if tier == tiers.Tier.flex:  # refused at once while the flex lane is full: nothing counted or taken
             await tiers.check_flex(self.sessions, body.model, settings.flex_max_queued)
-        if not queued and not await self._live(body.model):
+        # A model that may have no worker (min_workers 0) holds the request for one instead of refusing.
+        held = settings_for(body.model, settings).min_workers == 0
+        if not queued and not await self._live(body.model) and not held:
             raise DomainError(
                 ErrorKind.unavailable,
                 f"No worker is serving '{body.model}' right now; retry shortly, or send the request with "

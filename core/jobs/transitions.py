@@ -474,6 +474,20 @@ def batch_in_flight(model: str):
     )
 
 
+def held_past(model: str, wait_s: float, limit: int) -> Select:
+    """(id, attempt) of a model's API requests queued longer than `wait_s` (`ix_jobs_queued_tier`)."""
+    return (
+        select(Job.id, Job.attempt)
+        .where(
+            Job.model == model,
+            Job.state == JobState.queued.value,
+            Job.kind == JobKind.interactive.value,
+            Job.created_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, wait_s),
+        )
+        .limit(limit)
+    )
+
+
 def update_chat(where: Sequence[Any], chat: Any) -> Update:
     """A job's `chat` rewritten, never its state: a stored chat completion's metadata or its forgetting
     (core/jobs/chat_store.py)."""

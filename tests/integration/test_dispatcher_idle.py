@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config import Settings
 from core.dispatcher import Dispatcher
+from core.jobs import live_workers
 from core.states import BatchStatus, JobState
 from ops import factories
 from ops.harness import migrated_database
@@ -56,8 +57,10 @@ def _upkeep(d: Dispatcher) -> dict[str, int]:
     return d.tick()
 
 
-def test_an_idle_pass_is_one_probe_and_work_brings_the_pass_back(own, dispatcher):
+def test_an_idle_pass_is_one_probe_and_work_brings_the_pass_back(own, dispatcher, rds):
     sessions = own[0]
+    # A worker with slots for the model: a request is sent only into a live worker's free slot.
+    live_workers.beat(rds, "idle-model", "idle-worker", batch_slots=2, interactive_slots=2)
     assert len(_statements(own, lambda: _upkeep(dispatcher))) == 1
     assert len(_statements(own, dispatcher.keep_batches)) == 1
     with sessions() as session:
@@ -83,6 +86,7 @@ def test_an_idle_pass_is_one_probe_and_work_brings_the_pass_back(own, dispatcher
         assert any("pg_advisory_xact_lock" in s for s in sent)  # a webhook to claim
         assert len(_statements(own, lambda: _upkeep(dispatcher))) == 1  # no job unended: idle again
     finally:
+        live_workers.gone(rds, "idle-model", "idle-worker")
         with sessions() as session:
             session.execute(type(j).__table__.delete())
             session.execute(type(b).__table__.delete())

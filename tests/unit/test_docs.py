@@ -332,3 +332,49 @@ def test_a_planted_rule_without_its_test_is_found():
 ## Tests
 """
     assert unheld_rules(planted) == ["a cache"]
+
+
+# -- the docs stay within their word budget -----------------------------------------------------------
+
+DOCS_WORD_BUDGET = 25_000
+
+
+def doc_words(root: Path) -> dict[str, int]:
+    """Words of README.md, docs/*.md and BENCHMARKS.md, counted as `wc -w` counts them: runs of
+    characters between whitespace."""
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "BENCHMARKS.md"]
+    return {str(p.relative_to(root)): len(p.read_text(encoding="utf-8").split()) for p in pages}
+
+
+def over_budget(root: Path) -> str | None:
+    """None while the pages hold fewer than DOCS_WORD_BUDGET words; else what to say, naming the three
+    largest pages."""
+    words = doc_words(root)
+    total = sum(words.values())
+    if total < DOCS_WORD_BUDGET:
+        return None
+    largest = ", ".join(f"{name} ({n:,})" for name, n in sorted(words.items(), key=lambda kv: -kv[1])[:3])
+    return (
+        f"README.md + docs/*.md + BENCHMARKS.md hold {total:,} words, the budget is under {DOCS_WORD_BUDGET:,}: "
+        f"cut repetition (say a fact once, link to it) and wordiness; the largest are {largest}"
+    )
+
+
+def test_the_current_docs_stay_under_25000_words():
+    message = over_budget(ROOT)
+    assert message is None, message
+
+
+def test_a_planted_page_past_the_budget_is_found(tmp_path: Path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("word " * 20_000)
+    (tmp_path / "BENCHMARKS.md").write_text("| a |\tb\n" * 1_000)  # 4 words a line, as `wc -w` counts them
+    for name, n in (("a", 1), ("b", 500), ("c", 498)):
+        (tmp_path / "docs" / f"{name}.md").write_text("word\n" * n)
+    assert over_budget(tmp_path) is None  # 24,999
+    (tmp_path / "docs" / "a.md").write_text("word\n" * 2)
+    assert over_budget(tmp_path) == (
+        "README.md + docs/*.md + BENCHMARKS.md hold 25,000 words, the budget is under 25,000: cut repetition "
+        "(say a fact once, link to it) and wordiness; the largest are README.md (20,000), BENCHMARKS.md (4,000), "
+        "docs/b.md (500)"
+    )

@@ -130,7 +130,9 @@ def unknown_commands(text: str) -> list[str]:
     """`spool CMD [SUB]` in code: CMD a command, and SUB one of its subcommands where CMD is a group."""
     out = []
     for span in _code(text):
-        for cmd, sub in re.findall(r"(?<![\w./-])spool ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?", span):
+        # `kubectl -n spool ...` names a namespace, not the command.
+        found = re.findall(r"(?<![\w./-])(?<!-n )(?<!--namespace )spool ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?", span)
+        for cmd, sub in found:
             commands = cli_commands()
             if cmd not in commands or (commands[cmd] and sub not in commands[cmd]):
                 out.append(f"spool {cmd} {sub}".strip())
@@ -161,7 +163,7 @@ PLANTED = {
         ["/v1/engines", "POST /v1/jobs/{id}/retry"],
     ),
     "command": (
-        "```bash\nspool init\nspool tenant delete acme\nspool serve\n```",
+        "```bash\nspool init\nspool tenant delete acme\nspool serve\nkubectl -n spool wait job/x\n```",
         ["spool serve", "spool tenant delete"],
     ),
     "engine": ('[[models]]\nengine = "exllamav3"\n\nSPOOL_ENGINE=vllm', ["vllm"]),
