@@ -170,7 +170,10 @@ class Attempt:
         # and says when it has ended; this thread meanwhile polls for a cancel and renews the lease.
         self.live = {s.key for s in specs}
         self._by_key = {ch.key: ch for ch in self.choices.values()}
-        self._publish_every = every.batch_publish_s if job.kind == JobKind.batch else 0.0
+        # Bulk work publishes its progress every `batch_publish_s`, not every token: a batch line, and a
+        # flex request whose client waits for the whole answer (its CPU is the default tier's latency).
+        bulk = job.kind == JobKind.batch or (job.service_tier == "flex" and not job.stream)
+        self._publish_every = every.batch_publish_s if bulk else 0.0
         if self.live:
             # Through the tenant's share of the engine's slots (workers/runner.SequenceShare).
             self.runner.share.submit(job.tenant_id, specs, self.runner.pump.sink(self))

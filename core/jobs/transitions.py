@@ -289,6 +289,7 @@ class Claimed(NamedTuple):
     created_at: datetime | None
     started_at: datetime | None
     service_tier: str = "default"  # a flex request decodes as batch work does (workers/attempt.py)
+    stream: bool = True  # a flex request nobody streams publishes as a batch line does
 
 
 # Built once with bound parameters, on the table: building this ORM UPDATE per claim, and letting the

@@ -13,7 +13,8 @@ charged tokens (the unit of core/jobs/scheduler.py, whose docstring gives the fo
 of the jobs that ended in the window: each tenant's share over time against its weight's, the final
 ratio, and the worst difference in served charge over weight between the two, seen at any sample.
 
-Phase `tiers`: a default tenant's TTFT p50 alone, then beside a flex backlog (a tenant keeping
+Phase `tiers`: a default tenant's TTFT p50 (a 50-token prompt, and a 1,000-token chat turn) alone,
+then beside a flex backlog (a tenant keeping
 2 x `SPOOL_FLEX_MAX_QUEUED` flex requests outstanding: how long each 429 took), then a `priority`
 tenant's queue wait beside a default backlog against that backlog's own.
 
@@ -275,11 +276,14 @@ def shares_phase(
     }
 
 
-def _ttft_p50(url: str, key: str, n: int, tier: str | None = None, every: float = 0.5) -> list[float]:
+def _ttft_p50(
+    url: str, key: str, n: int, tier: str | None = None, every: float = 0.5, prompt_tokens: int = 50
+) -> list[float]:
     out: list[float] = []
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
         for i in range(n):
-            body: dict[str, Any] = {"model": MODEL, "prompt": prompt_ids(50, 7_000_000 + i), "max_tokens": 4}
+            ids = prompt_ids(prompt_tokens, 7_000_000 + prompt_tokens * 1000 + i)
+            body: dict[str, Any] = {"model": MODEL, "prompt": ids, "max_tokens": 4}
             body |= {"stream": True, **({"service_tier": tier} if tier else {})}
             out.append(_ttft(http, body))
             time.sleep(every)
@@ -308,12 +312,15 @@ def flex_refusals(url: str, key: str, n: int) -> list[tuple[int, float, str | No
 def tiers_phase(url: str, admin_key: str, db: Engine, samples: int = 16, suffix: str = "") -> dict[str, Any]:
     _, dkey = make_tenant(url, admin_key, f"default{suffix}")
     _, fkey = make_tenant(url, admin_key, f"flex{suffix}")
+    # Two request sizes: a bare 50-token prompt, and a chat turn with its history (1,000 tokens).
     alone = _ttft_p50(url, dkey, samples)
+    alone_turn = _ttft_p50(url, dkey, samples, prompt_tokens=1000)
     flex_load = Load(f"flexload{suffix}", 50, concurrency=24, tier="flex", max_tokens=64)
     flex_load.tenant_id, flex_load.key = make_tenant(url, admin_key, flex_load.name)
     with driving(url, [flex_load]):
         time.sleep(3.0)
         beside = _ttft_p50(url, dkey, samples)
+        beside_turn = _ttft_p50(url, dkey, samples, prompt_tokens=1000)
         refusals = flex_refusals(url, fkey, 12)
     backlog = Load(f"backlog{suffix}", 50, concurrency=24)
     backlog.tenant_id, backlog.key = make_tenant(url, admin_key, backlog.name)
@@ -336,6 +343,8 @@ def tiers_phase(url: str, admin_key: str, db: Engine, samples: int = 16, suffix:
     return {
         "default_ttft_p50_alone": statistics.median(alone),
         "default_ttft_p50_beside_flex": statistics.median(beside),
+        "turn_ttft_p50_alone": statistics.median(alone_turn),
+        "turn_ttft_p50_beside_flex": statistics.median(beside_turn),
         "flex_refused": len(refused),
         "flex_refusal_s_max": max((r[1] for r in refused), default=None),
         "flex_retry_after": sorted({r[2] for r in refused if r[2]}),
@@ -380,7 +389,9 @@ def report(results: dict[str, Any]) -> str:
     if t:
         lines.append(
             f"default TTFT p50 alone {1000 * t['default_ttft_p50_alone']:.0f} ms, beside flex"
-            f" {1000 * t['default_ttft_p50_beside_flex']:.0f} ms; flex refused {t['flex_refused']}/12, slowest 429"
+            f" {1000 * t['default_ttft_p50_beside_flex']:.0f} ms"
+            f" (1,000-token turn {1000 * t['turn_ttft_p50_alone']:.0f}"
+            f" / {1000 * t['turn_ttft_p50_beside_flex']:.0f} ms); flex refused {t['flex_refused']}/12, slowest 429"
             f" {1000 * (t['flex_refusal_s_max'] or 0):.0f} ms; priority wait p50"
             f" {1000 * (t['priority_wait_p50'] or 0):.0f} ms against the default backlog's"
             f" {1000 * (t['default_backlog_wait_p50'] or 0):.0f} ms"
