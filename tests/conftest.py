@@ -61,7 +61,11 @@ COSTS = {
     "tests/e2e/test_durability.py": 20,
     "tests/e2e/test_peer_fidelity.py": 20,
     "tests/e2e/test_tenancy.py": 20,
-    "tests/e2e/test_bare_host_rehearsal.py": 48,
+    "tests/e2e/test_bare_host_rehearsal.py": 25,
+    "tests/e2e/test_token_fairness.py": 140,  # wallclock: the paced engine's sleeps
+    "tests/integration/test_token_fairness.py": 45,
+    "tests/e2e/test_chat_store.py": 35,
+    "tests/e2e/test_scale_from_zero.py": 31,  # wallclock
     "tests/unit/test_gpu_proof.py": 30,
     "tests/e2e/test_fairness.py": 18,
     "tests/e2e/test_outages.py": 17,
