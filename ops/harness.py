@@ -380,6 +380,13 @@ def _db_name(url: str) -> str:
     return urlsplit(url).path.lstrip("/")
 
 
+def _db_place(url: str) -> tuple[str, int, str]:
+    """(host, port, database) of a Postgres URL, the defaults filled in and localhost spelled one way."""
+    u = urlsplit(url)
+    host = u.hostname or "127.0.0.1"
+    return ("127.0.0.1" if host == "localhost" else host), u.port or 5432, _db_name(url)
+
+
 def _redis_db(url: str) -> tuple[str, int, int]:
     """(host, port, db) of a Redis URL, Redis's defaults filled in."""
     u = urlsplit(url)
@@ -394,7 +401,9 @@ def _spools_redis(url: str) -> bool:
 
 def refuse_defaults(db_url: str, redis_url: str) -> None:
     """ShardError when a stack would drop Spool's own database or flush its Redis db."""
-    if _db_name(db_url) == _db_name(_spool_database_url()):
+    # The same database on the same server: a private Postgres of a test's own (a long outage's) may
+    # name its database `spool` freely.
+    if _db_place(db_url) == _db_place(_spool_database_url()):
         raise ShardError(f"{db_url}: a test stack would drop Spool's own database; name another")
     if _spools_redis(redis_url):
         raise ShardError(f"{redis_url}: a test stack would flush a local Spool's Redis db; name another")

@@ -59,7 +59,7 @@ fi
 bash ops/test-tools.sh
 # Each shard's database and Redis dbs come from ops/harness.py's allocator, which never hands out a local
 # Spool's (database `spool`, Redis db 0): a SPOOL_TEST_SHARDS this Redis cannot serve is refused here.
-SHARDS=${SPOOL_TEST_SHARDS:-2}
+SHARDS=${SPOOL_TEST_SHARDS:-${SPOOL_TEST_LANES:-2}}  # SPOOL_TEST_LANES: the old name, still read
 ALLOCATED=$(.venv/bin/python -m ops.harness shards "$SHARDS")
 read -r WALL_SHARD XDIST_SHARDS <<<"$ALLOCATED"
 # --durations: where the suite's time goes, printed at the end of every run.

@@ -148,6 +148,16 @@ def served(db: Engine, tenants: list[int], since: Any, until: Any) -> dict[int, 
     return out
 
 
+def queue_waits(db: Engine, tenants: list[int], since: Any) -> list[float]:
+    """Seconds from stored to started of the tenants' jobs created after `since`."""
+    q = text(
+        "SELECT extract(epoch FROM started_at - created_at) FROM jobs WHERE tenant_id = ANY(:t)"
+        " AND started_at IS NOT NULL AND created_at > :since"
+    )
+    with db.connect() as conn:
+        return [float(w) for w in conn.execute(q, {"t": tenants, "since": since}).scalars()]
+
+
 def _now(db: Engine) -> Any:
     with db.connect() as conn:
         return conn.execute(text("SELECT clock_timestamp()")).scalar()
@@ -236,27 +246,7 @@ def shares_phase(
         (abs(s[str(short.tenant_id)]["charged"] / short.weight - s[str(long.tenant_id)]["charged"] / long.weight))
         for s in samples
     )
-    with db.connect() as conn:
-        waits = [
-            float(w)
-            for w in conn.execute(
-                text(
-                    "SELECT extract(epoch FROM started_at - created_at) FROM jobs WHERE tenant_id = :t"
-                    " AND started_at IS NOT NULL AND created_at > :since"
-                ),
-                {"t": probe_id, "since": since},
-            ).scalars()
-        ]
-        backlog_waits = [
-            float(w)
-            for w in conn.execute(
-                text(
-                    "SELECT extract(epoch FROM started_at - created_at) FROM jobs WHERE tenant_id = ANY(:t)"
-                    " AND started_at IS NOT NULL AND created_at > :since"
-                ),
-                {"t": tenants, "since": since},
-            ).scalars()
-        ]
+    waits, backlog_waits = queue_waits(db, [probe_id], since), queue_waits(db, tenants, since)
     return {
         "weights": {"short": short.weight, "long": long.weight},
         "caps": {"short": short.cap, "long": long.cap},

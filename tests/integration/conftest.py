@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pytest
 import redis as redis_lib
@@ -83,3 +84,37 @@ def spool_env(env: dict[str, str]) -> Iterator[None]:
             else:
                 os.environ[k] = v
         reset_globals()
+
+
+@dataclass(frozen=True)
+class Served:
+    """An API served in this process (`served_api`)."""
+
+    base: str
+    port: int
+    loop_thread: int  # the event loop's thread
+
+
+@contextmanager
+def served_api(env: dict[str, str]) -> Iterator[Served]:
+    """The API app made under `env` (spool_env) and served by uvicorn on a thread of this process, on a
+    free port, until the block ends."""
+    import threading
+
+    import uvicorn
+
+    from tests.conftest import free_port, wait_for
+
+    with spool_env(env):
+        from api.app import create_app
+
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_for(lambda: server.started, 60, "the in-process API to start")
+        try:
+            yield Served(f"http://127.0.0.1:{port}", port, thread.ident or 0)
+        finally:
+            server.should_exit = True
+            thread.join(30)

@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import threading
-import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import openai
 import pytest
-import uvicorn
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.batches import ingest, progress
 from core.config import Settings
-from core.files import storage
 from core.generation.events import ChoiceResult, JobResult, Usage
 from core.infra.orm import Batch, File, FileChunk, Job, UsageDaily
 from core.jobs.lifecycle import Lifecycle
@@ -32,8 +27,7 @@ from core.retention import sweep
 from core.states import BatchStatus, JobState
 from core.tenancy import quota
 from ops import factories
-from tests.conftest import free_port, wait_for
-from tests.integration.conftest import IT_DB, IT_REDIS, reset_globals
+from tests.integration.conftest import IT_DB, IT_REDIS, served_api
 
 MODEL = "smollm2-135m-instruct"
 RESULT = JobResult(choices=[ChoiceResult(index=0, text="ok", finish_reason="length")])
@@ -51,24 +45,7 @@ def _batch(session: Session, lines: list[dict]) -> tuple[int, str]:
     """A batch in `validating` of `lines` (its input file stored as one chunk): (tenant id, batch id)."""
     t = factories.tenant(session)
     _, key = factories.api_key(session, t)
-    data = "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
-    fid, bid = storage.new_file_id(), f"batch_{uuid.uuid4().hex}"
-    session.add(File(id=fid, tenant_id=t.id, purpose="batch", filename="in.jsonl", bytes=len(data), lines=len(lines)))
-    session.flush()
-    session.execute(storage.insert_chunk(fid, 0, data))
-    session.add(
-        Batch(
-            id=bid,
-            tenant_id=t.id,
-            key_id=key.id,
-            endpoint="/v1/completions",
-            input_file_id=fid,
-            completion_window="24h",
-            status=BatchStatus.validating.value,
-            request_counts={"total": 0, "completed": 0, "failed": 0},
-            expires_at=datetime.now(UTC) + timedelta(hours=24),
-        )
-    )
+    bid = factories.validating_batch(session, t, key, lines)
     session.commit()
     return t.id, bid
 
@@ -165,27 +142,8 @@ def test_a_batch_of_several_models_names_them_all_in_order(session, sessions, tw
 @pytest.fixture(scope="module")
 def api_base(sessions: sessionmaker[Session]) -> Iterator[str]:
     env = {"SPOOL_DATABASE_URL": IT_DB, "SPOOL_REDIS_URL": IT_REDIS, "SPOOL_LOG_FORMAT": "text"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    reset_globals()
-    from api.app import create_app
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 60, "the in-process API to start")
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        reset_globals()
+    with served_api(env) as served:
+        yield served.base + "/v1"
 
 
 def _shift(sessions: sessionmaker[Session], file_id: str, seconds: int) -> None:

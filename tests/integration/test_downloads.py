@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -27,8 +25,8 @@ from core.files import storage
 from core.infra import redis_keys
 from core.infra.orm import File
 from ops import factories
-from tests.conftest import free_port, wait_for
-from tests.integration.conftest import IT_DB, IT_REDIS, spool_env
+from tests.conftest import wait_for
+from tests.integration.conftest import IT_DB, IT_REDIS, served_api
 
 DOWNLOADS = 4  # SPOOL_DOWNLOAD_CONCURRENCY of the server below
 UPLOAD_THREADS = 2
@@ -53,19 +51,8 @@ def api_server(sessions: sessionmaker[Session]) -> Iterator[Server]:
         "SPOOL_DB_IDLE_TRANSACTION_S": str(IDLE_TRANSACTION_S),
         "SPOOL_LOG_FORMAT": "text",
     }
-    with spool_env(env):
-        from api.app import create_app
-
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        wait_for(lambda: server.started, 60, "the in-process API to start")
-        try:
-            yield Server(f"http://127.0.0.1:{port}", port, thread.ident or 0)
-        finally:
-            server.should_exit = True
-            thread.join(30)
+    with served_api(env) as served:
+        yield Server(served.base, served.port, served.loop_thread)
 
 
 def tenant_key(sessions: sessionmaker[Session]) -> tuple[int, str]:

@@ -88,6 +88,13 @@ def test_a_stack_on_a_redis_server_of_its_own_may_use_db_0():
     harness.refuse_defaults("postgresql+psycopg://postgres@127.0.0.1:5432/spool_test", "redis://127.0.0.1:6390/0")
 
 
+def test_a_stack_on_a_postgres_of_its_own_may_name_its_database_spool():
+    """A long outage's private Postgres (tests/e2e/test_long_outages.py) on another port: not Spool's."""
+    harness.refuse_defaults(f"postgresql+psycopg://postgres@127.0.0.1:56875/{SPOOL_DB}", "redis://127.0.0.1:6390/0")
+    with pytest.raises(harness.ShardError):  # localhost is 127.0.0.1, and 5432 the default port
+        harness.refuse_defaults(f"postgresql+psycopg://postgres@localhost/{SPOOL_DB}", "redis://127.0.0.1:6390/0")
+
+
 def test_the_old_name_spool_test_lane_still_picks_the_shard():
     """SPOOL_TEST_SHARD was SPOOL_TEST_LANE: a run started with the old name still gets its own shard,
     not shard 0's database and Redis dbs; the new name wins where both are set."""
