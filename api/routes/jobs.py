@@ -19,6 +19,7 @@ from core.infra.streams import read
 from core.jobs.service import Completions
 from core.protocol import render
 from core.protocol.schemas import JobObject
+from core.states import JobState
 
 router = APIRouter(prefix="/v1/jobs")
 _EVENT_ROWS: SingleFlight[Job | None] = SingleFlight(ttl_s=2.0)
@@ -52,14 +53,15 @@ def _large(row: Job) -> bool:
     return scores > _OFF_LOOP_SCORES or sum(len(c.get("text") or "") for c in choices) > _OFF_LOOP_CHARS
 
 
-def _job_body(row: Job, fingerprint: str) -> dict[str, Any]:
+def _job_body(row: Job, fingerprint: str, waiting_for: str | None = None) -> dict[str, Any]:
     """The job object as its response model publishes it (the same validation FastAPI would run)."""
-    return JobObject.model_validate(render.job(row, fingerprint)).model_dump(mode="json", by_alias=True)
+    body = {**render.job(row, fingerprint), "waiting_for": waiting_for}
+    return JobObject.model_validate(body).model_dump(mode="json", by_alias=True)
 
 
-def _answer(tenant_id: int, row: Job, fingerprint: str) -> OffLoop:
+def _answer(tenant_id: int, row: Job, fingerprint: str, waiting_for: str | None = None) -> OffLoop:
     # A job without many scores or much text is built on the loop: less than the thread hop.
-    return OffLoop(tenant_id, _job_body, (row, fingerprint), inline=not _large(row))
+    return OffLoop(tenant_id, _job_body, (row, fingerprint, waiting_for), inline=not _large(row))
 
 
 @router.get("/{job_id}", response_model=JobObject)
@@ -70,7 +72,9 @@ async def get_job(
     row = await _get(completions, job_id, tenant.id)
     if row is None:
         raise _not_found(job_id)
-    return _answer(tenant.id, row, fingerprints(row.model))
+    # Held for a worker: queued while its model has none live (a model scaled to zero).
+    held = row.state == JobState.queued.value and not await completions.has_worker(row.model)
+    return _answer(tenant.id, row, fingerprints(row.model), "worker" if held else None)
 
 
 @router.post("/{job_id}/cancel", response_model=JobObject)

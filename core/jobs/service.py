@@ -127,6 +127,10 @@ class Completions:
         self._live_until.pop(model, None)
         return False
 
+    async def has_worker(self, model: str) -> bool:
+        """Whether a worker serves `model` now (a yes kept for a second: `_live`)."""
+        return await self._live(model)
+
     def capacity(self, model: str) -> int:
         """How many of a model's requests may be in flight before a new one waits in Postgres for the fair
         dispatcher: its live workers' slots, as last seen (within a second), the bound the dispatcher keeps

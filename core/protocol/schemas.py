@@ -436,6 +436,8 @@ class JobObject(_Response):
     error: ErrorObject | None
     result: Completion | ChatCompletion | None
     events_url: str
+    # "worker": queued for a model that has no live worker now (held for one: `min_workers` 0).
+    waiting_for: Literal["worker"] | None = None
 
 
 class ModelObject(_Response):

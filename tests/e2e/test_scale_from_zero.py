@@ -54,16 +54,29 @@ def test_a_request_is_held_until_a_worker_comes_up(cold_stack):
                 text_parts.append(chunk.choices[0].delta.content)
         out["text"] = "".join(text_parts)
 
+    # A queued (async) request says what it waits for.
+    with st.http(st.keys["alpha"]) as http:
+        r = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 4},
+            headers={"Prefer": "respond-async"},
+        )
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        assert http.get(f"/v1/jobs/{job_id}").json()["waiting_for"] == "worker"
     asker = threading.Thread(target=ask)
     asker.start()
     # Held, not refused: the dispatcher's gauges say so while no worker is live.
-    wait_for(lambda: _gauge(st, "spool_requests_awaiting_worker") == 1.0, 20, "the request held for a worker")
+    wait_for(lambda: _gauge(st, "spool_requests_awaiting_worker") == 2.0, 20, "the requests held for a worker")
     assert _gauge(st, "spool_wanted_workers") == 1.0
     started = time.perf_counter()
     st.start_worker()  # the autoscaler's part
     up = time.perf_counter() - started
     asker.join(120)
     assert out.get("text"), out  # answered in full once the worker came
+    with st.http(st.keys["alpha"]) as http:
+        wait_for(lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded", 60, "the queued one ran")
+        assert http.get(f"/v1/jobs/{job_id}").json()["waiting_for"] is None
     print(f"worker start {up:.2f} s; the held request's TTFT {out['ttft']:.2f} s")
     wait_for(lambda: _gauge(st, "spool_requests_awaiting_worker") == 0.0, 20, "nothing held any more")
 
