@@ -48,12 +48,15 @@ def test_equal_weights_share_tokens_and_a_light_tenant_goes_first(fair_stack):
 
 def test_weights_two_to_one_with_a_cap_on_one_tenant(fair_stack):
     st, db = fair_stack
-    # The long-prompt tenant capped at 4 in flight (its share needs one or two): before, the capped
-    # tenant's requests waited for the scheduler while the uncapped one's went straight to the worker.
+    # The long-prompt tenant at weight 2, capped at 4 in flight (its share needs one or two): before, a
+    # capped tenant's requests waited for the scheduler while an uncapped one's went straight to the
+    # worker. (Weight 2 on the long side keeps the short tenant's request rate within what this
+    # machine's clients send under a full suite: the share is what is asserted, not the client's pace.)
     r = fairness.shares_phase(
-        st.base_url, st.keys["admin"], db, (2, 1), seconds=25, concurrency=32, caps=(None, 4), suffix="-e2e"
+        st.base_url, st.keys["admin"], db, (1, 2), seconds=25, concurrency=32, caps=(None, 4), suffix="-e2e"
     )
-    assert 1.8 <= r["ratio"] <= 2.2, r
+    assert all(min(s["queued"].values()) > 0 for s in r["samples"]), r["samples"]
+    assert 0.45 <= r["ratio"] <= 0.55, r  # short's charged tokens over long's: 1:2
 
 
 def test_every_object_says_the_tier_that_served_it(fair_stack):
