@@ -298,6 +298,24 @@ class Settings(BaseSettings):
         description="Longest a request of a model with `min_workers` 0 waits for a worker to come up; past it, "
         "it fails with 503 `model_not_loaded` (per model in the registry).",
     )
+    affinity: bool = Field(
+        True,
+        description="Send each API request to the worker whose prefix cache most likely holds its prompt (rendezvous "
+        "hashing of its `prompt_cache_key`, else its conversation's first messages, over the model's live workers; "
+        "docs/scaling.md). Off: any worker takes any request.",
+    )
+    affinity_spill_load: float = Field(
+        0.5,
+        ge=0,
+        description="A worker whose requests in hand pass (1 + this) times the mean over its model's workers (and half "
+        "its slots) takes no more by affinity: the next worker in the key's order does.",
+    )
+    affinity_key_rate: int = Field(
+        8,
+        ge=1,
+        description="Requests a second one affinity key sends to its own worker; past it the rest spill to the key's "
+        "next workers in order (a hot `prompt_cache_key` is spread, as OpenAI's routing does).",
+    )
     flex_max_queued: int = Field(
         64,
         ge=1,
@@ -573,6 +591,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "fair_cached_weight",
         "fair_output_weight",
         "flex_max_queued",
+        "affinity",
+        "affinity_spill_load",
+        "affinity_key_rate",
         "min_workers",
         "cold_wait_s",
         "dispatch_timeout_s",
@@ -610,6 +631,9 @@ TUNING = frozenset(
         "dispatcher_interval_s",
         "dispatcher_batch",
         "queue_depth",
+        "affinity",
+        "affinity_spill_load",
+        "affinity_key_rate",
         "batch_group",
         "interactive_group",
         "batch_publish_s",

@@ -24,9 +24,18 @@ from core.batches import webhooks
 from core.config import Settings
 from core.generation.events import ErrorInfo
 from core.infra import heap, redis_keys, transient
-from core.infra.broker import queued_jobs, queues_for, send_deliver_webhook, send_run_job, send_run_jobs
+from core.infra.broker import queued_jobs, queues_for, reclaim, send_deliver_webhook, send_routed, send_run_jobs
 from core.infra.db import Listener
-from core.infra.metrics import AWAITING_WORKER, LIVE_WORKERS, OLDEST, QUEUED, STORED, STORED_REDIS, WANTED_WORKERS
+from core.infra.metrics import (
+    AWAITING_WORKER,
+    LIVE_WORKERS,
+    OLDEST,
+    QUEUED,
+    RECLAIMED,
+    STORED,
+    STORED_REDIS,
+    WANTED_WORKERS,
+)
 from core.infra.orm import Job, Tenant
 from core.jobs import live_workers
 from core.jobs import transitions as jobs
@@ -85,6 +94,9 @@ class Dispatcher:
                 self._next_upkeep = time.monotonic() + s.dispatcher_interval_s
                 revoked = self._revoke_unheard(session)
                 counts = self.lifecycle.reap()
+                reclaimed = self._reclaim()
+                if reclaimed:
+                    counts["reclaimed"] = reclaimed
                 if revoked:
                     counts["revoked"] = revoked
                 # A job dispatched but unclaimed past the timeout: re-send it unless its message is
@@ -108,7 +120,9 @@ class Dispatcher:
                 # Batch lines (and flex requests) go out only for free batch slots of live workers:
                 # never parked in a worker thread or in Redis, where they would hold up interactive work.
                 live = live_workers.live(self.rds, model)
-                batch_room = sum(w.batch_slots for w in live) - session.scalar(jobs.batch_in_flight(model))
+                batch_room = sum(w.batch_slots for w in live if not w.draining) - session.scalar(
+                    jobs.batch_in_flight(model)
+                )
                 # API requests in flight are held to the workers' slots (what the API's INSERT holds them
                 # to): beyond that they would wait inside a worker, in arrival order, whoever sent them.
                 request_room = live_workers.slots(live) - session.scalar(select(jobs.interactive_in_flight(model)))
@@ -355,26 +369,42 @@ class Dispatcher:
     def _depth(self, model: str) -> int:
         return sum(self.broker.llen(q) for q in queues_for(model))
 
+    def _fleets(self, models: set[str]) -> dict[str, list[tuple[str, int]]]:
+        """Each model's live workers (name, slots), where prefix affinity may send its requests."""
+        if not self.settings.affinity:
+            return {}
+        return {m: live_workers.fleet(live_workers.live(self.rds, m)) for m in models}
+
     def _send(self, session: Session, rows: list) -> int:
-        """One message per interactive job; batch lines of a model `batch_group` to a message (one
+        """One message per interactive job, to the worker its affinity key picks when the model has
+        several (core/infra/broker.py `route`); batch lines of a model `batch_group` to a message (one
         Celery round trip and one claim for all of them)."""
         messages: list[tuple[str, str, list[tuple[str, int]]]] = []
         batch: dict[str, list[tuple[str, int]]] = {}
-        for job_id, attempt, model, kind in rows:
+        requests: list[tuple[str, int, str, str, int | None]] = []
+        for job_id, attempt, model, kind, key in rows:
             if kind == JobKind.batch:
                 batch.setdefault(model, []).append((job_id, attempt))
             else:
-                messages.append((model, kind, [(job_id, attempt)]))
+                requests.append((job_id, attempt, model, kind, key))
         n = self.settings.batch_group
         for model, pairs in batch.items():
             messages += [(model, JobKind.batch, pairs[i : i + n]) for i in range(0, len(pairs), n)]
         sent = 0
-        for model, kind, pairs in messages:
+        if requests:
             try:
-                if kind == JobKind.batch:
-                    send_run_jobs(pairs, model)
-                else:
-                    send_run_job(pairs[0][0], pairs[0][1], model, kind)
+                fleets = self._fleets({r[2] for r in requests})
+                s = self.settings
+                send_routed(self.broker, requests, fleets, s.affinity_spill_load, s.affinity_key_rate)
+                sent += len(requests)
+            except Exception:
+                log.warning("send failed for %d requests; back to queued", len(requests), exc_info=True)
+                for job_id, attempt, *_ in requests:
+                    session.execute(jobs.undispatch(job_id, attempt))
+                session.commit()
+        for model, _, pairs in messages:
+            try:
+                send_run_jobs(pairs, model)
                 sent += len(pairs)
             except Exception:
                 log.warning("send failed for %d jobs; back to queued", len(pairs), exc_info=True)
@@ -382,6 +412,19 @@ class Dispatcher:
                     session.execute(jobs.undispatch(job_id, attempt))
                 session.commit()
         return sent
+
+    def _reclaim(self) -> int:
+        """Messages waiting in the own queue of a worker that is gone (dead, drained, cut from Redis:
+        its heartbeat older than live_workers.LIVE_S) moved to its model's shared queue for the others."""
+        moved = 0
+        for model in self.settings.model_ids:
+            live = {name for name, _ in live_workers.fleet(live_workers.live(self.rds, model))}
+            n = reclaim(self.broker, model, live)
+            if n:
+                RECLAIMED.labels(model).inc(n)
+                log.warning("%d messages of gone workers of %s moved to the shared queue", n, model)
+            moved += n
+        return moved
 
     def run_forever(self) -> None:
         log.info("dispatcher started (every %.1fs)", self.settings.dispatcher_interval_s)

@@ -11,7 +11,6 @@ import sys
 from typing import NoReturn
 
 from core.config import get_settings
-from core.infra.broker import WEBHOOK_QUEUE, queues_for
 
 EXIT_NOT_READY = 78  # EX_CONFIG: the model did not load or could not generate (see the log line before)
 
@@ -29,10 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         _could_not_start(s, exc)
     slots = batch_slots(s.worker_model_ids[0], s)
-    _heartbeat(r.worker_name, s, r.loop, slots)
+    _heartbeat(r.worker_name, s, r.loop, slots, lambda: r.in_hand)
+    from core.infra import broker, kv
     from core.jobs import live_workers
 
     r.slot_wake = lambda: live_workers.wake_dispatcher(r.redis)
+    model = s.worker_model_ids[0]
+    broker_rds = kv.client(s.celery_broker_url)
+    r.on_load = lambda n: broker.set_load(broker_rds, model, r.worker_name, n)
     # Celery's "received" and "succeeded in" lines repeat ours (which carry job and request ids) for
     # every job: at hundreds of jobs a second their formatting alone is a noticeable share of a core.
     for name in ("celery.app.trace", "celery.worker.strategy"):
@@ -41,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(s.metrics_port)
-    queues = ",".join([*queues_for(s.worker_model_ids[0]), WEBHOOK_QUEUE])  # interactive, batch, webhooks
+    # Its own queue first (requests sent to it by prefix affinity), then the model's shared ones.
+    own = broker.direct_queue(model, r.worker_name)
+    queues = ",".join([own, *broker.queues_for(model), broker.WEBHOOK_QUEUE])
     app.worker_main(
         [
             "worker",
@@ -74,7 +79,7 @@ def _could_not_start(s, exc: BaseException) -> NoReturn:
     sys.exit(EXIT_NOT_READY)
 
 
-def _heartbeat(name: str, s, loop, slots: int) -> None:
+def _heartbeat(name: str, s, loop, slots: int, load) -> None:
     """Tell the dispatcher (and /ready) this worker is alive and how much batch work it takes; a
     wedged engine stops the beat and ends the process (its supervisor restarts it; its jobs, no
     longer renewed, resume on another worker)."""
@@ -83,11 +88,12 @@ def _heartbeat(name: str, s, loop, slots: int) -> None:
     import threading
     import time
 
-    from core.infra import kv
+    from core.infra import broker, kv
     from core.infra.metrics import RUNNING, WAITING
     from core.jobs import live_workers
 
     rds = kv.client(s.redis_url)
+    broker_rds = kv.client(s.celery_broker_url)
     model = s.worker_model_ids[0]
     pace = _Pace(loop)
 
@@ -113,13 +119,37 @@ def _heartbeat(name: str, s, loop, slots: int) -> None:
         RUNNING.labels(model, name).set(max(loop.live_count() - waiting, 0))
         WAITING.labels(model, name).set(waiting)
         try:
-            live_workers.beat(rds, model, name, slots, s.interactive_slots)
+            live_workers.beat(rds, model, name, slots, s.interactive_slots, draining.is_set())
+            if not draining.is_set():
+                broker.announce(broker_rds, model, name, load())
         except Exception:
             logging.getLogger(__name__).warning("heartbeat failed; retrying", exc_info=True)
 
+    def leave() -> None:
+        live_workers.gone(rds, model, name)
+        moved = broker.release(broker_rds, model, name)  # no new message comes once it is not live
+        if moved:
+            logging.getLogger(__name__).info("leaving: %d messages of my own queue go to the shared one", moved)
+
+    def drain(**_: object) -> None:
+        """SIGTERM (Celery's warm shutdown): it finishes its running jobs, within the grace period the
+        deployment gives it (ops/k8s), but takes nothing new: its heartbeat says so at once (no slots,
+        no own queue for the API and the dispatcher), and the messages of its own queue go to the others."""
+        draining.set()
+        try:
+            live_workers.beat(rds, model, name, slots, s.interactive_slots, True)
+            moved = broker.release(broker_rds, model, name)
+            logging.getLogger(__name__).info("draining: %d messages of my own queue go to the shared one", moved)
+        except Exception:
+            log = logging.getLogger(__name__)
+            log.warning("could not announce the drain; the dispatcher reclaims later", exc_info=True)
+
+    draining = threading.Event()
     live_workers.beat(rds, model, name, slots, s.interactive_slots)
+    broker.announce(broker_rds, model, name, load())
     threading.Thread(target=beat_forever, name="heartbeat", daemon=True).start()
-    atexit.register(lambda: live_workers.gone(rds, model, name))
+    atexit.register(leave)
+    broker.on_shutdown(drain)
 
 
 class _Pace:

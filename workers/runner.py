@@ -211,6 +211,11 @@ class JobRunner:
         # Leases are renewed from the moment an attempt starts (a grammar compiling).
         self.keeper = LeaseKeeper(self.renew, settings.lease_s)
         self.slot_wake: Any = None  # set by the worker process: called when an attempt ends
+        # Set by the worker process: told the attempts in hand whenever they change (prefix affinity's
+        # load, core/infra/broker.py `route`).
+        self.on_load: Any = None
+        self.in_hand = 0
+        self._in_hand_lock = threading.Lock()
 
     # -- entrypoint -------------------------------------------------------------------------
     def run(self, job_id: str, attempt: int) -> Outcome:
@@ -288,6 +293,7 @@ class JobRunner:
 
     def _run_claimed(self, job: Claimed, started: Attempt | None = None) -> Outcome:
         """Run one claimed job's attempt to its outcome; `started`: already started (run_group)."""
+        self._count(1)
         try:
             with self._bound(job):
                 if started is None:
@@ -297,8 +303,19 @@ class JobRunner:
             # Any end frees a slot the dispatcher fills at once: a batch line's, or a request's while
             # requests wait in Postgres for the fair dispatcher (a contended model). A woken pass with
             # nothing queued for its free slots is one index probe (core/dispatcher.py `tick`).
+            self._count(-1)
             if self.slot_wake is not None:
                 self.slot_wake()
+
+    def _count(self, change: int) -> None:
+        with self._in_hand_lock:
+            self.in_hand += change
+            n = self.in_hand
+        if self.on_load is not None:
+            try:
+                self.on_load(n)
+            except TRANSIENT:  # a load a moment stale only routes less well; the heartbeat sets it again
+                log.warning("could not record this worker's load", exc_info=True)
 
     def _attempt(self, job: Claimed, started: Attempt | None = None) -> Outcome:
         job_id, attempt = job.id, job.attempt

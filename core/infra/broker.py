@@ -4,11 +4,12 @@ worker process (workers/) registers the task body on this same app."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -16,6 +17,7 @@ from celery import Celery
 
 from core.config import get_settings
 from core.infra import kv
+from core.infra.metrics import AFFINITY
 
 RUN_JOB = "spool.run_job"
 RUN_JOBS = "spool.run_jobs"  # several jobs of one queue in one message: one claim, one Celery round trip
@@ -33,6 +35,30 @@ def queue_for(model: str, kind: str = "interactive") -> str:
 
 def queues_for(model: str) -> list[str]:
     return [queue_for(model, k) for k in KINDS]
+
+
+def direct_queue(model: str, worker: str) -> str:
+    """One worker's own queue for a model (prefix affinity, core/jobs/affinity.py): consumed by that
+    worker before the model's shared ones, emptied into the shared interactive queue once the worker
+    is gone (`reclaim`)."""
+    return f"spool.model.{model}.w.{worker}"
+
+
+def direct_set(model: str) -> str:
+    """A set of the model's direct queues that may hold messages (each worker adds its own at every
+    heartbeat), in the broker's Redis: where the dispatcher looks for a gone worker's messages."""
+    return f"spool:affinity:queues:{model}"
+
+
+def worker_load(model: str) -> str:
+    """A hash in the broker's Redis, one field per worker: the attempts it runs now (kept by the worker
+    at each start and end). With its direct queue's length, a worker's load for `route`."""
+    return f"spool:affinity:load:{model}"
+
+
+def key_rate(model: str, key: int) -> str:
+    """Requests of one affinity key in the current second (`route`'s per-key rate)."""
+    return f"spool:affinity:rate:{model}:{key}"
 
 
 @lru_cache
@@ -134,6 +160,151 @@ def send(task: str, args: list[Any], queue: str) -> None:
     _broker().lpush(queue, task_message(task, args, queue))
 
 
+# Picks a worker for each of a model's new requests and pushes its message onto that worker's direct
+# queue, in one round trip. KEYS: the load hash, the n candidates' direct queues, then one per-key rate
+# counter per message. ARGV: n, m, spill load, key rate, then n slot counts, n worker names, then per
+# message its text and its order (candidate indexes, 1-based, home first). A worker's load: its running
+# attempts plus the messages waiting in its queue. The message goes to the first worker in its key's
+# order, after skipping one place per `rate` requests the key sent this second, whose load is under
+# max(ceil((1 + spill) * (total + 1) / n), slots / 2) (bounded-load consistent hashing, Mirrokni et al.
+# 2018); none under: the least loaded. Returns per message [worker index, how]: 0 its home, 1 spilled
+# for load, 2 spilled for the key's rate.
+_ROUTE = kv.Lua(
+    """
+local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
+local spill, rate = tonumber(ARGV[3]), tonumber(ARGV[4])
+local load, slots, total = {}, {}, 0
+for i = 1, n do
+  slots[i] = tonumber(ARGV[4 + i])
+  local held = tonumber(redis.call('HGET', KEYS[1], ARGV[4 + n + i]) or '0') or 0
+  if held < 0 then held = 0 end
+  load[i] = held + redis.call('LLEN', KEYS[1 + i])
+  total = total + load[i]
+end
+local out = {}
+local base = 4 + 2 * n
+for j = 1, m do
+  local msg, order = ARGV[base + 2 * j - 1], {}
+  for idx in string.gmatch(ARGV[base + 2 * j], '%d+') do order[#order + 1] = tonumber(idx) end
+  local seen = redis.call('INCR', KEYS[1 + n + j])
+  if seen == 1 then redis.call('EXPIRE', KEYS[1 + n + j], 2) end
+  local start = math.floor((seen - 1) / rate) % #order
+  local bound = math.ceil((1 + spill) * (total + 1) / n)
+  local pick, how = nil, (start > 0) and 2 or 1
+  for k = 0, #order - 1 do
+    local i = order[(start + k) % #order + 1]
+    if load[i] < math.max(bound, math.floor(slots[i] / 2)) then pick = i; break end
+  end
+  if pick == nil then
+    for k = 0, #order - 1 do
+      local i = order[(start + k) % #order + 1]
+      if pick == nil or load[i] < load[pick] then pick = i end
+    end
+  end
+  if pick == order[1] then how = 0 end
+  redis.call('LPUSH', KEYS[1 + pick], msg)
+  load[pick] = load[pick] + 1
+  total = total + 1
+  out[#out + 1] = {pick, how}
+end
+return out
+"""
+)
+
+# A gone worker's direct queue emptied into the model's shared interactive queue, oldest message first
+# to be taken (they waited longest), then forgotten. KEYS: the direct queue, the shared queue, the set.
+_RECLAIM = kv.Lua(
+    """
+local moved = 0
+while true do
+  local msg = redis.call('LPOP', KEYS[1])
+  if not msg then break end
+  redis.call('RPUSH', KEYS[2], msg)
+  moved = moved + 1
+end
+redis.call('SREM', KEYS[3], KEYS[1])
+return moved
+"""
+)
+
+ROUTED_HOW = ("home", "spilled_load", "spilled_rate")
+
+
+def weight(key: int, worker: str) -> int:
+    """Rendezvous (highest random weight) hashing, Thaler and Ravishankar 1998: `worker`'s weight for
+    `key`. A worker that comes or goes moves only the keys whose first place it takes or held (1/N of
+    them); every other key keeps its home, and with it its cached prefixes."""
+    return int.from_bytes(hashlib.blake2b(f"{key}|{worker}".encode(), digest_size=8).digest(), "big")
+
+
+def ranked(key: int, workers: Sequence[str]) -> list[str]:
+    """`workers` in `key`'s order: its home first, then where it spills."""
+    return sorted(workers, key=lambda w: (-weight(key, w), w))
+
+
+def _route_args(
+    model: str, fleet: Sequence[tuple[str, int]], routed: Sequence[tuple[str, int]], spill: float, rate: int
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of `_ROUTE` for `routed` messages, each (text, affinity key)."""
+    names = [name for name, _ in fleet]
+    index = {name: i + 1 for i, name in enumerate(names)}
+    keys = [worker_load(model), *(direct_queue(model, name) for name in names)]
+    args: list[Any] = [len(names), len(routed), spill, rate, *(slots for _, slots in fleet), *names]
+    for message, key in routed:
+        keys.append(key_rate(model, key))
+        args += [message, ",".join(str(index[w]) for w in ranked(key, names))]
+    return keys, args
+
+
+def route(
+    rds: Any, model: str, fleet: Sequence[tuple[str, int]], routed: Sequence[tuple[str, int]], spill: float, rate: int
+) -> list[tuple[str, str]]:
+    """Push each (message, affinity key) onto the direct queue `_ROUTE` picks among `fleet` (each live
+    worker's (name, slots)); returns (worker, how) per message."""
+    keys, args = _route_args(model, fleet, routed, spill, rate)
+    return [(fleet[int(i) - 1][0], ROUTED_HOW[int(h)]) for i, h in _ROUTE(rds, keys, *args)]
+
+
+async def route_async(
+    rds: Any, model: str, fleet: Sequence[tuple[str, int]], routed: Sequence[tuple[str, int]], spill: float, rate: int
+) -> list[tuple[str, str]]:
+    keys, args = _route_args(model, fleet, routed, spill, rate)
+    return [(fleet[int(i) - 1][0], ROUTED_HOW[int(h)]) for i, h in await _ROUTE.run_async(rds, keys, *args)]
+
+
+def release(rds: Any, model: str, worker: str) -> int:
+    """A worker leaving (its shutdown): its own queue's messages to the shared queue at once."""
+    queue = direct_queue(model, worker)
+    return int(_RECLAIM(rds, [queue, queue_for(model), direct_set(model)]))
+
+
+def announce(rds: Any, model: str, worker: str, load: int | None = None) -> None:
+    """A worker's own queue named where `reclaim` looks (every heartbeat, so that one removed while the
+    worker was cut from Redis is named again), and its load when given (`route`)."""
+    pipe = rds.pipeline(transaction=False)
+    pipe.sadd(direct_set(model), direct_queue(model, worker))
+    if load is not None:
+        pipe.hset(worker_load(model), worker, load)
+    pipe.execute()
+
+
+def set_load(rds: Any, model: str, worker: str, load: int) -> None:
+    rds.hset(worker_load(model), worker, load)
+
+
+def reclaim(rds: Any, model: str, live: set[str]) -> int:
+    """Every direct queue of `model` whose worker is not in `live` emptied into the shared interactive
+    queue (a worker dead, drained or cut from Redis: its messages go to the others). Returns how many moved."""
+    moved = 0
+    prefix = direct_queue(model, "")
+    for raw in rds.smembers(direct_set(model)):
+        queue = raw if isinstance(raw, str) else raw.decode()
+        if queue.removeprefix(prefix) in live:
+            continue
+        moved += int(_RECLAIM(rds, [queue, queue_for(model), direct_set(model)]))
+    return moved
+
+
 def send_run_job(job_id: str, attempt: int, model: str, kind: str = "interactive") -> None:
     """Publish one `run_job(job_id, attempt)` message to the model's queue (blocking I/O)."""
     queue = queue_for(model, kind)
@@ -158,19 +329,52 @@ def run_messages(jobs: Sequence[tuple[str, int, str, str]], per_message: int) ->
     return out
 
 
+# A new job for a worker: (job id, attempt, model, kind, affinity key or None).
+Outbound = tuple[str, int, str, str, int | None]
+# A model's live workers as the sender last saw them: (name, slots) each.
+Fleet = Sequence[tuple[str, int]]
+
+
+def split_routed(jobs: Sequence[Outbound], fleets: Mapping[str, Fleet]) -> tuple[list[Outbound], list[Outbound]]:
+    """(routed, shared): API requests with a key, of a model with two live workers or more, go to one
+    worker's own queue (`route`); the rest to the model's shared queues, as before affinity."""
+    routed: list[Outbound] = []
+    shared: list[Outbound] = []
+    for job in jobs:
+        several = len(fleets.get(job[2]) or ()) > 1
+        (routed if several and job[3] == "interactive" and job[4] is not None else shared).append(job)
+    return routed, shared
+
+
+def _routed_by_model(routed: Sequence[Outbound]) -> dict[str, list[tuple[str, int]]]:
+    out: dict[str, list[tuple[str, int]]] = {}
+    for job_id, attempt, model, _, key in routed:
+        assert key is not None
+        out.setdefault(model, []).append((task_message(RUN_JOB, [job_id, attempt], queue_for(model)), key))
+    return out
+
+
 class AsyncSender:
     """The API's sender: new jobs' messages (`run_messages`), pushed with an async client (a thread hop
     per request to run the blocking one cost more CPU than the push itself), all of a group of new
-    jobs in one pipeline: (job id, attempt, model, kind) each."""
+    jobs in one pipeline; API requests of a model with several live workers go to the worker their
+    affinity key picks (`route`, one script call per model), one message each."""
 
-    def __init__(self, url: str, per_message: int = 8) -> None:
+    def __init__(self, url: str, per_message: int = 8, spill: float = 0.5, rate: int = 8) -> None:
         from core.infra import kv
 
         self._redis = kv.async_client(url)
-        self.per_message = per_message
+        self.per_message, self.spill, self.rate = per_message, spill, rate
 
-    async def __call__(self, jobs: Sequence[tuple[str, int, str, str]]) -> None:
-        messages = run_messages(jobs, self.per_message)
+    async def __call__(self, jobs: Sequence[Outbound], fleets: Mapping[str, Fleet] | None = None) -> None:
+        routed, shared = split_routed(jobs, fleets or {})
+        for model, keyed in _routed_by_model(routed).items():
+            picked = await route_async(self._redis, model, (fleets or {})[model], keyed, self.spill, self.rate)
+            for _, how in picked:
+                AFFINITY.labels(model, how).inc()
+        messages = run_messages([(j[0], j[1], j[2], j[3]) for j in shared], self.per_message)
+        if not messages:
+            return
         if len(messages) == 1:
             await self._redis.lpush(*messages[0])
             return
@@ -183,9 +387,29 @@ class AsyncSender:
         await self._redis.aclose()
 
 
+def send_routed(rds: Any, jobs: Sequence[Outbound], fleets: Mapping[str, Fleet], spill: float, rate: int) -> int:
+    """The dispatcher's `AsyncSender`: each job onto its worker's own queue where `split_routed` says so,
+    else its model's shared one; returns how many went by affinity."""
+    routed, shared = split_routed(jobs, fleets)
+    for model, messages in _routed_by_model(routed).items():
+        for _, how in route(rds, model, fleets[model], messages, spill, rate):
+            AFFINITY.labels(model, how).inc()
+    for job_id, attempt, model, kind, _ in shared:
+        send_run_job(job_id, attempt, model, kind)
+    return len(routed)
+
+
 def send_run_jobs(pairs: list[tuple[str, int]], model: str) -> None:
     """Publish one `run_jobs([[job_id, attempt], ...])` message (batch lines of one model)."""
     send(RUN_JOBS, [[list(p) for p in pairs]], queue_for(model, "batch"))
+
+
+def on_shutdown(fn: Any) -> None:
+    """`fn` called as a worker begins its warm shutdown (SIGTERM: Celery stops consuming, lets running
+    tasks end)."""
+    from celery.signals import worker_shutting_down
+
+    worker_shutting_down.connect(fn, weak=False)
 
 
 def send_deliver_webhook(batch_id: str, body: str) -> None:
@@ -193,10 +417,12 @@ def send_deliver_webhook(batch_id: str, body: str) -> None:
 
 
 def queued_jobs(broker: Any, model: str, limit: int = 10_000) -> set[tuple[str, int]]:
-    """(job id, attempt) of every run_job message still waiting in the model's queues. Kombu's Redis
-    transport keeps each message as JSON with a base64 body holding Celery's [args, kwargs, embed]."""
+    """(job id, attempt) of every run_job message still waiting in the model's queues, its workers'
+    direct ones included. Kombu's Redis transport keeps each message as JSON with a base64 body holding
+    Celery's [args, kwargs, embed]."""
     out: set[tuple[str, int]] = set()
-    for q in queues_for(model):
+    direct = [q if isinstance(q, str) else q.decode() for q in broker.smembers(direct_set(model))]
+    for q in [*queues_for(model), *direct]:
         for raw in broker.lrange(q, 0, limit - 1):
             try:
                 msg = json.loads(raw)

@@ -25,6 +25,15 @@ TIERS = Counter(
 FLEX_REFUSED = Counter(
     "spool_flex_refused_total", "Flex requests refused (429) because the flex backlog was past its bound", ["model"]
 )
+AFFINITY = Counter(
+    "spool_affinity_routed_total",
+    "API requests sent to one worker's own queue by prefix affinity: to their key's home, or spilled for its load "
+    "or the key's rate",
+    ["model", "how"],
+)
+RECLAIMED = Counter(
+    "spool_affinity_reclaimed_total", "Messages moved from a gone worker's own queue to the shared one", ["model"]
+)
 SECONDS = Counter("spool_engine_seconds_total", "Engine time of finished jobs (GPU-seconds)", ["tenant", "model"])
 PROMPT_TOKENS = Counter("spool_prompt_tokens_total", "Prompt tokens processed", ["model"])
 GENERATION_TOKENS = Counter("spool_generation_tokens_total", "Tokens generated", ["model"])

@@ -131,6 +131,8 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(Integer, server_default="0")
     # The tier that serves it (core/jobs/tiers.py): its lane in the fair dispatcher (migration 0018).
     service_tier: Mapped[str] = mapped_column(String(16), server_default="default")
+    # Which worker's prefix cache should serve it (core/jobs/affinity.py; migration 0019). NULL: any.
+    affinity: Mapped[int | None] = mapped_column(BigInteger)
     # Engine-neutral GenerationParams (core/generation/params.py) and the prompts, already normalized.
     params: Mapped[dict[str, Any]] = mapped_column(JSONB)
     prompts: Mapped[list[Any]] = mapped_column(JSONB)

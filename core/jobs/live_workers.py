@@ -26,10 +26,15 @@ class WorkerInfo:
     batch_slots: int
     interactive_slots: int
     seen: float  # unix time of its last heartbeat
+    draining: bool = False  # shutting down: finishing what it runs, taking nothing new
 
 
-def beat(rds: Any, model: str, name: str, batch_slots: int, interactive_slots: int) -> None:
-    body = json.dumps({"batch_slots": batch_slots, "interactive_slots": interactive_slots, "t": time.time()})
+def beat(rds: Any, model: str, name: str, batch_slots: int, interactive_slots: int, draining: bool = False) -> None:
+    """A worker's heartbeat. A draining one (SIGTERM: it finishes its running jobs) still beats, so its
+    jobs are not taken for a cut worker's, but it has no slots and no queue of its own any more."""
+    body = json.dumps(
+        {"batch_slots": batch_slots, "interactive_slots": interactive_slots, "t": time.time(), "draining": draining}
+    )
     pipe = rds.pipeline(transaction=False)
     pipe.hset(redis_keys.live_workers(model), name, body)
     pipe.expire(redis_keys.live_workers(model), int(LIVE_S * 6))
@@ -63,7 +68,9 @@ def _parse(name: Any, raw: Any) -> WorkerInfo | WorkerFailure:
     n = name if isinstance(name, str) else name.decode()
     if "error" in d:
         return WorkerFailure(n, str(d["error"]), float(d["t"]))
-    return WorkerInfo(n, int(d["batch_slots"]), int(d.get("interactive_slots", 0)), float(d["t"]))
+    return WorkerInfo(
+        n, int(d["batch_slots"]), int(d.get("interactive_slots", 0)), float(d["t"]), bool(d.get("draining"))
+    )
 
 
 def _live(raw: dict, now: float) -> list[WorkerInfo]:
@@ -104,7 +111,13 @@ def slots(live: list[WorkerInfo]) -> int:
     """The sequences these workers' engines hold at once (batch slots with their prefetch, and the
     interactive ones): how many API requests may be in flight before new ones wait for the dispatcher.
     The prefetch is the margin that keeps an engine full across a dispatch round trip."""
-    return sum(w.batch_slots + w.interactive_slots for w in live)
+    return sum(w.batch_slots + w.interactive_slots for w in live if not w.draining)
+
+
+def fleet(live: list[WorkerInfo]) -> list[tuple[str, int]]:
+    """The workers prefix affinity may send requests to (core/infra/broker.py `route`): (name, slots) of
+    each live one that is not draining."""
+    return [(w.name, w.batch_slots + w.interactive_slots) for w in live if not w.draining]
 
 
 def wake_dispatcher(rds: Any) -> None:

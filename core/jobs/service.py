@@ -32,7 +32,7 @@ from core.infra.orm import Job
 from core.infra.streams import read
 from core.infra.tokenizers import context_length, tokenizer_for
 from core.infra.transient import DATABASE
-from core.jobs import chat_store, live_workers, tiers, transitions
+from core.jobs import affinity, chat_store, live_workers, tiers, transitions
 from core.jobs.follow import HEARTBEAT, follow
 from core.jobs.submit import Send, Submitter
 from core.protocol.schemas import ChatCompletionRequest, CompletionRequest
@@ -91,6 +91,15 @@ def forgotten(job: Any) -> bool:
     return bool(m.get("deleted")) or m.get("store") is False or chat_store.is_deleted(job.chat)
 
 
+def _affinity(body: CompletionRequest | ChatCompletionRequest, prompts: list[Any], tenant_id: int) -> int:
+    """The request's prefix-affinity key (core/jobs/affinity.py): which worker's cache should serve it."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.prompt_cache_key:
+            return affinity.from_cache_key(tenant_id, body.prompt_cache_key)
+        return affinity.from_messages(tenant_id, body.messages)
+    return affinity.from_tokens(tenant_id, prompts[0].ids if prompts else [])
+
+
 class Completions:
     """The completion use case. `send` hands jobs to Celery (core/infra/broker.AsyncSender);
     `tokenizers` finds a model's tokenizer (core/infra/tokenizers.tokenizer_for, loaded once)."""
@@ -105,12 +114,15 @@ class Completions:
         tokenizers: Callable[[str], Tokenizer] = tokenizer_for,
     ) -> None:
         self.sessions, self.redis, self.settings, self.keys = sessions, rds, settings, keys
-        self.submit = Submitter(sessions, send, self.capacity, lambda: live_workers.wake_dispatcher_async(rds))
+        self.submit = Submitter(
+            sessions, send, self.capacity, lambda: live_workers.wake_dispatcher_async(rds), self.fleet
+        )
         self.tokenizers = tokenizers
         self.quotas = Quotas(sessions, rds, settings)
         self._warm: set[str] = set()  # models whose tokenizer this process has loaded
         self._live_until: dict[str, float] = {}  # model -> until when a live worker was last seen
         self._slots: dict[str, int] = {}  # model -> its live workers' slots, as last seen
+        self._fleet: dict[str, list[tuple[str, int]]] = {}  # model -> its live workers (name, slots), as last seen
 
     async def _live(self, model: str) -> bool:
         """Whether a worker serves `model`. A yes is kept for a second (a worker is taken for gone only
@@ -121,6 +133,7 @@ class Completions:
             return True
         live = await live_workers.live_async(self.redis, model)
         self._slots[model] = live_workers.slots(live)
+        self._fleet[model] = live_workers.fleet(live)
         if live:
             self._live_until[model] = now + LIVE_CACHE_S
             return True
@@ -136,6 +149,11 @@ class Completions:
         dispatcher: its live workers' slots, as last seen (within a second), the bound the dispatcher keeps
         too (core/dispatcher.py). None live: every request waits there until one is."""
         return self._slots.get(model, 0)
+
+    def fleet(self, model: str) -> list[tuple[str, int]]:
+        """A model's live workers (name, slots) as last seen (within a second): where prefix affinity may
+        send its requests (core/jobs/affinity.py). Off (SPOOL_AFFINITY): none, so any worker takes any."""
+        return self._fleet.get(model, []) if self.settings.affinity else []
 
     async def create(
         self,
@@ -186,7 +204,8 @@ class Completions:
             await tiers.check_flex(self.sessions, body.model, settings.flex_max_queued)
         # A model that may have no worker (min_workers 0) holds the request for one instead of refusing.
         held = settings_for(body.model, settings).min_workers == 0
-        if not queued and not await self._live(body.model) and not held:
+        live = await self._live(body.model)  # asked even when it may wait: it refreshes `fleet` too
+        if not queued and not live and not held:
             raise DomainError(
                 ErrorKind.unavailable,
                 f"No worker is serving '{body.model}' right now; retry shortly, or send the request with "
@@ -200,9 +219,11 @@ class Completions:
         await precheck(rds, principal, prompt_floor(body))
         constrained = body.constrained()
         if small and body.model in self._warm and not constrained:
-            tok, ms, (params, prompts, chat, stored, need) = self._stored_form(body)
+            tok, ms, (params, prompts, chat, stored, need, key) = self._stored_form(body, tenant.id)
         else:
-            tok, ms, (params, prompts, chat, stored, need) = await threads.run("prepare", self._stored_form, body)
+            tok, ms, (params, prompts, chat, stored, need, key) = await threads.run(
+                "prepare", self._stored_form, body, tenant.id
+            )
             self._warm.add(body.model)  # its tokenizer is loaded: the next small request may stay on the loop
         # The tenant's stored bytes (and Redis bytes) before its rate limits: nothing is stored or taken.
         await self.quotas.check(tenant, need)
@@ -219,6 +240,7 @@ class Completions:
             reserved_tokens=reservation(params, prompts, context_length(tok, ms)),
             chat=chat,
             request_id=request_id,
+            affinity=key,
         )
         headers |= await admit(rds, principal, job.id, job.reserved_tokens)
         try:
@@ -245,13 +267,16 @@ class Completions:
             chat = {**(chat or {}), "stored": kept}
         return tok, ms, (params, prompts, chat)
 
-    def _stored_form(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[Tokenizer, Settings, Any]:
-        """`_prepare`, then the job's params and prompts as they will be stored and the bytes the job
-        stores (for the tenant's stored-bytes quota): serialized in the same hop, never on the loop
-        for a large body."""
+    def _stored_form(
+        self, body: CompletionRequest | ChatCompletionRequest, tenant_id: int
+    ) -> tuple[Tokenizer, Settings, Any]:
+        """`_prepare`, then the job's params and prompts as they will be stored, the bytes the job
+        stores (for the tenant's stored-bytes quota) and its affinity key: serialized in the same hop,
+        never on the loop for a large body."""
         tok, ms, (params, prompts, chat) = self._prepare(body)
         stored = (params.to_json(), [p.to_json() for p in prompts])
-        return tok, ms, (params, prompts, chat, stored, quota.json_bytes(*stored, chat))
+        need = quota.json_bytes(*stored, chat)
+        return tok, ms, (params, prompts, chat, stored, need, _affinity(body, prompts, tenant_id))
 
     async def get(self, job_id: str, tenant_id: int, *, without_result: bool = False) -> Job | None:
         query = transitions.get_for_tenant(job_id, tenant_id, without_result=without_result)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -14,15 +14,16 @@ from core import idempotency
 from core.idempotency import Claim
 from core.infra import transient
 from core.infra.autocommit import one_statement_async
+from core.infra.broker import Fleet, Outbound
 from core.infra.orm import Job
 from core.jobs import transitions
 from core.states import JobKind, JobState
 
 log = logging.getLogger(__name__)
 
-# Hands jobs to Celery (core/infra/broker.AsyncSender), each as (job id, attempt, model, kind), in one
-# round trip however many.
-Send = Callable[[Sequence[tuple[str, int, str, str]]], Awaitable[None]]
+# Hands jobs to Celery (core/infra/broker.AsyncSender), each as (job id, attempt, model, kind, affinity
+# key), with each model's live workers (name, slots) for prefix affinity, in a round trip or two.
+Send = Callable[[Sequence[Outbound], Mapping[str, Fleet]], Awaitable[None]]
 # Wakes the dispatcher (core/jobs/live_workers.wake_dispatcher's pipeline, on the API's client): a job
 # stored `queued` is picked within milliseconds rather than at its next tick.
 Wake = Callable[[], Awaitable[None]]
@@ -47,10 +48,12 @@ class Submitter:
         send: Send,
         capacity: Callable[[str], int] = lambda _model: 8,
         wake: Wake | None = None,
+        fleet: Callable[[str], Fleet] = lambda _model: (),
     ) -> None:
         # `capacity`: how many of a model's requests may be in flight before new ones wait for the fair
         # dispatcher (its live workers' slots and the queue depth: `Completions.capacity`).
         self.sessions, self.send, self.capacity, self.wake = sessions, send, capacity, wake
+        self.fleet = fleet  # a model's live workers, as last seen: where affinity may send a request
         self._pending: list[tuple[Job, int | None, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -127,7 +130,8 @@ class Submitter:
         if not out:
             return
         try:
-            await self.send([(j.id, j.attempt, j.model, j.kind) for j in out])
+            fleets = {m: self.fleet(m) for m in {j.model for j in out}}
+            await self.send([(j.id, j.attempt, j.model, j.kind, j.affinity) for j in out], fleets)
         except Exception:
             log.warning("could not send %d jobs; leaving them to the dispatcher", len(out), exc_info=True)
             for j in out:

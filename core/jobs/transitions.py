@@ -75,6 +75,7 @@ def new_row(
     line_no: int | None = None,
     custom_id: str | None = None,
     service_tier: str = "default",
+    affinity: int | None = None,
 ) -> dict[str, Any]:
     """A new job's columns, queued at attempt 1: the one builder of job rows. `new_job` makes an ORM
     object of them (the API's request); the batch validator COPYs them as they are, a plain dict per
@@ -99,6 +100,7 @@ def new_row(
         "custom_id": custom_id,
         "reserved_tokens": reserved_tokens,
         "service_tier": service_tier,
+        "affinity": affinity,
     }
 
 
@@ -124,6 +126,7 @@ _NEW = (
     "reserved_tokens",
     "priority",
     "service_tier",
+    "affinity",
     "params",
     "prompts",
     "stream",
@@ -509,7 +512,7 @@ def dispatch_picked(job_ids: list[str]) -> Update:
         update(Job)
         .where(Job.id.in_(job_ids), Job.state == JobState.queued.value)
         .values(state=JobState.dispatched.value, dispatched_at=func.now())
-        .returning(Job.id, Job.attempt, Job.model, Job.kind)
+        .returning(Job.id, Job.attempt, Job.model, Job.kind, Job.affinity)
     )
 
 
@@ -531,7 +534,7 @@ def touch_stale_dispatched(timeout_s: float, limit: int, models: list[str]) -> U
         update(Job)
         .where(Job.id.in_(stale), Job.state == JobState.dispatched.value)
         .values(dispatched_at=func.now())
-        .returning(Job.id, Job.attempt, Job.model, Job.kind)
+        .returning(Job.id, Job.attempt, Job.model, Job.kind, Job.affinity)
     )
 
 

@@ -410,7 +410,7 @@ def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]], model: str) ->
         body[name] = (req.model_extra or {})[name]
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
-    for name in ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "service_tier"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "service_tier", "prompt_cache_key"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     tools = _tools(req)

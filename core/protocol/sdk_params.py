@@ -51,7 +51,11 @@ _CACHE = "the engine keeps its own prefix cache per tenant (docs/performance.md)
 # Chat and Responses both take these, with the same meaning.
 _SHARED: dict[str, Decision] = {
     "moderation": _noop(_NO_MODERATION),
-    "prompt_cache_key": _noop(f"{_CACHE}; a dispatcher may route by it later"),
+    "prompt_cache_key": _ok(
+        "prefix affinity (core/jobs/affinity.py): requests of one tenant with one key go to the same worker, whose "
+        "prefix cache then serves them (`usage.prompt_tokens_details.cached_tokens`); a key past "
+        "SPOOL_AFFINITY_KEY_RATE requests a second spills to the next workers"
+    ),
     "prompt_cache_retention": _noop(_CACHE),
     "safety_identifier": _noop("no abuse detection runs here"),
     "service_tier": _ok(
@@ -148,7 +152,7 @@ RESPONSES: dict[str, Decision] = {
     "parallel_tool_calls": _ok(),
     "previous_response_id": _ok(),
     "prompt": _refuse("Stored prompt templates ('prompt') are not supported; send 'instructions' and 'input'."),
-    "prompt_cache_key": _noop(f"{_CACHE}; echoed"),
+    "prompt_cache_key": Decision(Answer.honoured, _SHARED["prompt_cache_key"].note + "; echoed"),
     "prompt_cache_options": Decision(
         Answer.no_effect,
         f"{_CACHE}; `prewarm: true` is refused (it asks for no output, and one would be generated)",

@@ -53,7 +53,7 @@ def test_the_message_is_the_one_send_task_writes(it_settings, monkeypatch):
 
         async def push() -> None:
             try:
-                await sender([("job-1", 2, "broker-message-test", "interactive")])
+                await sender([("job-1", 2, "broker-message-test", "interactive", None)])
             finally:
                 await sender.aclose()
 
@@ -66,11 +66,11 @@ def test_the_message_is_the_one_send_task_writes(it_settings, monkeypatch):
         sender = broker.AsyncSender(get_settings().celery_broker_url, per_message=8)
         other = broker.queue_for("broker-message-other")
         rds.delete(other)
-        group = [(f"job-{i}", 1, "broker-message-test", "interactive") for i in range(17)]
+        group = [(f"job-{i}", 1, "broker-message-test", "interactive", None) for i in range(17)]
 
         async def push_group() -> None:
             try:
-                await sender([*group, ("job-x", 4, "broker-message-other", "interactive")])
+                await sender([*group, ("job-x", 4, "broker-message-other", "interactive", None)])
             finally:
                 await sender.aclose()
 

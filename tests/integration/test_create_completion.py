@@ -8,7 +8,7 @@ recorder, the reservation from Redis. Postgres and Redis are the integration tes
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import pytest
@@ -19,8 +19,9 @@ from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 from core.errors import DomainError, ErrorKind
 from core.idempotency import Idempotency
 from core.infra import redis_keys
+from core.infra.broker import Fleet, Outbound
 from core.infra.orm import IdempotencyKey, Job
-from core.jobs import live_workers
+from core.jobs import affinity, live_workers
 from core.jobs.service import Completions
 from core.protocol.schemas import CompletionRequest
 from core.states import JobKind, JobState
@@ -48,17 +49,19 @@ class CharTokenizer:
 
 class Broker:
     """Records every job handed to it, as (job id, attempt, model, kind), and how many went in each
-    call (one round trip); `down` makes it fail."""
+    call (one round trip); `down` makes it fail. `keys`: the affinity key each came with."""
 
     def __init__(self, down: bool = False) -> None:
         self.sent: list[tuple[str, int, str, str]] = []
+        self.keys: list[int | None] = []
         self.calls: list[int] = []
         self.down = down
 
-    async def __call__(self, jobs: Sequence[tuple[str, int, str, str]]) -> None:
+    async def __call__(self, jobs: Sequence[Outbound], fleets: Mapping[str, Fleet]) -> None:
         if self.down:
             raise ConnectionError("broker unavailable")
-        self.sent += jobs
+        self.sent += [j[:4] for j in jobs]
+        self.keys += [j[4] for j in jobs]
         self.calls.append(len(jobs))
 
 
@@ -122,6 +125,8 @@ def test_a_request_is_stored_then_sent_once(it_settings, session, rds, caller):
     assert (row.key_id, row.user, row.request_id) == (caller.key.id, "u1", "req-1")
     assert row.reserved_tokens == len(ids) + 4  # the prompt plus the most it may generate
     assert broker.sent == [(row.id, 1, MODEL, "interactive")]  # after the commit, once
+    # Its prefix-affinity key (its first prompt tokens, salted with the tenant) is stored and sent.
+    assert broker.keys == [row.affinity] == [affinity.from_tokens(caller.tenant.id, ids)]
     assert rds.exists(redis_keys.reservation(row.id))  # its tokens are held until it ends
     assert created.headers["x-ratelimit-limit-tokens"] == "100000"
 
