@@ -77,7 +77,9 @@ async def lifespan(app: FastAPI):
     # What a rendered completion names as its `system_fingerprint`, per model (rendering reads no settings).
     app.state.fingerprints = render.Fingerprints(settings)
     app.state.idempotency = Idempotency(app.state.async_sessions, settings.idempotency_lock_s)
-    sender = AsyncSender(settings.celery_broker_url, settings.interactive_group)
+    sender = AsyncSender(
+        settings.celery_broker_url, settings.interactive_group, settings.affinity_spill_load, settings.affinity_key_rate
+    )
     app.state.completions = Completions(
         app.state.async_sessions, app.state.redis, settings, app.state.idempotency, sender, tokenizer_for
     )

@@ -195,9 +195,24 @@ class Cluster:
     def start_api(self, host: str) -> None:
         self.start(host, host, [*SPOOL, "api"])
 
-    def start_worker(self, host: str) -> None:
-        self.start(host, host, [*SPOOL, "worker"], self.env(SPOOL_N_THREADS="1"))
-        wait_for(lambda: "ready." in self.log(host), 180, f"{host}'s worker")
+    def start_worker(self, host: str, **settings: str) -> None:
+        before = self.log(host).count("ready.") if (self.workdir / f"{host}.log").exists() else 0
+        self.start(host, host, [*SPOOL, "worker"], self.env(SPOOL_N_THREADS="1", **settings))
+        wait_for(lambda: self.log(host).count("ready.") > before, 180, f"{host}'s worker")
+
+    def stop_host(self, host: str) -> list[str]:
+        """SIGTERM every process this harness started on `host` (a scale-down, a rolling update): each
+        ends as its supervisor would have it end (a worker finishes its jobs and leaves the live set)."""
+        names = [n for n, (h, _) in self.procs.items() if h == host]
+        for n in names:
+            _, proc = self.procs.pop(n)
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        return names
 
     def up(self) -> None:
         self.net.up()
