@@ -286,31 +286,37 @@ NEAR_TIE = 0.1
 
 def greedy_gap(base_url: str, key: str, messages: list[dict[str, str]], answer: str) -> float | None:
     """How far the answer strays from greedy decoding: the largest gap, over its tokens, between the
-    model's top log-probability and the chosen token's, scored by the model itself (the answer sent back
-    as the assistant's message to continue, with vLLM's `prompt_logprobs`). None: it could not be
-    scored (its tokens did not come back as its text)."""
-    body = {
-        "model": MODEL,
-        "messages": [*messages, {"role": "assistant", "content": answer}],
-        "continue_final_message": True,
-        "add_generation_prompt": False,
-        "prompt_logprobs": 1,
-        "max_tokens": 1,
-        "temperature": 0,
-    }
-    r = httpx.post(
-        f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+    model's top log-probability and the chosen token's, scored by the model itself. The conversation
+    with the answer as the assistant's message to continue is templated and tokenized as the API does
+    (core/jobs/service.py `translate`), and its tokens sent back as a completion prompt to echo with
+    log-probabilities. None: it could not be scored (its last tokens did not spell the answer)."""
+    from core.config import get_settings
+    from core.infra.tokenizers import tokenizer_for
+    from core.jobs.service import translate
+    from core.protocol.schemas import ChatCompletionRequest
+    from core.registry import settings_for
+
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL,
+            "messages": [*messages, {"role": "assistant", "content": answer}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        }
     )
+    _, prompts, _ = translate(req, settings_for(MODEL, get_settings()), tokenizer_for(MODEL), compile=False)
+    body = {"model": MODEL, "prompt": prompts[0].ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     r.raise_for_status()
-    scored = r.json()["choices"][0].get("prompt_logprobs") or []
+    lp = r.json()["choices"][0]["logprobs"]
+    n = len(prompts[0].ids)  # the echoed prompt's tokens come first; the one generated token after them
+    tokens, chosen, tops = lp["tokens"][:n], lp["token_logprobs"][:n], lp["top_logprobs"][:n]
     gaps, text = [], ""
-    for entry in reversed(scored):  # the answer's tokens are the prompt's last ones
-        if entry is None or text == answer:
+    for i in range(n - 1, 0, -1):  # the answer's tokens are the prompt's last ones
+        if text == answer:
             break
-        chosen = max(entry.values(), key=lambda e: e["rank"])  # the token itself (the top one if rank 1)
-        top = min(entry.values(), key=lambda e: e["rank"])
-        gaps.append(top["logprob"] - chosen["logprob"])
-        text = chosen["decoded_token"] + text
+        gaps.append(max(tops[i].values()) - chosen[i])
+        text = tokens[i] + text
     return max(gaps, default=0.0) if text == answer else None
 
 
@@ -476,7 +482,10 @@ def scenario_hot_key(f: Fleet, key: str, shape: Shape, report: FleetReport) -> N
 def scenario_from_zero(f: Fleet, key: str, shape: Shape, report: FleetReport) -> None:
     f.restart_control(SPOOL_AFFINITY="true", SPOOL_MIN_WORKERS="0", SPOOL_COLD_WAIT_S="300")
     for host in ("work1", "work2"):
+        before = f.c.log(host).count("draining:")
         f.c.stop_host(host)  # a scale-down to zero: each worker leaves the live set on its way out
+        if f.c.log(host).count("draining:") <= before:  # its SIGTERM handler: nothing new, its queue handed over
+            report.problems.append(f"from-zero: {host} did not say it was draining on SIGTERM")
     wait_for(lambda: f.live() == 0, 60, "no live worker")
     out: dict[int, Any] = {}
 

@@ -112,3 +112,19 @@ def test_the_api_sender_routes_and_counts(clean):
     asyncio.run(push())
     assert _jobs_in(rds, broker.direct_queue(MODEL, home)) == ["r1"]
     assert _jobs_in(rds, broker.queue_for(MODEL)) == ["r2"]
+
+
+def test_a_draining_worker_has_no_slots_and_no_queue_of_its_own(clean):
+    from core.jobs import live_workers
+
+    rds = clean
+    live_workers.beat(rds, MODEL, "wa", batch_slots=8, interactive_slots=4)
+    live_workers.beat(rds, MODEL, "wb", batch_slots=8, interactive_slots=4, draining=True)
+    try:
+        live = live_workers.live(rds, MODEL)
+        assert {w.name for w in live} == {"wa", "wb"}  # still heard: its running jobs are not a cut worker's
+        assert live_workers.slots(live) == 12
+        assert live_workers.fleet(live) == [("wa", 12)]
+    finally:
+        live_workers.gone(rds, MODEL, "wa")
+        live_workers.gone(rds, MODEL, "wb")
