@@ -218,6 +218,12 @@ class Settings(BaseSettings):
         "reserved ones (at least one slot always left to other tenants).",
     )
     n_ctx: int = Field(2048, description="Context length per sequence (both engines; capped by the model's).")
+    speculative: Literal["off", "prediction", "auto", "force"] = Field(
+        "prediction",
+        description="Speculative decoding's default (docs/performance.md; per model in the registry, per request "
+        "`speculative`): `prediction` drafts from a request's `prediction` only; `auto` also from prompt lookup; "
+        "`off`; `force` (tests: drafts with no back-off).",
+    )
     n_threads: int | None = Field(None, description="CPU threads for llama.cpp (default: all cores).")
     exl2_cache_tokens: int | None = Field(
         None,
@@ -533,6 +539,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "engine",
         "model_path",
         "n_ctx",
+        "speculative",
         *ENGINE_TUNING,
     ),
     "Requests and limits": (

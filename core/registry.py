@@ -14,6 +14,7 @@ From a TOML file (`SPOOL_MODELS_FILE`; see `ops/models.example.toml`):
     max_batch = 32                  # optional: per-model SPOOL_MAX_BATCH
     min_workers = 0                 # optional: per-model SPOOL_MIN_WORKERS (0: scaled from zero)
     cold_wait_s = 300               # optional: per-model SPOOL_COLD_WAIT_S
+    speculative = "off"             # optional: per-model SPOOL_SPECULATIVE
 
 Without a file, the environment describes one registry as before (`SPOOL_MODELS`, `SPOOL_ENGINE`,
 `SPOOL_MODEL_PATH`, `SPOOL_MODEL_ALIASES`, `SPOOL_CHAT_TEMPLATES`). The default CPU model,
@@ -52,6 +53,7 @@ class ModelSpec:
     # in Postgres up to `cold_wait_s` rather than refused (core/jobs/service.py, core/dispatcher.py).
     min_workers: int | None = None
     cold_wait_s: float | None = None
+    speculative: str | None = None  # per-model SPOOL_SPECULATIVE: off | prediction | auto | force
 
 
 class RegistryError(ValueError):
@@ -72,6 +74,8 @@ def _from_file(path: str) -> dict[str, ModelSpec]:
         if unknown:
             raise RegistryError(f"{path}: models[{i}] has unknown keys {sorted(unknown)}")
         spec = ModelSpec(**{**entry, "aliases": tuple(entry.get("aliases", ()))})
+        if spec.speculative not in (None, "off", "prediction", "auto", "force"):
+            raise RegistryError(f"{path}: model '{spec.id}' has speculative '{spec.speculative}'")
         if spec.engine not in ENGINES:
             raise RegistryError(f"{path}: model '{spec.id}' has engine '{spec.engine}' (one of {ENGINES})")
         if spec.id in out:
@@ -124,6 +128,8 @@ def settings_for(model_id: str, settings: Settings) -> Settings:
         update["min_workers"] = s.min_workers
     if s.cold_wait_s is not None:
         update["cold_wait_s"] = s.cold_wait_s
+    if s.speculative is not None:
+        update["speculative"] = s.speculative
     return settings.model_copy(update=update)
 
 

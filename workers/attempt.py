@@ -225,7 +225,7 @@ class Attempt:
         if self.buffered:
             self._publish(list(final.values()), index_of={ch: i for i, ch in final.items()})
         result = JobResult(choices=[choices.result(i, ch) for i, ch in sorted(final.items())])
-        u = choices.usage(self.choices.values(), [len(ids) for ids in self.prompts])
+        u = choices.usage(self.choices.values(), [len(ids) for ids in self.prompts], bool(self.p.prediction))
         if not retrying(every, f"finish {job.id}", self.runner.lifecycle.succeed, job, result, u, self.engine_s):
             return Outcome.lost
         return Outcome.succeeded

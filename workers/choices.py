@@ -37,6 +37,8 @@ class Choice:
     sum_lp: float = 0.0
     eos: bool = False  # ended by an end-of-sequence token it generated: counted as a completion token
     cached: int = 0
+    drafted: int = 0  # its tokens that were accepted draft tokens (speculative decoding)
+    rejected: int = 0  # draft tokens verified for it and rejected
     last_token_at: float | None = None  # monotonic arrival of its last token (inter-token latency)
 
     @property
@@ -90,6 +92,8 @@ def take_token(ch: Choice, ev: TokenEvent, name: Name) -> bool:
         ch.eos = True
         if ch.lp is not None and ev.logprob is not None:
             ch.lp.append(score(ev.eos_id, ev.logprob, ev.top, ch.offset, name))
+    ch.drafted += ev.drafted
+    ch.rejected += ev.rejected
     if ev.token_id is not None:
         offset = ch.offset
         ch.text.feed(ev.token_id)
@@ -172,14 +176,18 @@ def result(index: int, ch: Choice) -> ChoiceResult:
     )
 
 
-def usage(choices: Iterable[Choice], prompt_lens: Sequence[int]) -> Usage:
+def usage(choices: Iterable[Choice], prompt_lens: Sequence[int], predicted: bool = False) -> Usage:
     """Every prompt's tokens, every candidate's generated ones (a generated end-of-sequence token is
     a completion token, as vLLM counts it and as logprobs list it: docs/parameters.md), and per prompt
-    the longest prefix a choice found cached."""
+    the longest prefix a choice found cached. `predicted`: the request sent a `prediction`, whose
+    accepted and rejected draft tokens are counted (only events applied before a choice ended: a draft
+    token after a stop string is not in the completion). Only the current attempt's are known."""
     every = list(choices)
     cached = sum(max((ch.cached for ch in every if ch.prompt == pi), default=0) for pi in range(len(prompt_lens)))
     return Usage(
         prompt_tokens=sum(prompt_lens),
         completion_tokens=sum(len(ch.text.ids) + ch.eos for ch in every),
         cached_tokens=cached,
+        accepted_prediction_tokens=sum(ch.drafted for ch in every) if predicted else None,
+        rejected_prediction_tokens=sum(ch.rejected for ch in every) if predicted else None,
     )

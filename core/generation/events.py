@@ -43,6 +43,11 @@ class Usage(_Model):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # OpenAI's Predicted Outputs: draft tokens from the request's `prediction` the model accepted (they
+    # are in the completion) and rejected (verified, then dropped); None when it sent no prediction.
+    # Prompt-lookup drafts are not counted here: the client did not predict them.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -160,7 +165,11 @@ def usage_of(row: TerminalRow) -> Usage:
     u = row.usage or {}
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", u.get("cached_tokens", 0))
     return Usage(
-        prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0), cached_tokens=cached
+        prompt_tokens=u.get("prompt_tokens", 0),
+        completion_tokens=u.get("completion_tokens", 0),
+        cached_tokens=cached,
+        accepted_prediction_tokens=u.get("accepted_prediction_tokens"),
+        rejected_prediction_tokens=u.get("rejected_prediction_tokens"),
     )
 
 

@@ -7,7 +7,7 @@ Every field here is honoured by every engine, or refused at the edge with a 400 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_serializer
 
@@ -59,6 +59,11 @@ class GenerationParams(BaseModel):
     grammar: str | None = None
     # Prefix reuse across requests
     cache_prompt: bool = True
+    # Speculative decoding (workers/engine/drafts.py): "off"; "prediction" (drafts from the client's
+    # prediction only); "auto" (the prediction, else prompt lookup); "force" (auto with no back-off:
+    # SPOOL_SPECULATIVE=force, for tests). Output is the same either way: only its speed changes.
+    speculative: Literal["off", "prediction", "auto", "force"] = "prediction"
+    prediction: tuple[int, ...] = ()  # OpenAI's `prediction`, tokenized (chat), bounded by the context
 
     @field_serializer("logit_bias", when_used="json")
     def _bias_json(self, bias: dict[int, float]) -> dict[int, float | str]:

@@ -163,6 +163,8 @@ class _GenerationRequest(BaseModel):
     truncate_sequence: bool | None = None
     # Serving
     cache_prompt: bool | None = None
+    # Spool's: speculative decoding for this request (SPOOL_SPECULATIVE when omitted; docs/performance.md)
+    speculative: Literal["off", "prediction", "auto"] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -355,6 +357,7 @@ class UsageObject(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None  # with a `prediction`: its accepted/rejected tokens
 
 
 class CompletionChoice(_Response):

@@ -85,7 +85,10 @@ CHAT: dict[str, Decision] = {
     "moderation": _SHARED["moderation"],
     "n": _ok(),
     "parallel_tool_calls": _ok(),
-    "prediction": _noop("validated; not used yet (it may later feed speculative decoding as the draft)"),
+    "prediction": _ok(
+        "the CPU engine's speculative draft (docs/performance.md): same answer, faster where it matches; "
+        "counted in `usage.completion_tokens_details`; other engines draft nothing"
+    ),
     "presence_penalty": _ok(),
     "prompt_cache_key": _SHARED["prompt_cache_key"],
     "prompt_cache_options": _noop(_CACHE),

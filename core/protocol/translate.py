@@ -341,6 +341,7 @@ def to_generation(
         "mirostat_tau": req.mirostat_tau,
         "mirostat_eta": req.mirostat_eta,
         "cache_prompt": req.cache_prompt,
+        "speculative": req.speculative or settings.speculative,
     }
     params = GenerationParams(
         **{k: v for k, v in given.items() if v is not None},
@@ -549,6 +550,20 @@ def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer, template: str | None
         raise bad("messages", f"The messages are not valid Unicode text: {exc.reason}.") from exc
 
 
+def prediction_ids(req: ChatCompletionRequest, tok: Tokenizer, settings: Settings) -> tuple[int, ...]:
+    """OpenAI's `prediction` as the draft tokens it gives (workers/engine/drafts.py): its text (text
+    parts joined as written) tokenized without BOS; no more than the context can hold, since no
+    output is longer."""
+    assert req.prediction is not None
+    content = req.prediction.content
+    text = content if isinstance(content, str) else "".join(p.text for p in content)
+    try:
+        ids = tok.encode(text, add_special=False)
+    except UnicodeEncodeError as exc:
+        raise bad("prediction", f"The prediction is not valid Unicode text: {exc.reason}.") from exc
+    return tuple(ids[: context_length(tok, settings)])
+
+
 def _chat_param(exc: DomainError, req: ChatCompletionRequest) -> DomainError:
     """An error of the shared completions translation, naming the chat request's own field."""
     if exc.param == "prompt":
@@ -592,6 +607,8 @@ def chat_to_generation(
         completion = completion.model_copy(update={"logprobs": req.top_logprobs or 0})
     try:
         params, prompts = to_generation(completion, settings, tok, compile)
+        if req.prediction is not None:
+            params = params.model_copy(update={"prediction": prediction_ids(req, tok, settings)})
     except DomainError as exc:
         if forced is not None and exc.param == "grammar":  # the forced call's grammar: the tools' schemas
             raise _tools_error(exc) from exc

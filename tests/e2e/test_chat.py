@@ -499,3 +499,26 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_a_tool_call(stack, choice):
         calls = [tc for x in chunks if x.choices for tc in (x.choices[0].delta.tool_calls or [])]
         assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", call.function.arguments)]
         assert [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason] == ["length"]
+
+
+def test_a_prediction_speeds_nothing_but_the_steps_and_usage_counts_it(stack):
+    """OpenAI's Predicted Outputs: the answer is the one without a prediction (greedy, and with a
+    stop string cutting a step that brought several tokens); usage counts the prediction's accepted
+    and rejected tokens (docs/performance.md)."""
+    from ops.bench.speculative import REWRITE
+
+    ask, predicted = REWRITE[0]
+    client = stack.openai()
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": ask}], "temperature": 0, "max_tokens": 60}
+    for extra in ({}, {"stop": ["Visitors"]}):
+        plain = client.chat.completions.create(**kw, **extra, extra_body={"speculative": "off", "cache_prompt": False})
+        fast = client.chat.completions.create(
+            **kw, **extra, prediction={"type": "content", "content": predicted}, extra_body={"cache_prompt": False}
+        )
+        assert fast.choices[0].message.content == plain.choices[0].message.content
+        assert fast.choices[0].finish_reason == plain.choices[0].finish_reason
+        assert fast.usage.completion_tokens == plain.usage.completion_tokens
+        details = fast.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+        assert details.accepted_prediction_tokens < fast.usage.completion_tokens
+        assert plain.usage.completion_tokens_details is None

@@ -21,11 +21,18 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> LlamaCppEngine:
+# Every promise here holds with speculative decoding forced on (drafts every step, no back-off) too.
+@pytest.fixture(scope="module", params=["off", "force"])
+def engine(request) -> LlamaCppEngine:
     # Two batch slots and no reserved ones: any interactive arrival while both are busy must displace.
     return LlamaCppEngine(
-        "smollm2", smollm2_gguf(), n_ctx=512, max_batch=2, interactive_slots=0, n_threads=ENGINE_THREADS
+        "smollm2",
+        smollm2_gguf(),
+        n_ctx=512,
+        max_batch=2,
+        interactive_slots=0,
+        n_threads=ENGINE_THREADS,
+        speculative=request.param,
     )
 
 
@@ -209,15 +216,18 @@ def test_a_sequence_displaced_again_while_it_replays_keeps_every_token(engine):
     re-decoded yet with it. It kept only the last one (the rest of its context silently gone), and
     went on with another text: batch lines under bursts of interactive requests in the fault harness."""
     long_prompt = " ".join(["The committee met again to discuss the budget for the coming year."] * 4)
-    alone, _ = run(engine, [spec(engine, "r", PROMPTS[1], 40, False), spec(engine, "b", long_prompt, 40, False)])
+    # `b` holds the other slot throughout: long enough that drafts (its text repeats) do not end it early.
+    alone, _ = run(engine, [spec(engine, "r", PROMPTS[1], 40, False), spec(engine, "b", long_prompt, 300, False)])
     before = engine.preemptions
-    batch = [spec(engine, "r", PROMPTS[1], 40, False), spec(engine, "b", long_prompt, 40, False)]
+    batch = [spec(engine, "r", PROMPTS[1], 40, False), spec(engine, "b", long_prompt, 300, False)]
     for s in batch:
         engine.add(s)
     tokens: dict = defaultdict(list)
     step = 0
     while engine.has_work():
-        if 8 <= step <= 60 and step % 3 == 2:  # interactive arrivals, each displacing `r` (fewest tokens)
+        # Interactive arrivals, each displacing `r` (fewest tokens), while it is under way (by its tokens,
+        # not steps: with drafts a step may bring several).
+        if step % 3 == 2 and 3 <= len(tokens["r"]) < 36 and step <= 60:
             engine.add(spec(engine, ("i", step), "Hello, my name is", 2, True))
         for ev in engine.step():
             if isinstance(ev, TokenEvent) and ev.token_id is not None:

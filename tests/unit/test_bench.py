@@ -63,3 +63,28 @@ def test_the_ceiling_bench_replays_the_captured_job_with_a_new_id_and_the_client
         claim.replace("'cmpl-ab12'", "('pgb-' || :client_id || '-' || :n)") + ";",
         "COMMIT;",
     ]
+
+
+def test_the_speculative_bench_compares_drafts_on_with_off_per_load_and_level():
+    from ops.bench import speculative as spec
+
+    for (ask, predicted), edits in zip(spec.REWRITE, spec._EDITS, strict=True):  # the input, edited as asked
+        assert all(f'"{old}"' in ask and new in predicted and old not in predicted for old, new in edits)
+    rows = [
+        spec.Row("rewrite", 0.0, 1, "off", 100, 2.0, 0, 0),
+        spec.Row("rewrite", 0.0, 1, "auto", 100, 1.0, 60, 20),
+        spec.Row("extract", 0.8, 16, "off", 400, 4.0, 0, 0),
+        spec.Row("extract", 0.8, 16, "auto", 400, 4.2, 0, 0),
+    ]
+    got = spec.ratios(rows)
+    assert got[0] == {
+        "load": "rewrite",
+        "temperature": 0.0,
+        "concurrency": 1,
+        "drafts": "auto",
+        "speedup": 2.0,
+        "acceptance": 0.75,
+        "same_tokens": True,
+    }
+    assert got[1]["speedup"] == round(100 / 105, 3) and got[1]["acceptance"] == 0.0
+    assert "2.00x" in spec.table(rows)

@@ -53,6 +53,8 @@ class TokenEvent:
     error: str | None = None  # the engine could not go on with this sequence: why (it has ended)
     eos_id: int | None = None  # the end-of-generation token that ended it (no text; logprob and top above)
     retry: bool = False  # with `error`: the step failed, not this sequence; the attempt lets go to retry
+    drafted: bool = False  # the token was a draft token the model accepted (speculative decoding)
+    rejected: int = 0  # draft tokens this step fed and the model rejected (on the step's last event)
 
     @property
     def ended(self) -> bool:

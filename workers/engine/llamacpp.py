@@ -13,12 +13,21 @@ only for sequences that asked for them.
 
 A finished sequence leaves its tokens in its slot's cache; a later prompt sharing a prefix with
 them reuses it (`cache_prompt`), as llama.cpp's server does per slot.
+
+Speculative decoding (workers/engine/drafts.py): a generating sequence may feed its last token and K
+draft tokens in the same step, logits on every row; each row is sampled in order exactly as a plain
+step would sample it (same chain, same random stream, same grammar and penalty state), the draft
+token kept while the draw equals it, and the KV of the first rejected draft token onward removed.
+The rows of one sequence in a step stay under 64, where llama.cpp's CPU kernels give every row
+bit-for-bit the logits (and write the KV) of one-token steps (see SCORE_CHUNK): the output is the
+output without drafts, greedy or sampled, token for token.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -33,6 +42,7 @@ import numpy as np
 from core.generation.params import GenerationParams
 from core.infra.llamalog import quiet_llama_logs
 from core.infra.tokenizers import LlamaVocab
+from workers.engine import drafts
 from workers.engine.base import PromptEvent, SeqSpec, TokenEvent, VocabEngine, check_spec
 from workers.engine.logits import GrammarMask, log_softmax, top_logprobs
 
@@ -134,6 +144,9 @@ class _Seq:
     # their KV came out slightly different (a batched matmul sums in another order), and a greedy
     # choice at a near-tie then went another way: at 3 of 26 resume points of two chat answers.
     replay: int = 0
+    drafter: drafts.Lookup | drafts.Prediction | None = None  # where its drafts come from; None: no drafts
+    backoff: drafts.Backoff | None = None  # None: drafts forced on (no back-off)
+    draft: list[int] = field(default_factory=list)  # the draft tokens fed this step after `last`
 
     def unfed(self) -> list[int]:
         """Every token this sequence has, in order: what a new slot must decode to continue it. Its
@@ -158,6 +171,10 @@ _COPY_MIN = 32
 # 64 tokens keep a step under a second. Chunks keep at least 64 rows (a shorter tail goes with the chunk
 # before it), where llama.cpp's results stop depending on a chunk's size (see SCORE_CHUNK).
 PREFILL_BESIDE_DECODE = 64
+
+# The most rows a step may have for llama.cpp's CPU matrix products to compute each row alone (from 64
+# rows up another kernel sums in another order: see SCORE_CHUNK): the bound on decode plus draft rows.
+SMALL_KERNEL_ROWS = 63
 
 # Prompt positions scored (echo with logprobs, prompt_logprobs) in one decode step: one chunk of one
 # sequence. Each scored position is a row of output logits (the vocabulary projection, ~57 MFLOP for
@@ -339,9 +356,14 @@ class LlamaCppEngine(VocabEngine):
         n_batch: int = 512,
         n_threads: int | None = None,
         interactive_slots: int = 4,
+        speculative: str | None = None,
     ) -> None:
+        """`speculative`: every sequence's mode, whatever its params say (tests force drafts on with
+        "force"); None: each sequence's own `params.speculative`."""
         self.model_id = model_id
         self.max_batch = max_batch
+        self.speculative = speculative
+        self.verify = drafts.verify  # the acceptance rule (a test plants a wrong one to see it caught)
         quiet_llama_logs()
         llc.llama_backend_init()
         self._model = llc.llama_model_load_from_file(str(path).encode(), llc.llama_model_default_params())
@@ -390,9 +412,14 @@ class LlamaCppEngine(VocabEngine):
         return len(self._decoder.waiting) + len(self._decoder.paused)
 
     def waiting_keys(self) -> set[Hashable]:
-        """The sequences `waiting_count` counts (the loop's watchdog does not take a wait for a stall)."""
+        """The sequences `waiting_count` counts, and those whose prompt is still being prefilled: the
+        loop's watchdog takes none of these waits for a stall. A prompt gets no event until its last
+        chunk, and beside generating sequences a step prefills one chunk of one prompt at a time, in
+        slot order: 20 sessions' 600-token prompts on two one-thread workers (ops/fleet.py) left a
+        prompt waiting its turn for over SPOOL_SEQUENCE_STALL_S, and the watchdog failed its request."""
         decoder = self._decoder
-        return {s.key for s in decoder.waiting} | {p.spec.key for p in decoder.paused}
+        prefilling = {q.spec.key for q in decoder.live.values() if q.pending}
+        return {s.key for s in decoder.waiting} | {p.spec.key for p in decoder.paused} | prefilling
 
     @property
     def preemptions(self) -> int:
@@ -482,7 +509,23 @@ class LlamaCppEngine(VocabEngine):
             seq.grammar = GrammarMask(spec.matcher, self.n_vocab)
         if spec.prompt_logprobs is not None:
             seq.prompt_lp = [(None, None, None)]
+        self._drafts_for(seq)
         decoder.live[spec.key] = seq
+
+    def _drafts_for(self, seq: _Seq) -> None:
+        """Its draft source: the prediction when there is one, else (auto) prompt lookup."""
+        p, spec = seq.spec.params, seq.spec
+        mode = self.speculative or p.speculative
+        if mode == "off" or spec.max_new_tokens <= 1:
+            return
+        if p.prediction:
+            seq.drafter = drafts.Prediction(p.prediction, len(spec.prompt_ids) - spec.prior)
+        elif mode in ("auto", "force"):
+            seq.drafter = drafts.Lookup()
+        else:
+            return
+        if mode != "force":
+            seq.backoff = drafts.Backoff(prior=0.9 if p.prediction else 0.5)
 
     # -- one decode step --------------------------------------------------------------------
     def step(self) -> list[TokenEvent | PromptEvent]:
@@ -500,6 +543,13 @@ class LlamaCppEngine(VocabEngine):
         # consecutive sequence ids in batch order (llama_batch_allocr::split_equal); unsorted or
         # scattered ids cost one forward pass each, which made a step's cost flat in batch size.
         ordered = sorted(decoder.live.values(), key=lambda q: q.slot)
+        generating = sum(1 for q in ordered if not q.pending)
+        # Draft rows keep a step's decode rows under SMALL_KERNEL_ROWS: there llama.cpp's CPU matrix
+        # products compute each row as in a step of one row per sequence, so a step with drafts gives
+        # every row the logits the plain step would (at 16 sequences with 8 drafts each, 144 rows, the
+        # larger kernel's sums moved greedy choices at near-ties). A prompt chunk that joins the step
+        # takes it past the bound either way, with or without drafts.
+        draft_room = max(0, SMALL_KERNEL_ROWS - generating)
         for s in ordered:
             if s.pending:
                 continue
@@ -508,6 +558,12 @@ class LlamaCppEngine(VocabEngine):
             s.pos += 1
             samplers.append((s, n))
             n += 1
+            s.draft = self._draft(s, generating, draft_room)
+            for tok in s.draft:  # the draft's rows, logits on each; `_verify` drops the rejected ones
+                self._put(b, n, tok, s.pos, s.slot, True)
+                s.fed.append(tok)
+                s.pos += 1
+                n += 1
         # One sequence's scoring chunk per step, and beside generating sequences every other step only.
         scoring = bool(samplers) and decoder.scored_last
         scored_now = False
@@ -569,12 +625,50 @@ class LlamaCppEngine(VocabEngine):
                     decoder.release(s)
                     continue
             try:
-                out.append(self._sample(s, row, now))
+                out += self._verify(s, row, now) if s.draft else [self._sample(s, row, now)]
             except Exception as exc:  # this sequence's sampling (its grammar, its params) alone fails
                 log.exception("sampling failed for sequence %s", s.spec.key)
                 decoder.release(s)
                 out.append(TokenEvent.failed(s.spec.key, f"sampling failed: {type(exc).__name__}", t=now))
         return out
+
+    def _draft(self, s: _Seq, generating: int, room: int) -> list[int]:
+        """The draft tokens `s` feeds this step after its last token (none: a plain step)."""
+        if s.drafter is None or s.last is None:
+            return []
+        # Every emitted token counts against max_new_tokens: a step emits up to len(draft) + 1.
+        cap = min(drafts.K_MAX, s.spec.max_new_tokens - s.generated - 1, max(0, room // max(1, generating)))
+        k = cap if s.backoff is None else s.backoff.want(generating, cap)
+        if k <= 0:
+            return []
+        s.drafter.see(s.fed)  # fed now ends with the last token: the whole sequence so far
+        return s.drafter.draft(k)
+
+    def _verify(self, s: _Seq, row: int, now: float) -> list[TokenEvent]:
+        """Sample the rows of `s`'s last token and its draft in order, keeping draft tokens while the
+        draw equals them (drafts.verify); then drop the KV of every rejected draft token."""
+        draft, events = s.draft, []
+        start = s.pos - len(draft) - 1  # the position of the token fed before the draft
+
+        def sample(i: int) -> int | None:
+            ev = self._sample(s, row + i, now)
+            events.append(ev)
+            return None if ev.ended else ev.token_id
+
+        _, accepted = self.verify(draft, sample)
+        keep = start + 1 + accepted  # the last token and the accepted draft tokens keep their KV
+        del s.fed[len(s.fed) - (s.pos - keep) :]
+        if keep < s.pos:
+            llc.llama_memory_seq_rm(s.decoder.mem, s.slot, keep, -1)
+        s.pos, s.draft = keep, []
+        if s.backoff is not None:
+            s.backoff.update(len(draft), accepted)
+        for i in range(accepted):  # the emitted tokens that were draft tokens
+            events[i] = dataclasses.replace(events[i], drafted=True)
+        rejected = len(draft) - accepted
+        if rejected:
+            events[-1] = dataclasses.replace(events[-1], rejected=rejected)
+        return events
 
     def _row(self, decoder: _Decoder, row: int) -> np.ndarray:
         return np.ctypeslib.as_array(llc.llama_get_logits_ith(decoder.ctx, row), shape=(self.n_vocab,))
