@@ -1,5 +1,5 @@
-"""The fleet scenarios (issue 53) on the cluster harness's hosts (ops/cluster.py: two worker hosts of
-one CPU thread each, two API hosts behind HAProxy, Postgres and Redis on hosts of their own):
+"""The fleet scenarios (issue 53) on the cluster harness's hosts (ops/cluster.py), that is two worker
+hosts of one CPU thread each, two API hosts behind HAProxy, Postgres and Redis on hosts of their own:
 
     python -m ops.fleet                      # 20 sessions x 5 turns (docs/scaling.md has its figures)
     python -m ops.fleet --short              # CI's form (tests/e2e/test_fleet.py)
@@ -305,7 +305,9 @@ def greedy_gap(base_url: str, key: str, messages: list[dict[str, str]], answer: 
         }
     )
     _, prompts, _ = translate(req, settings_for(MODEL, get_settings()), tokenizer_for(MODEL), compile=False)
-    body = {"model": MODEL, "prompt": prompts[0].ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    # Two alternatives a position: the turns were generated with `ignore_eos`, so where the model's top
+    # choice is to end, the greedy token is the best of the rest.
+    body = {"model": MODEL, "prompt": prompts[0].ids, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
     r = httpx.post(f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     r.raise_for_status()
     lp = r.json()["choices"][0]["logprobs"]
@@ -315,7 +317,10 @@ def greedy_gap(base_url: str, key: str, messages: list[dict[str, str]], answer: 
     for i in range(n - 1, 0, -1):  # the answer's tokens are the prompt's last ones
         if text == answer:
             break
-        gaps.append(max(tops[i].values()) - chosen[i])
+        best = max(
+            (lp for tok, lp in tops[i].items() if not (tok.startswith("<|") and tok.endswith("|>"))), default=chosen[i]
+        )
+        gaps.append(best - chosen[i])
         text = tokens[i] + text
     return max(gaps, default=0.0) if text == answer else None
 
