@@ -280,8 +280,12 @@ def _pids(c: Cluster) -> dict[int, str]:
 
 
 # How far below the model's own top choice (nats) a generated token may be and still be that greedy
-# choice: a near-tie that other arithmetic (another batch, another chunking) decided the other way.
-NEAR_TIE = 0.1
+# choice: a near-tie that other arithmetic decided the other way. The scoring prefills the whole text
+# (llama.cpp's kernel for 64 rows and more), the generation decoded a row at a time; SmolLM2 Q4_1's
+# log-probabilities differ between those kernels by up to 0.4 (workers/engine/llamacpp.py, SCORE_CHUNK;
+# a full run's largest near-tie: 0.16). A token repeated, skipped or taken from another conversation
+# is nats away.
+NEAR_TIE = 0.5
 
 
 def greedy_gap(base_url: str, key: str, messages: list[dict[str, str]], answer: str) -> float | None:
