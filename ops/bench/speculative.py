@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from core.generation.params import GenerationParams
@@ -91,10 +91,18 @@ class Row:
     seconds: float
     accepted: int
     rejected: int
+    # From the first generated token to the last: what a stream delivers once it has begun (the prompt's
+    # prefill, the same with drafts or without, is left out).
+    stream_seconds: float = 0.0
+    output: list[list[int]] = field(default_factory=list, repr=False)  # each sequence's tokens
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def stream_tokens_per_s(self) -> float:
+        return self.tokens / self.stream_seconds if self.stream_seconds else 0.0
 
     @property
     def acceptance(self) -> float:
@@ -121,21 +129,31 @@ def measure(engine: Any, load: str, temperature: float, concurrency: int, mode: 
     decoder = engine._decoder
     for slot in decoder.slot_tokens:
         decoder.slot_tokens[slot] = []
-    engine.speculative = mode
+    engine.speculative = "off" if mode.startswith("off") else mode
     tokens = accepted = rejected = 0
+    out: dict[Any, list[int]] = {}
+    first = last = None
     start = time.perf_counter()
     try:
         for s in specs(engine, load, temperature, concurrency, max_tokens):
             engine.add(s)
+            out[s.key] = []
         while engine.has_work():
             for ev in engine.step():
+                if isinstance(ev, TokenEvent) and ev.token_id is not None:
+                    now = time.perf_counter()
+                    first, last = first or now, now
+                    tokens += 1
+                    out[ev.key].append(ev.token_id)
                 if isinstance(ev, TokenEvent):
-                    tokens += ev.token_id is not None
                     accepted += ev.drafted
                     rejected += ev.rejected
     finally:
         engine.speculative = None
-    return Row(load, temperature, concurrency, mode, tokens, time.perf_counter() - start, accepted, rejected)
+    streamed = (last - first) if first is not None and last is not None else 0.0
+    row = Row(load, temperature, concurrency, mode, tokens, time.perf_counter() - start, accepted, rejected, streamed)
+    row.output = list(out.values())
+    return row
 
 
 def ratios(rows: list[Row]) -> list[dict[str, Any]]:
@@ -152,24 +170,27 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                     "concurrency": r.concurrency,
                     "drafts": r.drafts,
                     "speedup": round(r.tokens_per_s / base.tokens_per_s, 3),
+                    "stream_speedup": round(r.stream_tokens_per_s / base.stream_tokens_per_s, 3)
+                    if base.stream_tokens_per_s
+                    else None,
                     "acceptance": round(r.acceptance, 3),
-                    "same_tokens": r.tokens == base.tokens,
+                    "same_tokens": r.output == base.output,
                 }
             )
     return out
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["load     temp  conc drafts  tokens  tok/s  accepted rejected acceptance"]
+    lines = ["load     temp  conc drafts     tokens  tok/s  streamed tok/s  accepted rejected acceptance"]
     for r in rows:
         lines.append(
-            f"{r.load:8} {r.temperature:4.1f} {r.concurrency:5d} {r.drafts:6} {r.tokens:7d} {r.tokens_per_s:6.1f} "
-            f"{r.accepted:8d} {r.rejected:8d} {r.acceptance:9.2f}"
+            f"{r.load:8} {r.temperature:4.1f} {r.concurrency:5d} {r.drafts:9} {r.tokens:7d} {r.tokens_per_s:6.1f} "
+            f"{r.stream_tokens_per_s:15.1f} {r.accepted:8d} {r.rejected:8d} {r.acceptance:9.2f}"
         )
     lines.append("")
     lines += [
-        f"{x['load']:8} {x['temperature']:4.1f} {x['concurrency']:5d} {x['drafts']}: {x['speedup']:.2f}x "
-        f"(acceptance {x['acceptance']:.2f}, same tokens: {x['same_tokens']})"
+        f"{x['load']:8} {x['temperature']:4.1f} {x['concurrency']:5d} {x['drafts']}: {x['speedup']:.2f}x, "
+        f"streamed {x['stream_speedup'] or 0:.2f}x (acceptance {x['acceptance']:.2f}, same tokens: {x['same_tokens']})"
         for x in ratios(rows)
     ]
     return "\n".join(lines)
@@ -190,14 +211,23 @@ def main() -> None:
     for load in ("rewrite", "extract"):
         for temperature in (0.0, 0.8):
             for c in (int(x) for x in args.concurrency.split(",")):
-                for mode in ("off", "auto"):
+                # "off again": a second run without drafts, to tell drafts' effect on the tokens from the
+                # run-to-run spread of a step's arithmetic (which sequences share it, and how many rows)
+                for mode in ("off", "auto", "off again"):
                     rows.append(measure(engine, load, temperature, c, mode, args.max_tokens))
                     print(table(rows[-1:]).splitlines()[1], flush=True)
     print(table(rows))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(
-                {"rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows], "ratios": ratios(rows)},
+                {
+                    "rows": [
+                        {k: v for k, v in asdict(r).items() if k != "output"}
+                        | {"tokens_per_s": r.tokens_per_s, "stream_tokens_per_s": r.stream_tokens_per_s}
+                        for r in rows
+                    ],
+                    "ratios": ratios(rows),
+                },
                 f,
                 indent=2,
             )

@@ -71,10 +71,11 @@ def test_the_speculative_bench_compares_drafts_on_with_off_per_load_and_level():
     for (ask, predicted), edits in zip(spec.REWRITE, spec._EDITS, strict=True):  # the input, edited as asked
         assert all(f'"{old}"' in ask and new in predicted and old not in predicted for old, new in edits)
     rows = [
-        spec.Row("rewrite", 0.0, 1, "off", 100, 2.0, 0, 0),
-        spec.Row("rewrite", 0.0, 1, "auto", 100, 1.0, 60, 20),
-        spec.Row("extract", 0.8, 16, "off", 400, 4.0, 0, 0),
-        spec.Row("extract", 0.8, 16, "auto", 400, 4.2, 0, 0),
+        spec.Row("rewrite", 0.0, 1, "off", 100, 2.0, 0, 0, 1.6, [[1, 2, 3]]),
+        spec.Row("rewrite", 0.0, 1, "auto", 100, 1.0, 60, 20, 0.4, [[1, 2, 3]]),
+        spec.Row("extract", 0.8, 16, "off", 400, 4.0, 0, 0, 3.0, [[4], [5]]),
+        spec.Row("extract", 0.8, 16, "auto", 400, 4.2, 0, 0, 3.2, [[4], [5]]),
+        spec.Row("extract", 0.8, 16, "off again", 400, 4.1, 0, 0, 3.1, [[4], [6]]),
     ]
     got = spec.ratios(rows)
     assert got[0] == {
@@ -83,8 +84,11 @@ def test_the_speculative_bench_compares_drafts_on_with_off_per_load_and_level():
         "concurrency": 1,
         "drafts": "auto",
         "speedup": 2.0,
+        "stream_speedup": 4.0,  # the prefill, the same either way, left out
         "acceptance": 0.75,
         "same_tokens": True,
     }
     assert got[1]["speedup"] == round(100 / 105, 3) and got[1]["acceptance"] == 0.0
-    assert "2.00x" in spec.table(rows)
+    # A second run without drafts is compared token for token too: its tokens differ here.
+    assert got[2]["drafts"] == "off again" and got[2]["same_tokens"] is False
+    assert "2.00x" in spec.table(rows) and "streamed 4.00x" in spec.table(rows)

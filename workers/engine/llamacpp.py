@@ -547,9 +547,12 @@ class LlamaCppEngine(VocabEngine):
         # Draft rows keep a step's decode rows under SMALL_KERNEL_ROWS: there llama.cpp's CPU matrix
         # products compute each row as in a step of one row per sequence, so a step with drafts gives
         # every row the logits the plain step would (at 16 sequences with 8 drafts each, 144 rows, the
-        # larger kernel's sums moved greedy choices at near-ties). A prompt chunk that joins the step
-        # takes it past the bound either way, with or without drafts.
-        draft_room = max(0, SMALL_KERNEL_ROWS - generating)
+        # larger kernel's sums moved greedy choices at near-ties). And no drafts in a step that prefills
+        # a prompt: llama.cpp splits a step over per-sequence KV streams into micro-batches of as many
+        # rows per sequence (split_equal), so other sequences' draft rows would cut the prompt's chunk
+        # into other pieces, and its first token came out otherwise (2 of 16 rewrites, first token).
+        prefilling = any(q.pending for q in ordered)
+        draft_room = 0 if prefilling else max(0, SMALL_KERNEL_ROWS - generating)
         for s in ordered:
             if s.pending:
                 continue
