@@ -395,7 +395,8 @@ def send_routed(rds: Any, jobs: Sequence[Outbound], fleets: Mapping[str, Fleet],
         for _, how in route(rds, model, fleets[model], messages, spill, rate):
             AFFINITY.labels(model, how).inc()
     for job_id, attempt, model, kind, _ in shared:
-        send_run_job(job_id, attempt, model, kind)
+        queue = queue_for(model, kind)
+        rds.lpush(queue, task_message(RUN_JOB, [job_id, attempt], queue))
     return len(routed)
 
 

@@ -357,7 +357,9 @@ class UsageObject(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
-    completion_tokens_details: dict[str, int] | None = None  # with a `prediction`: its accepted/rejected tokens
+    # `completion_tokens_details` comes only with a `prediction` (its accepted and rejected tokens), as an
+    # extra field: declared, a route's response model wrote `null` in every other usage, which the SDK's
+    # own schema refuses.
 
 
 class CompletionChoice(_Response):

@@ -128,3 +128,36 @@ def test_a_draining_worker_has_no_slots_and_no_queue_of_its_own(clean):
     finally:
         live_workers.gone(rds, MODEL, "wa")
         live_workers.gone(rds, MODEL, "wb")
+
+
+def test_the_dispatcher_moves_a_gone_workers_messages_and_routes_to_the_live(clean, it_settings):
+    """The dispatcher's upkeep (`_reclaim`) and its sends (`_send`, for re-queued and contended jobs):
+    a worker whose heartbeat is gone loses its queue's messages to the shared queue; a job the
+    dispatcher sends goes to a live worker's own queue by its key, never to the gone one's."""
+    from core.dispatcher import Dispatcher
+    from core.jobs import live_workers
+
+    rds = clean
+    d = Dispatcher(None, rds, rds, it_settings.model_copy(update={"models": MODEL}))  # type: ignore[arg-type]
+    for name in ("wa", "wb", "wc"):
+        live_workers.beat(rds, MODEL, name, batch_slots=8, interactive_slots=4)
+        broker.announce(rds, MODEL, name, 0)
+    try:
+        rds.lpush(broker.direct_queue(MODEL, "wa"), _message("a0"))
+        assert d._reclaim() == 0  # all live: nothing moves
+        live_workers.gone(rds, MODEL, "wa")
+        assert d._reclaim() == 1
+        assert _jobs_in(rds, broker.queue_for(MODEL)) == ["a0"]
+        # A job whose key's home was wa goes to its next live worker's own queue; with one worker
+        # live, a job goes to the shared queue (nothing to choose between).
+        keys = (affinity.from_tokens(1, [i]) for i in range(100))
+        key = next(k for k in keys if broker.ranked(k, ["wa", "wb", "wc"])[0] == "wa")
+        assert d._send(None, [("r1", 1, MODEL, "interactive", key)]) == 1  # type: ignore[arg-type]
+        nxt = broker.ranked(key, ["wb", "wc"])[0]
+        assert _jobs_in(rds, broker.direct_queue(MODEL, nxt)) == ["r1"]
+        live_workers.gone(rds, MODEL, "wc")
+        assert d._send(None, [("r2", 1, MODEL, "interactive", key)]) == 1  # type: ignore[arg-type]
+        assert _jobs_in(rds, broker.queue_for(MODEL)) == ["a0", "r2"]
+    finally:
+        for name in ("wa", "wb", "wc"):
+            live_workers.gone(rds, MODEL, name)
