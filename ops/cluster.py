@@ -264,6 +264,39 @@ class Cluster:
         clean()
 
 
+@contextmanager
+def running(workdir: Path, **kw: float) -> Iterator[Cluster]:
+    """A cluster up in `workdir` for the block, taken down after it however it ends (SIGTERM included:
+    raised as KeyboardInterrupt, so namespaces, links and processes still go)."""
+
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    c = Cluster(workdir, **kw)  # type: ignore[arg-type]
+    try:
+        c.up()
+        yield c
+    finally:
+        c.down()
+        signal.signal(signal.SIGTERM, old)
+
+
+def missing_tools() -> str | None:
+    """Why the harness cannot run here (the tests skip with it), or None."""
+    import shutil
+
+    if (
+        os.geteuid() != 0
+        or shutil.which("ip") is None
+        or shutil.which("haproxy") is None
+        or shutil.which("redis-server") is None
+        or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    ):
+        return "needs root, iproute2, HAProxy (ops/test-tools.sh), redis-server and PostgreSQL's server binaries"
+    return None
+
+
 def haproxy_config(bind: str, servers: dict[str, str]) -> str:
     """HAProxy in front of Spool's API hosts (the harness's, and ops/haproxy.example.cfg, which a unit
     test holds to this). Round robin, each host checked every second on /health; two misses and it is
@@ -423,15 +456,8 @@ def run(
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {workdir}", flush=True)
     report = ClusterReport()
-    c = Cluster(workdir, unheard_s=unheard_s)
     started = time.monotonic()
-
-    def stop(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        c.up()
+    with running(workdir, unheard_s=unheard_s) as c:
 
         def inject() -> None:
             time.sleep(gap_s)
@@ -444,9 +470,6 @@ def run(
         logs = "".join(c.log(n) for n in ("work1", "work2") if (workdir / f"{n}.log").exists())
         # An attempt told it no longer owns its job: by the lease's compare-and-set, or the stream's fence.
         report.stale_attempts_refused = logs.count("lost its lease") + logs.count("was superseded")
-    finally:
-        c.down()
-        signal.signal(signal.SIGTERM, old)
     report.seconds = round(time.monotonic() - started, 1)
     return report
 

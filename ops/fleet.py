@@ -29,7 +29,6 @@ import argparse
 import json
 import random
 import re
-import signal
 import socket
 import statistics
 import tempfile
@@ -45,7 +44,7 @@ import httpx
 from sqlalchemy import create_engine, text
 
 from ops import history
-from ops.cluster import Cluster, addr
+from ops.cluster import Cluster, addr, running
 from ops.faults import MODEL, wait_for
 from ops.harness import SPOOL
 
@@ -549,15 +548,8 @@ def run(shape: Shape, workdir: Path | None = None, scenarios: tuple[str, ...] = 
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {workdir}", flush=True)
     report = FleetReport(shape=asdict(shape))
-    c = Cluster(workdir)
     started = time.monotonic()
-
-    def stop(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        c.up()
+    with running(workdir) as c:
         f = Fleet(c)
         if "affinity" in scenarios:
             scenario_affinity(f, c.key, shape, report)
@@ -567,9 +559,6 @@ def run(shape: Shape, workdir: Path | None = None, scenarios: tuple[str, ...] = 
             scenario_hot_key(f, c.key, shape, report)
         if "from-zero" in scenarios:
             scenario_from_zero(f, c.key, shape, report)
-    finally:
-        c.down()
-        signal.signal(signal.SIGTERM, old)
     report.seconds = round(time.monotonic() - started, 1)
     report.runs["host"] = {"name": socket.gethostname()}
     return report

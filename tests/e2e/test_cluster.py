@@ -9,22 +9,11 @@ every scenario (docs/reliability.md has its figures)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
 from ops import cluster, history
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0
-    or shutil.which("ip") is None
-    or shutil.which("haproxy") is None
-    or shutil.which("redis-server") is None
-    or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")),
-    reason="needs root, iproute2, HAProxy (ops/test-tools.sh), redis-server and PostgreSQL's server binaries",
-)
+pytestmark = pytest.mark.skipif(cluster.missing_tools() is not None, reason=str(cluster.missing_tools()))
 
 
 def test_a_partition_and_an_api_host_death_lose_nothing(tmp_path):

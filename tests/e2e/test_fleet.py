@@ -7,22 +7,11 @@ harness starting a worker when the dispatcher wants one. `python -m ops.fleet` i
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
 from ops import cluster, fleet
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0
-    or shutil.which("ip") is None
-    or shutil.which("haproxy") is None
-    or shutil.which("redis-server") is None
-    or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")),
-    reason="needs root, iproute2, HAProxy (ops/test-tools.sh), redis-server and PostgreSQL's server binaries",
-)
+pytestmark = pytest.mark.skipif(cluster.missing_tools() is not None, reason=str(cluster.missing_tools()))
 
 
 def test_the_fleet_keeps_sessions_warm_survives_a_worker_and_scales_from_zero(tmp_path):
